@@ -1,0 +1,87 @@
+"""commlib: collectives for data-parallel training over MPI and NCCL.
+
+Example (run under ``mpiexec -n 4 python train.py``):
+
+    >>> import numpy as np, commlib
+    >>> comm = commlib.init()                       # backend="auto": NCCL on GPUs, else MPI
+    >>> grad = np.random.rand(1 << 20).astype(np.float32)
+    >>> work = comm.iallreduce(grad, op="avg", out=grad, tag="bucket0")
+    >>> ...                                         # compute meanwhile
+    >>> work.wait()
+
+Settings come from ``COMMLIB_*`` variables or keywords (see :mod:`commlib.config`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .arrays import DTYPES
+from .backends.base import REDUCE_OPS, split_counts
+from .communicator import OPS, Communicator
+from .config import Config
+from .errors import (CommAbortedError, CommlibError, CommTimeoutError, MismatchError,
+                     ValidationError)
+from .work import Work
+
+__all__ = [
+    "init", "world", "Communicator", "Work", "Config", "split_counts", "DTYPES", "OPS",
+    "REDUCE_OPS", "CommlibError", "ValidationError", "MismatchError", "CommTimeoutError",
+    "CommAbortedError",
+]
+__version__ = "0.1.0"
+
+_world: Communicator | None = None
+
+
+def _gpu_ranks_fit(mpi_comm: Any) -> bool:
+    """True when cupy with NCCL sees at least one GPU per node-local rank."""
+    try:
+        import cupy
+        from cupy.cuda import nccl  # noqa: F401
+        from mpi4py import MPI
+
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 - no cupy, no driver, no NCCL: not a GPU job
+        return False
+    local = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+    fits = n >= local.size
+    local.Free()
+    return bool(mpi_comm.allreduce(int(fits), op=MPI.MIN))
+
+
+def init(backend: str | None = None, comm: Any = None, **settings: Any) -> Communicator:
+    """Create (once) and return the communicator of all ranks.
+
+    ``backend``: ``"auto"`` (NCCL when cupy with NCCL sees one GPU per local
+    rank, else MPI), ``"mpi"`` or ``"nccl"``.  ``comm``: an mpi4py
+    communicator to build on (default ``MPI.COMM_WORLD``; it is duplicated,
+    never used directly).  ``settings``: keywords of :class:`Config`
+    (``timeout``, ``check``, ``timeline``, ``nvtx``, ``cuda_aware``), each
+    overriding its ``COMMLIB_*`` variable.  Calling ``init()`` again without
+    arguments returns the same communicator.
+
+    Example:
+        >>> comm = commlib.init(timeout=60, check=True)
+        >>> comm.rank, comm.size
+        (0, 4)
+    """
+    global _world
+    if _world is not None and backend is None and comm is None and not settings:
+        return _world
+    from mpi4py import MPI
+
+    cfg = Config.from_env(backend=backend, **settings)
+    base = MPI.COMM_WORLD if comm is None else comm
+    name = cfg.backend
+    if name == "auto":
+        name = "nccl" if _gpu_ranks_fit(base) else "mpi"
+    result = Communicator(base.Dup(), cfg, name)
+    if comm is None:
+        _world = result
+    return result
+
+
+def world() -> Communicator:
+    """The communicator made by :func:`init` (calls ``init()`` if needed)."""
+    return _world if _world is not None else init()

@@ -1,0 +1,217 @@
+"""Array views: numpy, cupy, torch, jax and any DLPack array as flat buffers.
+
+commlib never imports a framework.  A framework array is reached through
+DLPack (``__dlpack__``) or the array interfaces, and a result is handed back
+through the framework module the caller already imported (``sys.modules``).
+
+A :class:`View` holds a flat, contiguous, zero-copy alias of the caller's
+memory (``data``) in a *storage* dtype that numpy and cupy both have:
+bfloat16 travels as ``uint16`` storage with ``dtype == "bfloat16"``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .errors import ValidationError
+
+#: The dtypes every operation accepts, by name.
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+_STORAGE = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(np.uint16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+}
+_NUMPY_LOGICAL = {
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+}
+
+
+def storage_dtype(dtype: str) -> np.dtype:
+    """The numpy/cupy dtype that holds ``dtype`` (``uint16`` for bfloat16)."""
+    return _STORAGE[dtype]
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype for arithmetic on ``dtype`` (ml_dtypes for bfloat16)."""
+    return _NUMPY_LOGICAL.get(dtype, _STORAGE[dtype])
+
+
+def dtype_name(dtype: Any) -> str:
+    """Normalize a numpy/torch/jax/cupy dtype (or its name) to a commlib dtype name.
+
+    Example:
+        >>> dtype_name(np.float32), dtype_name("torch.bfloat16")
+        ('float32', 'bfloat16')
+    """
+    name = str(dtype)
+    if name.startswith("torch."):
+        name = name[len("torch."):]
+    name = {"half": "float16", "float": "float32", "double": "float64",
+            "int": "int32", "long": "int64"}.get(name, name)
+    if name not in DTYPES:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            pass
+    return name
+
+
+def _kind(x: Any) -> str:
+    mod = type(x).__module__.split(".")[0]
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if mod in ("cupy", "torch", "jax", "jaxlib"):
+        return "jax" if mod == "jaxlib" else mod
+    if hasattr(x, "__dlpack__"):
+        return "dlpack"
+    return "unknown"
+
+
+@dataclass
+class View:
+    """A flat alias of an array's memory plus what is needed to hand results back.
+
+    Example:
+        >>> v = as_view(np.arange(6, dtype=np.float32).reshape(2, 3), "x")
+        >>> v.dtype, v.count, v.device, v.shape
+        ('float32', 6, 'cpu', (2, 3))
+    """
+
+    data: Any            # 1-D numpy or cupy array in storage dtype, aliasing the caller's memory
+    dtype: str
+    shape: tuple
+    device: str          # "cpu" or "cuda"
+    device_id: int
+    kind: str            # numpy, cupy, torch, jax, dlpack
+    original: Any
+    writable: bool
+
+    @property
+    def count(self) -> int:
+        return int(self.data.size)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    @property
+    def xp(self) -> Any:
+        """The array module of ``data``: numpy or cupy."""
+        if self.device == "cpu":
+            return np
+        import cupy
+        return cupy
+
+    def empty(self, count: int) -> Any:
+        """A new flat storage array of ``count`` elements on the same device."""
+        if self.device == "cpu":
+            return np.empty(count, dtype=storage_dtype(self.dtype))
+        import cupy
+        with cupy.cuda.Device(self.device_id):
+            return cupy.empty(count, dtype=storage_dtype(self.dtype))
+
+    def wrap(self, data: Any, shape: tuple) -> Any:
+        """Hand storage ``data`` back as an array of the caller's kind and dtype."""
+        data = data.reshape(shape)
+        if self.kind in ("numpy", "dlpack"):
+            return data.view(numpy_dtype(self.dtype)) if self.device == "cpu" else data
+        if self.kind == "cupy":
+            return data
+        if self.kind == "torch":
+            torch = sys.modules["torch"]
+            if self.dtype == "bfloat16":
+                t = torch.from_dlpack(data.view(np.int16) if self.device == "cpu"
+                                      else data.view("int16"))
+                return t.view(torch.bfloat16)
+            return torch.from_dlpack(data)
+        if self.kind == "jax":
+            jnp = sys.modules["jax"].numpy
+            if self.device == "cpu":
+                return jnp.asarray(data.view(numpy_dtype(self.dtype)))
+            return jnp.from_dlpack(data)
+        raise ValidationError(f"cannot hand back an array of kind {self.kind}")
+
+
+def _contiguity_error(name: str, kind: str) -> ValidationError:
+    hint = {"numpy": "np.ascontiguousarray(x)", "cupy": "cupy.ascontiguousarray(x)",
+            "torch": "x.contiguous()"}.get(kind, "a contiguous copy")
+    return ValidationError(f"{name}: array is not contiguous; pass {hint}")
+
+
+def as_view(x: Any, name: str) -> View:
+    """Alias ``x`` as a :class:`View` without copying, or raise :class:`ValidationError`.
+
+    Accepts numpy and cupy arrays, torch tensors (CPU or CUDA, ``requires_grad``
+    is ignored: the data is used), jax arrays (read-only: never an output) and
+    any object with ``__dlpack__``.
+    """
+    kind = _kind(x)
+    writable = True
+    device, device_id = "cpu", -1
+    if kind == "numpy":
+        arr = x
+        if not arr.flags.c_contiguous:
+            raise _contiguity_error(name, kind)
+        writable = bool(arr.flags.writeable)
+    elif kind == "cupy":
+        arr = x
+        if not arr.flags.c_contiguous:
+            raise _contiguity_error(name, kind)
+        device, device_id = "cuda", int(arr.device.id)
+    elif kind == "torch":
+        t = x.detach()
+        if not t.is_contiguous():
+            raise _contiguity_error(name, kind)
+        is_bf16 = str(t.dtype) == "torch.bfloat16"
+        if is_bf16:
+            t = t.view(sys.modules["torch"].int16)
+        if t.device.type == "cuda":
+            import cupy
+            arr = cupy.from_dlpack(t)
+            device, device_id = "cuda", int(t.device.index or 0)
+        elif t.device.type == "cpu":
+            arr = np.from_dlpack(t)
+        else:
+            raise ValidationError(f"{name}: torch device {t.device} is not supported (cpu, cuda)")
+        if is_bf16:
+            arr = arr.view(np.uint16) if device == "cpu" else arr.view("uint16")
+            dt = "bfloat16"
+    elif kind == "jax":
+        devs = list(x.devices()) if hasattr(x, "devices") else []
+        platform = devs[0].platform if devs else "cpu"
+        if platform == "cpu":
+            arr = np.asarray(x)
+        elif platform == "gpu":
+            import cupy
+            arr = cupy.from_dlpack(x)
+            device, device_id = "cuda", int(devs[0].id)
+        else:
+            raise ValidationError(f"{name}: jax platform {platform} is not supported")
+        writable = False
+    elif kind == "dlpack":
+        arr = np.from_dlpack(x)
+    else:
+        raise ValidationError(
+            f"{name}: expected a numpy, cupy, torch or jax array (or any DLPack array), "
+            f"got {type(x).__name__}")
+    if kind != "torch" or str(x.dtype) != "torch.bfloat16":
+        dt = dtype_name(arr.dtype)
+    if dt not in DTYPES:
+        raise ValidationError(f"{name}: dtype {dt} is not supported; use one of {', '.join(DTYPES)}")
+    shape = tuple(int(s) for s in arr.shape)
+    if device == "cpu":
+        flat = arr.reshape(-1).view(storage_dtype(dt))
+    else:
+        flat = arr.reshape(-1).view(storage_dtype(dt).name)
+    return View(flat, dt, shape, device, device_id, kind, x, writable)

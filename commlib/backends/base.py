@@ -1,0 +1,65 @@
+"""What every backend provides: operations that start and return a :class:`Pending`.
+
+The communicator validates inputs, numbers operations, traces them and
+enforces the timeout; a backend only starts an operation on storage arrays
+(see :mod:`commlib.arrays`) and reports when it is complete.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence
+
+#: Reduction operators, by name.
+REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+def split_counts(n: int, size: int) -> list[int]:
+    """Element counts of ``size`` near-equal chunks of ``n`` (the first ``n % size`` get one more).
+
+    This is how :meth:`commlib.Communicator.reduce_scatter` splits a buffer
+    whose length is not divisible by the world size, as ``numpy.array_split``.
+
+    Example:
+        >>> split_counts(10, 4)
+        [3, 3, 2, 2]
+    """
+    base, extra = divmod(n, size)
+    return [base + (1 if r < extra else 0) for r in range(size)]
+
+
+class Pending:
+    """An operation in flight: ``test()`` until true, then ``finish()`` once.
+
+    ``test`` must not block; ``finish`` runs the completion steps (copy back
+    from a staging buffer, divide for ``avg``) and may block briefly.
+    """
+
+    __slots__ = ("_test", "_finish")
+
+    def __init__(self, test: Callable[[], bool], finish: Callable[[], None] | None = None):
+        self._test = test
+        self._finish = finish
+
+    def test(self) -> bool:
+        return self._test()
+
+    def finish(self) -> None:
+        if self._finish is not None:
+            self._finish()
+
+
+class Backend(Protocol):
+    """The operations a backend implements on flat storage arrays of one dtype."""
+
+    name: str
+    rank: int
+    size: int
+
+    def allreduce(self, send: Any, recv: Any, dtype: str, op: str) -> Pending: ...
+    def reduce_scatter(self, send: Any, recv: Any, dtype: str, op: str,
+                       counts: Sequence[int]) -> Pending: ...
+    def allgather(self, send: Any, recv: Any, dtype: str) -> Pending: ...
+    def allgatherv(self, send: Any, recv: Any, dtype: str, counts: Sequence[int]) -> Pending: ...
+    def broadcast(self, buf: Any, dtype: str, root: int) -> Pending: ...
+    def barrier(self) -> Pending: ...
+    def free(self) -> None: ...

@@ -1,0 +1,168 @@
+"""MPI backend on mpi4py: host buffers directly; device buffers CUDA-aware or staged.
+
+Reductions on bfloat16 (which MPI lacks) run in float32 and are rounded back;
+data movement of bfloat16 moves its 16-bit storage.  ``avg`` is a sum
+divided by the size.  A device (cupy) buffer is handed to MPI directly when
+MPI is CUDA-aware (``COMMLIB_MPI_CUDA_AWARE=1``, or detected through
+``MPIX_Query_cuda_support``), otherwise it is copied to host memory after
+synchronizing the caller's current stream, and the result is copied back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Sequence
+
+import ml_dtypes
+import numpy as np
+from mpi4py import MPI
+
+from .base import Pending
+
+_MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def mpi_cuda_aware() -> bool:
+    """Whether the loaded MPI library says it accepts CUDA device pointers."""
+    for name in (None, "libmpi.so.12", "libmpi.so.40", "libmpi.so"):
+        try:
+            lib = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+            fn = lib.MPIX_Query_cuda_support
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        return bool(fn())
+    return False
+
+
+def _is_device(a: Any) -> bool:
+    return not isinstance(a, np.ndarray)
+
+
+def _ptr(a: Any) -> int:
+    if isinstance(a, np.ndarray):
+        return a.__array_interface__["data"][0]
+    return a.data.ptr
+
+
+class MPIBackend:
+    """Collectives over an ``mpi4py`` communicator (see module docs)."""
+
+    name = "mpi"
+
+    def __init__(self, comm: "MPI.Intracomm", cuda_aware: bool | None = None):
+        self.comm = comm
+        self.rank = comm.rank
+        self.size = comm.size
+        self.cuda_aware = mpi_cuda_aware() if cuda_aware is None else cuda_aware
+
+    # -- helpers ---------------------------------------------------------
+    def _host(self, *arrays: Any, force: bool = False) -> tuple[list[Any], list[tuple[Any, Any]]]:
+        """Host stand-ins for device arrays (staged) and the copy-backs to do.
+
+        ``force`` stages even under CUDA-aware MPI (host arithmetic needed).
+        """
+        if all(type(a) is np.ndarray for a in arrays):
+            return list(arrays), []
+        if self.cuda_aware and not force:
+            if any(_is_device(a) for a in arrays if a is not None):
+                import cupy
+                cupy.cuda.get_current_stream().synchronize()
+            return list(arrays), []
+        import cupy
+        cupy.cuda.get_current_stream().synchronize()
+        out, back, seen = [], [], {}
+        for a in arrays:
+            if a is None or not _is_device(a):
+                out.append(a)
+                continue
+            key = id(a)
+            if key not in seen:
+                seen[key] = cupy.asnumpy(a)
+                back.append((a, seen[key]))
+            out.append(seen[key])
+        return out, back
+
+    @staticmethod
+    def _copy_back(back: list[tuple[Any, Any]], only: Any = None) -> None:
+        for dev, host in back:
+            if only is None or dev is only:
+                dev.set(host)
+
+    # -- operations ------------------------------------------------------
+    def allreduce(self, send: Any, recv: Any, dtype: str, op: str) -> Pending:
+        upcast = dtype == "bfloat16"
+        (hsend, hrecv), back = self._host(send, recv, force=upcast)
+        if upcast:  # MPI has no bfloat16 arithmetic: reduce in float32
+            work = hsend.view(_BF16).astype(np.float32)
+            req = self.comm.Iallreduce(MPI.IN_PLACE, work, op=_MPI_OPS[op])
+        else:
+            work = hrecv
+            sbuf = MPI.IN_PLACE if _ptr(hsend) == _ptr(hrecv) else hsend
+            req = self.comm.Iallreduce(sbuf, hrecv, op=_MPI_OPS[op])
+
+        def finish() -> None:
+            if op == "avg":
+                _divide(work, self.size, dtype if not upcast else "float32")
+            if upcast:
+                hrecv[...] = work.astype(_BF16).view(np.uint16)
+            self._copy_back(back, recv)
+
+        return Pending(req.Test, finish)
+
+    def reduce_scatter(self, send: Any, recv: Any, dtype: str, op: str,
+                       counts: Sequence[int]) -> Pending:
+        upcast = dtype == "bfloat16"
+        (hsend, hrecv), back = self._host(send, recv, force=upcast)
+        if upcast:
+            s = hsend.view(_BF16).astype(np.float32)
+            work = np.empty(hrecv.size, np.float32)
+            req = self.comm.Ireduce_scatter(s, work, list(counts), op=_MPI_OPS[op])
+        else:
+            work = hrecv
+            req = self.comm.Ireduce_scatter(hsend, hrecv, list(counts), op=_MPI_OPS[op])
+
+        def finish() -> None:
+            if op == "avg":
+                _divide(work, self.size, dtype if not upcast else "float32")
+            if upcast:
+                hrecv[...] = work.astype(_BF16).view(np.uint16)
+            self._copy_back(back, recv)
+
+        return Pending(req.Test, finish)
+
+    def allgather(self, send: Any, recv: Any, dtype: str) -> Pending:
+        (hsend, hrecv), back = self._host(send, recv)
+        inplace = _ptr(hsend) == _ptr(hrecv) + self.rank * hsend.nbytes and not back
+        req = self.comm.Iallgather(MPI.IN_PLACE if inplace else hsend, hrecv)
+        return Pending(req.Test, lambda: self._copy_back(back, recv))
+
+    def allgatherv(self, send: Any, recv: Any, dtype: str, counts: Sequence[int]) -> Pending:
+        (hsend, hrecv), back = self._host(send, recv)
+        displs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(int).tolist()
+        req = self.comm.Iallgatherv(hsend, [hrecv, list(counts), displs, None])
+        return Pending(req.Test, lambda: self._copy_back(back, recv))
+
+    def broadcast(self, buf: Any, dtype: str, root: int) -> Pending:
+        (hbuf,), back = self._host(buf)
+        req = self.comm.Ibcast(hbuf, root=root)
+        return Pending(req.Test, lambda: self._copy_back(back))
+
+    def barrier(self) -> Pending:
+        return Pending(self.comm.Ibarrier().Test)
+
+    def free(self) -> None:
+        try:
+            self.comm.Free()
+        except MPI.Exception:  # pragma: no cover - freeing at shutdown
+            pass
+
+
+def _divide(a: Any, size: int, dtype: str) -> None:
+    """In-place ``a /= size`` for a float storage array (``avg``)."""
+    if dtype == "bfloat16":
+        v = a.view(_BF16)
+        v[...] = (v.astype(np.float32) / size).astype(_BF16)
+    else:
+        a /= size

@@ -1,0 +1,99 @@
+"""A status board in node-local shared memory: who is in which operation.
+
+Each rank of a communicator owns one slot in an MPI shared-memory window
+(``MPI.Win.Allocate_shared`` on the ranks of its node) and writes to it with
+plain stores, no MPI call: the sequence number and code of the operation it
+is in, its state, and a short reason when it rejected its input.  When an
+operation times out, or while a rank waits, it reads its node-local peers'
+slots to say which ranks are waiting and which never arrived, and to fail
+at once when a peer rejected its input instead of waiting for the timeout.
+Ranks on other nodes are not observable: they are reported as unknown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+IDLE, IN_OP, REJECTED, TIMED_OUT = 0, 1, 2, 3
+_STATE_NAMES = {IDLE: "idle", IN_OP: "in", REJECTED: "rejected", TIMED_OUT: "timed out in"}
+_INTS = 4            # seq, op code, state, spare
+_TEXT = 192          # bytes of reason text per slot
+_SLOT = _INTS * 8 + _TEXT
+
+
+@dataclass
+class PeerState:
+    """One peer's slot as read from the board."""
+
+    rank: int
+    seq: int
+    op: str
+    state: int
+    reason: str
+
+    def describe(self) -> str:
+        if self.seq == 0:
+            return f"rank {self.rank} has not called any operation"
+        return f"rank {self.rank} {_STATE_NAMES.get(self.state, '?')} {self.op} #{self.seq}"
+
+
+class Board:
+    """Node-local shared-memory slots of a communicator's ranks.
+
+    ``ops`` maps op codes to names (the communicator's operation table).
+    """
+
+    def __init__(self, mpi_comm, ops: tuple[str, ...]):
+        from mpi4py import MPI
+
+        self._ops = ops
+        self.node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.rank)
+        nbytes = _SLOT * self.node.size if self.node.rank == 0 else 0
+        self.win = MPI.Win.Allocate_shared(nbytes, 1, comm=self.node)
+        buf, _ = self.win.Shared_query(0)
+        mem = np.frombuffer(buf, dtype=np.uint8, count=_SLOT * self.node.size)
+        self._slots = mem.reshape(self.node.size, _SLOT)
+        self._ints = [self._slots[i, :_INTS * 8].view(np.int64) for i in range(self.node.size)]
+        # comm ranks of the node's members, in node-rank order
+        self.members = MPI.Group.Translate_ranks(
+            self.node.Get_group(), list(range(self.node.size)), mpi_comm.Get_group())
+        self._mine = self._ints[self.node.rank]
+        self._mine[:] = 0
+        self.node.Barrier()
+
+    def set(self, seq: int, op: str, state: int, reason: str = "") -> None:
+        """Publish this rank's current operation (plain stores, no MPI call)."""
+        if state == REJECTED:
+            raw = reason.encode("utf-8", "replace")[:_TEXT - 1]
+            text = self._slots[self.node.rank, _INTS * 8:]
+            text[:] = 0
+            text[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        self._mine[2] = state
+        self._mine[1] = self._ops.index(op) if op in self._ops else -1
+        self._mine[0] = seq
+
+    def peers(self) -> list[PeerState]:
+        """Every node-local rank's slot (including this rank's)."""
+        out = []
+        for i, comm_rank in enumerate(self.members):
+            seq, code, state, _ = (int(v) for v in self._ints[i])
+            reason = ""
+            if state == REJECTED:
+                reason = bytes(self._slots[i, _INTS * 8:]).split(b"\0", 1)[0].decode(
+                    "utf-8", "replace")
+            op = self._ops[code] if 0 <= code < len(self._ops) else "?"
+            out.append(PeerState(comm_rank, seq, op, state, reason))
+        return out
+
+    def rejected(self, seq: int) -> list[PeerState]:
+        """Peers that rejected their input to operation ``seq``."""
+        return [p for p in self.peers() if p.state == REJECTED and p.seq == seq]
+
+    def free(self) -> None:
+        try:
+            self.win.Free()
+            self.node.Free()
+        except Exception:  # noqa: BLE001 - freeing at shutdown must not raise
+            pass

@@ -1,0 +1,502 @@
+"""The Communicator: validated, numbered, traced collectives over one backend."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from . import board as _board
+from .arrays import DTYPES, FLOAT_DTYPES, View, as_view
+from .backends.base import REDUCE_OPS, Pending, split_counts
+from .config import Config
+from .errors import (CommAbortedError, CommlibError, CommTimeoutError, MismatchError,
+                     ValidationError)
+from .tracing import Tracer
+from .work import ProgressEngine, Work
+
+#: Operation names, in the order of their codes on the status board and in checks.
+OPS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "broadcast", "barrier")
+_BOARD_EVERY_S = 0.002
+
+
+@dataclass
+class _Op:
+    """One operation, validated and ready to start."""
+
+    name: str
+    start: Callable[[], Pending]
+    result: Callable[[], Any]
+    nbytes: int = 0
+    tag: str | None = None
+    seq: int = 0
+    submitted_us: float = 0.0
+    fingerprint: list[int] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return f"{self.name} #{self.seq}" + (f" [{self.tag}]" if self.tag else "")
+
+
+def _fingerprint(name: str, v: View | None = None, count: int = -1, root: int = -1,
+                 op: str | None = None) -> list[int]:
+    """What all ranks must agree on: [valid, op, dtype, count, root, reduce op]."""
+    return [1, OPS.index(name), DTYPES.index(v.dtype) if v is not None else -1, count, root,
+            REDUCE_OPS.index(op) if op is not None else -1]
+
+
+def _describe(fp: Sequence[int]) -> str:
+    _, code, dt, count, root, red = (int(v) for v in fp)
+    parts = [OPS[code]]
+    if dt >= 0:
+        parts.append(DTYPES[dt])
+    if count >= 0:
+        parts.append(f"count={count}")
+    if root >= 0:
+        parts.append(f"root={root}")
+    if red >= 0:
+        parts.append(f"op={REDUCE_OPS[red]}")
+    return "(" + ", ".join(parts) + ")"
+
+
+class Communicator:
+    """Collectives among the ranks of one MPI communicator, over MPI or NCCL.
+
+    Obtain one from :func:`commlib.init`.  Every operation takes numpy or cupy
+    arrays, torch tensors or jax arrays (through DLPack) of float16, bfloat16,
+    float32, float64, int32 or int64, contiguous, of any shape (treated as
+    flat).  Results come back as the caller's kind of array.
+
+    * ``out=None`` allocates the result; ``out=x`` works in place; any other
+      ``out`` receives the result (same dtype and device, right size).
+    * ``allreduce``/``reduce_scatter`` take ``op`` in ``sum``, ``avg``,
+      ``max``, ``min`` (``avg`` only for floating dtypes).
+    * every operation has an ``i``-prefixed nonblocking form returning a
+      :class:`~commlib.work.Work`; operations run in the order they are called.
+    * ``tag`` names the operation in NVTX ranges and the timeline.
+
+    Example:
+        >>> import numpy as np, commlib
+        >>> comm = commlib.init()            # under mpiexec -n N
+        >>> g = np.full(5, comm.rank, np.float32)
+        >>> total = comm.allreduce(g)        # sum over ranks, new array
+        >>> comm.allreduce(g, op="avg", out=g)  # in place
+        >>> mine = comm.reduce_scatter(np.ones(10, np.float32))  # ranks get 3,3,2,2 for n=4
+    """
+
+    def __init__(self, mpi_comm: Any, config: Config, backend: str = "mpi",
+                 tracer: Tracer | None = None):
+        from mpi4py import MPI
+
+        self.config = config
+        self.timeout = config.timeout
+        self._ctl = mpi_comm.Dup()          # control traffic: checks, counts
+        self.rank: int = mpi_comm.rank
+        self.size: int = mpi_comm.size
+        self._mpi = mpi_comm
+        if backend == "nccl":
+            from .backends.nccl import NCCLBackend
+            self._backend = NCCLBackend(mpi_comm)
+        else:
+            from .backends.mpi import MPIBackend
+            self._backend = MPIBackend(mpi_comm, config.cuda_aware)
+        self.backend: str = self._backend.name
+        self._board = _board.Board(self._ctl, OPS)
+        world_rank = MPI.COMM_WORLD.rank
+        self._tracer = tracer or Tracer(world_rank, config.timeline_path(world_rank), config.nvtx)
+        self._engine = ProgressEngine(self._execute, f"commlib-engine-r{self.rank}")
+        self._seq = 0
+        self._aborted: BaseException | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ state
+    @property
+    def seq(self) -> int:
+        """Number of operations called so far (the last one's sequence number)."""
+        return self._seq
+
+    @property
+    def tracer(self) -> Tracer:
+        return self._tracer
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise CommAbortedError("communicator is closed")
+        if self._aborted is not None:
+            raise CommAbortedError(f"communicator aborted: {self._aborted}") from self._aborted
+
+    def abort(self, reason: str = "abort() called") -> None:
+        """Mark this communicator unusable; later operations raise :class:`CommAbortedError`."""
+        if self._aborted is None:
+            self._aborted = CommAbortedError(reason)
+            self._tracer.instant("abort", reason=str(reason))
+
+    # -------------------------------------------------------------- machinery
+    def _wait_pending(self, p: Pending, name: str, seq: int) -> None:
+        """Poll ``p`` to completion; fail fast on a peer's rejection, raise on timeout."""
+        if p.test():
+            return
+        now = time.monotonic()
+        deadline = now + self.timeout if self.timeout > 0 else math.inf
+        look = now + _BOARD_EVERY_S
+        yield_ = os.sched_yield
+        while not p.test():
+            yield_()
+            now = time.monotonic()
+            if now < look:
+                continue
+            look = now + _BOARD_EVERY_S
+            rejected = self._board.rejected(seq)
+            if rejected:
+                err = ValidationError(f"{name} #{seq}: " + "; ".join(
+                    f"rank {r.rank} rejected its input: {r.reason}" for r in rejected))
+                self._fail(err, name, seq)
+            if now >= deadline:
+                self._fail(self._timeout_error(name, seq), name, seq, _board.TIMED_OUT)
+
+    def _fail(self, err: CommlibError, name: str, seq: int,
+              state: int = _board.IDLE) -> None:
+        self._board.set(seq, name, state)
+        self._tracer.instant("error", op=name, seq=seq, error=str(err))
+        if self.size > 1:
+            self._aborted = err
+        raise err
+
+    def _timeout_error(self, name: str, seq: int) -> CommTimeoutError:
+        peers = {p.rank: p for p in self._board.peers()}
+        waiting = sorted(r for r, p in peers.items()
+                         if p.seq == seq and p.op == name
+                         and p.state in (_board.IN_OP, _board.TIMED_OUT))
+        missing = [r for r in range(self.size) if r in peers and r not in waiting]
+        unknown = [r for r in range(self.size) if r not in peers]
+        msg = (f"{name} #{seq} timed out after {self.timeout:g} s on rank {self.rank}: "
+               f"ranks {waiting} are waiting in it")
+        if missing:
+            msg += "; not arrived: " + ", ".join(peers[r].describe() for r in missing)
+        if unknown:
+            msg += f"; ranks {unknown} are on other nodes (state unknown)"
+        msg += " (COMMLIB_TIMEOUT sets the limit; COMMLIB_CHECK=1 catches mismatched calls)"
+        return CommTimeoutError(msg, name, seq, waiting, missing if not unknown else None)
+
+    def _execute(self, op: _Op, track: str = "engine") -> Any:
+        self._check_alive()
+        tr = self._tracer
+        if tr.recording and op.submitted_us:
+            tr.add("queued", op.name, "engine", op.submitted_us, tr.now_us(), seq=op.seq)
+        self._board.set(op.seq, op.name, _board.IN_OP)
+        with tr.span("running", op.name, track, op.tag, seq=op.seq, nbytes=op.nbytes):
+            p = op.start()
+            self._wait_pending(p, op.name, op.seq)
+            p.finish()
+        self._board.set(op.seq, op.name, _board.IDLE)
+        return op.result()
+
+    def _agree(self, name: str, seq: int, fp: list[int], err: BaseException | None) -> None:
+        """COMMLIB_CHECK: all ranks compare their calls before any enters the operation."""
+        from mpi4py import MPI
+
+        mine = np.array(fp if err is None else [0, OPS.index(name), -1, -1, -1, -1], np.int64)
+        table = np.empty((self.size, mine.size), np.int64)
+        with self._tracer.span("running", "check", "control", seq=seq):
+            req = self._ctl.Iallgather(mine, table)
+            self._wait_pending(Pending(req.Test), name, seq)
+        invalid = [r for r in range(self.size) if table[r, 0] == 0]
+        if invalid:
+            reasons = self._ctl.allgather(None if err is None else str(err))
+            raise ValidationError(f"{name} #{seq}: " + "; ".join(
+                f"rank {r} rejected its input: {reasons[r]}" for r in invalid))
+        ref = table[0].copy()
+        if OPS[int(ref[1])] == "allgatherv":
+            table[:, 3] = -1   # counts may differ by rank
+            ref[3] = -1
+        bad = [r for r in range(self.size) if not np.array_equal(table[r], ref)]
+        if bad:
+            calls = "; ".join(f"rank {r} called {_describe(table[r])}" for r in bad)
+            raise MismatchError(
+                f"{name} #{seq}: ranks {bad} called a different operation than rank 0, "
+                f"which called {_describe(ref)}: {calls}", name, seq, bad)
+        del MPI
+
+    def _call(self, name: str, build: Callable[[], _Op], blocking: bool) -> Any:
+        self._check_alive()
+        self._seq += 1
+        seq = self._seq
+        try:
+            op, err = build(), None
+        except ValidationError as exc:
+            op, err = None, exc
+        if self.config.check:
+            self._agree(name, seq, op.fingerprint if op else [], err)
+        elif err is not None:
+            if self.size > 1:
+                self._board.set(seq, name, _board.REJECTED, str(err))
+                self._aborted = err
+            raise err
+        assert op is not None
+        op.seq = seq
+        if blocking and self._engine.idle:
+            return self._execute(op, track="caller")
+        op.submitted_us = self._tracer.now_us() if self._tracer.recording else 0.0
+        work = self._engine.submit(Work(op, waiter=self._wait_work))
+        return work.wait() if blocking else work
+
+    def _wait_work(self, work: Work, timeout: float | None) -> None:
+        op = work.op
+        with self._tracer.span("waiting", op.name, "caller", op.tag, seq=op.seq):
+            if not work._event.wait(timeout):
+                raise TimeoutError(f"{op} still running after wait(timeout={timeout})")
+
+    # ------------------------------------------------------------ validation
+    def _out(self, v: View, out: Any, count: int, what: str) -> tuple[Any, Callable[[], Any]]:
+        """The receive storage and the result maker for an ``out`` argument."""
+        if out is None:
+            recv = v.empty(count)
+            return recv, None
+        o = as_view(out, f"{what}: out")
+        if o.dtype != v.dtype:
+            raise ValidationError(f"{what}: out has dtype {o.dtype}, input has {v.dtype}")
+        if o.device != v.device:
+            raise ValidationError(f"{what}: out is on {o.device}, input on {v.device}")
+        if o.count != count:
+            raise ValidationError(f"{what}: out has {o.count} elements, expected {count}")
+        if not o.writable:
+            raise ValidationError(f"{what}: out is read-only (jax arrays are immutable)")
+        return o.data, (lambda: out)
+
+    @staticmethod
+    def _reduce_op(op: str, v: View, what: str) -> None:
+        if op not in REDUCE_OPS:
+            raise ValidationError(f"{what}: op {op!r} is not one of {REDUCE_OPS}")
+        if op == "avg" and v.dtype not in FLOAT_DTYPES:
+            raise ValidationError(f"{what}: op 'avg' needs a floating dtype, got {v.dtype}")
+
+    # ------------------------------------------------------------- operations
+    def _allreduce(self, x: Any, op: str, out: Any, tag: str | None) -> _Op:
+        v = as_view(x, "allreduce: x")
+        self._reduce_op(op, v, "allreduce")
+        recv, result = self._out(v, out, v.count, "allreduce")
+        if result is None:
+            def result(): return v.wrap(recv, v.shape)
+        be = self._backend
+        return _Op("allreduce", lambda: be.allreduce(v.data, recv, v.dtype, op), result,
+                   v.nbytes, tag, fingerprint=_fingerprint("allreduce", v, v.count, op=op))
+
+    def allreduce(self, x: Any, op: str = "sum", *, out: Any = None,
+                  tag: str | None = None) -> Any:
+        """Reduce ``x`` over all ranks (``sum``, ``avg``, ``max``, ``min``); every rank gets the result.
+
+        Example:
+            >>> comm.allreduce(np.ones(3, np.float32), op="avg")
+            array([1., 1., 1.], dtype=float32)
+        """
+        return self._call("allreduce", lambda: self._allreduce(x, op, out, tag), True)
+
+    def iallreduce(self, x: Any, op: str = "sum", *, out: Any = None,
+                   tag: str | None = None) -> Work:
+        """Nonblocking :meth:`allreduce`; ``wait()`` returns the result."""
+        return self._call("allreduce", lambda: self._allreduce(x, op, out, tag), False)
+
+    def _reduce_scatter(self, x: Any, op: str, out: Any, tag: str | None) -> _Op:
+        v = as_view(x, "reduce_scatter: x")
+        self._reduce_op(op, v, "reduce_scatter")
+        counts = split_counts(v.count, self.size)
+        mine = counts[self.rank]
+        recv, result = self._out(v, out, mine, "reduce_scatter")
+        if result is None:
+            def result(): return v.wrap(recv, (mine,))
+        be = self._backend
+        return _Op("reduce_scatter",
+                   lambda: be.reduce_scatter(v.data, recv, v.dtype, op, counts), result,
+                   v.nbytes, tag, fingerprint=_fingerprint("reduce_scatter", v, v.count, op=op))
+
+    def reduce_scatter(self, x: Any, op: str = "sum", *, out: Any = None,
+                       tag: str | None = None) -> Any:
+        """Reduce ``x`` (flattened) over ranks and give rank r the r-th chunk of the result.
+
+        The chunks are those of :func:`commlib.split_counts`: for n elements
+        and ``size`` ranks, the first ``n % size`` ranks get ``n // size + 1``
+        elements and the others ``n // size``, in rank order (as
+        ``numpy.array_split``), so any n works, zero and n < size included.
+
+        Example:
+            >>> comm.reduce_scatter(np.arange(10.0))   # 4 ranks: rank 0 gets 4*[0, 1, 2]
+        """
+        return self._call("reduce_scatter", lambda: self._reduce_scatter(x, op, out, tag), True)
+
+    def ireduce_scatter(self, x: Any, op: str = "sum", *, out: Any = None,
+                        tag: str | None = None) -> Work:
+        """Nonblocking :meth:`reduce_scatter`."""
+        return self._call("reduce_scatter", lambda: self._reduce_scatter(x, op, out, tag), False)
+
+    def _allgather(self, x: Any, out: Any, tag: str | None) -> _Op:
+        v = as_view(x, "allgather: x")
+        recv, result = self._out(v, out, v.count * self.size, "allgather")
+        if result is None:
+            def result(): return v.wrap(recv, (self.size, *v.shape))
+        be = self._backend
+        return _Op("allgather", lambda: be.allgather(v.data, recv, v.dtype), result,
+                   v.nbytes * self.size, tag, fingerprint=_fingerprint("allgather", v, v.count))
+
+    def allgather(self, x: Any, *, out: Any = None, tag: str | None = None) -> Any:
+        """Gather equal-sized ``x`` from every rank; the result has shape ``(size, *x.shape)``.
+
+        In place: pass ``out`` (``size * x.size`` elements) with ``x`` being
+        ``out``'s rank-th slice.
+
+        Example:
+            >>> comm.allgather(np.array([comm.rank]))   # [[0], [1], ...]
+        """
+        return self._call("allgather", lambda: self._allgather(x, out, tag), True)
+
+    def iallgather(self, x: Any, *, out: Any = None, tag: str | None = None) -> Work:
+        """Nonblocking :meth:`allgather`."""
+        return self._call("allgather", lambda: self._allgather(x, out, tag), False)
+
+    def _exchange_counts(self, mine: int, seq: int) -> list[int]:
+        table = np.empty(self.size, np.int64)
+        req = self._ctl.Iallgather(np.array([mine], np.int64), table)
+        self._wait_pending(Pending(req.Test), "allgatherv", seq)
+        return [int(c) for c in table]
+
+    def _allgatherv(self, x: Any, counts: Sequence[int] | None, out: Any,
+                    tag: str | None) -> _Op:
+        try:
+            v = as_view(x, "allgatherv: x")
+        except ValidationError:
+            if counts is None:
+                self._exchange_counts(-1, self._seq)
+            raise
+        if counts is None:
+            counts = self._exchange_counts(v.count, self._seq)
+            if min(counts) < 0:
+                bad = [r for r, c in enumerate(counts) if c < 0]
+                raise ValidationError(f"allgatherv: ranks {bad} rejected their input")
+        counts = [int(c) for c in counts]
+        if len(counts) != self.size or min(counts, default=0) < 0:
+            raise ValidationError(
+                f"allgatherv: counts must be {self.size} non-negative integers, got {counts}")
+        if counts[self.rank] != v.count:
+            raise ValidationError(
+                f"allgatherv: counts[{self.rank}] = {counts[self.rank]} but x has {v.count} elements")
+        total = sum(counts)
+        recv, result = self._out(v, out, total, "allgatherv")
+        if result is None:
+            def result(): return v.wrap(recv, (total,))
+        be = self._backend
+        return _Op("allgatherv", lambda: be.allgatherv(v.data, recv, v.dtype, counts), result,
+                   total * v.data.itemsize, tag, fingerprint=_fingerprint("allgatherv", v, total))
+
+    def allgatherv(self, x: Any, counts: Sequence[int] | None = None, *, out: Any = None,
+                   tag: str | None = None) -> Any:
+        """Gather ``x`` of a different length on each rank into one flat array, in rank order.
+
+        ``counts`` (every rank's element count) saves an exchange when known;
+        without it the counts are all-gathered first.
+
+        Example:
+            >>> comm.allgatherv(np.arange(comm.rank + 1.0))   # 2 ranks: [0., 0., 1.]
+        """
+        return self._call("allgatherv", lambda: self._allgatherv(x, counts, out, tag), True)
+
+    def iallgatherv(self, x: Any, counts: Sequence[int] | None = None, *, out: Any = None,
+                    tag: str | None = None) -> Work:
+        """Nonblocking :meth:`allgatherv` (the counts exchange, if any, happens now)."""
+        return self._call("allgatherv", lambda: self._allgatherv(x, counts, out, tag), False)
+
+    def _broadcast(self, x: Any, root: int, out: Any, tag: str | None) -> _Op:
+        v = as_view(x, "broadcast: x")
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            raise ValidationError(f"broadcast: root {root!r} is not a rank of 0..{self.size - 1}")
+        root = int(root)
+        if out is None and v.writable:
+            buf, result = v.data, (lambda: x)
+        else:
+            buf, result = self._out(v, None if out is x else out, v.count, "broadcast")
+            if result is None:
+                def result(): return v.wrap(buf, v.shape)
+        be = self._backend
+
+        def start() -> Pending:
+            if self.rank == root and buf is not v.data:
+                buf[...] = v.data
+            return be.broadcast(buf, v.dtype, root)
+
+        return _Op("broadcast", start, result, v.nbytes, tag,
+                   fingerprint=_fingerprint("broadcast", v, v.count, root=root))
+
+    def broadcast(self, x: Any, root: int = 0, *, out: Any = None, tag: str | None = None) -> Any:
+        """Give every rank root's ``x``: in place where ``x`` is writable, else a new array.
+
+        Example:
+            >>> w = comm.broadcast(np.random.rand(4), root=0)   # same on all ranks
+        """
+        return self._call("broadcast", lambda: self._broadcast(x, root, out, tag), True)
+
+    def ibroadcast(self, x: Any, root: int = 0, *, out: Any = None,
+                   tag: str | None = None) -> Work:
+        """Nonblocking :meth:`broadcast`."""
+        return self._call("broadcast", lambda: self._broadcast(x, root, out, tag), False)
+
+    def _barrier(self, tag: str | None) -> _Op:
+        be = self._backend
+        return _Op("barrier", be.barrier, lambda: None, 0, tag,
+                   fingerprint=_fingerprint("barrier"))
+
+    def barrier(self, *, tag: str | None = None) -> None:
+        """Block until every rank has called ``barrier``."""
+        return self._call("barrier", lambda: self._barrier(tag), True)
+
+    def ibarrier(self, *, tag: str | None = None) -> Work:
+        """Nonblocking :meth:`barrier`."""
+        return self._call("barrier", lambda: self._barrier(tag), False)
+
+    # ---------------------------------------------------------- structure
+    def split(self, color: int, key: int | None = None) -> "Communicator":
+        """A new communicator of the ranks that pass the same ``color`` (collective).
+
+        Ranks are ordered by ``key`` (default: this rank).  A negative
+        ``color`` returns ``None`` on that rank (``MPI_UNDEFINED``).
+
+        Example:
+            >>> half = comm.split(color=comm.rank % 2)
+        """
+        from mpi4py import MPI
+
+        self._check_alive()
+        self._engine.drain()
+        sub = self._mpi.Split(MPI.UNDEFINED if color < 0 else color,
+                              self.rank if key is None else key)
+        if sub == MPI.COMM_NULL:
+            return None  # type: ignore[return-value]
+        comm = Communicator(sub, self.config, self.backend, tracer=self._tracer)
+        comm.timeout = self.timeout
+        return comm
+
+    def synchronize(self) -> None:
+        """Wait until every nonblocking operation submitted so far has finished."""
+        self._engine.drain()
+
+    def close(self) -> None:
+        """Finish pending operations, free MPI resources and write the timeline."""
+        if self._closed:
+            return
+        if self._aborted is None:
+            self._engine.close()
+        self._closed = True
+        self._board.free()
+        self._tracer.write()
+        if self._aborted is None:
+            self._backend.free()
+            self._ctl.Free()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<commlib.Communicator {self.backend} rank {self.rank}/{self.size}>"

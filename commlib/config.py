@@ -1,0 +1,94 @@
+"""Settings: every ``COMMLIB_*`` environment variable, mirrored by a keyword.
+
+| variable            | keyword     | default | meaning                                               |
+| ------------------- | ----------- | ------- | ----------------------------------------------------- |
+| ``COMMLIB_BACKEND`` | ``backend`` | ``auto``| ``auto`` (NCCL for GPU jobs if present, else MPI), ``mpi``, ``nccl`` |
+| ``COMMLIB_TIMEOUT`` | ``timeout`` | ``300`` | seconds an operation may take before it raises; ``0`` waits forever |
+| ``COMMLIB_CHECK``   | ``check``   | ``0``   | ``1``: before each operation all ranks compare op, shape, dtype |
+| ``COMMLIB_TIMELINE``| ``timeline``| unset   | path of a Chrome-trace JSON; ``{rank}`` is replaced, else ``.rank<N>`` is inserted |
+| ``COMMLIB_NVTX``    | ``nvtx``    | ``1``   | ``0`` disables NVTX ranges                              |
+| ``COMMLIB_MPI_CUDA_AWARE`` | ``cuda_aware`` | ``auto`` | ``1``/``0`` force whether MPI is handed device pointers |
+
+A keyword given to :func:`commlib.init` wins over the variable.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from .errors import ValidationError
+
+_BACKENDS = ("auto", "mpi", "nccl")
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValidationError(f"{name}={raw!r}: expected 0 or 1")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Resolved settings of one communicator.
+
+    Example:
+        >>> Config.from_env(timeout=5.0).timeout
+        5.0
+    """
+
+    backend: str = "auto"
+    timeout: float = 300.0
+    check: bool = False
+    timeline: str | None = None
+    nvtx: bool = True
+    cuda_aware: bool | None = None  # None: ask MPI
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> "Config":
+        """Read ``COMMLIB_*`` variables, then apply non-``None`` keyword overrides."""
+        aware_raw = os.environ.get("COMMLIB_MPI_CUDA_AWARE", "auto").lower()
+        if aware_raw not in ("auto", "0", "1"):
+            raise ValidationError(f"COMMLIB_MPI_CUDA_AWARE={aware_raw!r}: expected auto, 0 or 1")
+        try:
+            timeout = float(os.environ.get("COMMLIB_TIMEOUT", "300"))
+        except ValueError:
+            raise ValidationError(
+                f"COMMLIB_TIMEOUT={os.environ['COMMLIB_TIMEOUT']!r}: expected seconds") from None
+        cfg = cls(
+            backend=os.environ.get("COMMLIB_BACKEND", "auto").lower(),
+            timeout=timeout,
+            check=_env_bool("COMMLIB_CHECK", False),
+            timeline=os.environ.get("COMMLIB_TIMELINE") or None,
+            nvtx=_env_bool("COMMLIB_NVTX", True),
+            cuda_aware=None if aware_raw == "auto" else aware_raw == "1",
+        )
+        known = {f.name for f in fields(cls)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise TypeError(f"unknown commlib setting(s): {sorted(unknown)}")
+        cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Raise :class:`ValidationError` on a setting out of range."""
+        if self.backend not in _BACKENDS:
+            raise ValidationError(f"backend {self.backend!r}: expected one of {_BACKENDS}")
+        if not self.timeout >= 0:
+            raise ValidationError(f"timeout {self.timeout!r}: expected seconds >= 0")
+
+    def timeline_path(self, rank: int) -> str | None:
+        """The timeline file of ``rank``, or ``None`` when the timeline is off."""
+        if not self.timeline:
+            return None
+        if "{rank}" in self.timeline:
+            return self.timeline.replace("{rank}", str(rank))
+        root, ext = os.path.splitext(self.timeline)
+        return f"{root}.rank{rank}{ext or '.json'}"

@@ -1,0 +1,131 @@
+"""Tracing: NVTX ranges for Nsight, and a Chrome-trace / Perfetto timeline.
+
+Every operation is bracketed by an NVTX range named
+``commlib.<op>[<tag>] #<seq> <bytes>`` (the ``nvtx`` package; a no-op when no
+profiler is attached).  With ``COMMLIB_TIMELINE=path`` each rank also writes
+the same events as a Chrome-trace JSON (open it in ``chrome://tracing`` or
+https://ui.perfetto.dev), with three phases per operation:
+
+* ``queued``  (track ``engine``): submitted, waiting for earlier operations;
+* ``running`` (track ``engine``): inside the backend;
+* ``waiting`` (track ``caller``): the caller blocked in ``wait()`` or a
+  blocking call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import threading
+import time
+from typing import Any, Iterator
+
+try:  # the nvtx package is a hard dependency, but keep commlib importable without it
+    import nvtx as _nvtx
+except ImportError:  # pragma: no cover
+    _nvtx = None
+
+_COLORS = {"allreduce": "green", "reduce_scatter": "blue", "allgather": "purple",
+           "allgatherv": "purple", "broadcast": "orange", "barrier": "red",
+           "check": "yellow"}
+_TIDS = {"caller": 1, "engine": 2, "control": 3}
+
+
+def format_bytes(n: int) -> str:
+    """Human-readable byte count, e.g. ``4.0MiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    raise AssertionError  # pragma: no cover
+
+
+class Tracer:
+    """Records operation phases to NVTX and, optionally, a per-rank timeline file.
+
+    Example:
+        >>> tr = Tracer(rank=0, path=None, nvtx=False)
+        >>> with tr.span("running", "allreduce", "engine", seq=1, nbytes=8):
+        ...     pass
+    """
+
+    def __init__(self, rank: int, path: str | None, nvtx: bool = True):
+        self.rank = rank
+        self.path = path
+        self.nvtx = nvtx and _nvtx is not None
+        self._events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._t0 = time.perf_counter()
+        self._t0_wall = time.time()
+        if path:
+            atexit.register(self.write)
+
+    @property
+    def recording(self) -> bool:
+        return self.path is not None
+
+    def now_us(self) -> float:
+        return (time.perf_counter() - self._t0) * 1e6
+
+    def add(self, phase: str, op: str, track: str, start_us: float, end_us: float,
+            **args: Any) -> None:
+        """Add one completed phase to the timeline (no-op when not recording)."""
+        if not self.path:
+            return
+        ev = {"name": f"{op} {phase}", "cat": phase, "ph": "X", "pid": self.rank,
+              "tid": _TIDS.get(track, 9), "ts": round(start_us, 3),
+              "dur": round(max(end_us - start_us, 0.0), 3), "args": {"op": op, **args}}
+        with self._lock:
+            self._events.append(ev)
+
+    def instant(self, name: str, track: str = "control", **args: Any) -> None:
+        """Add a point event (a decision, an error) to the timeline."""
+        if not self.path:
+            return
+        ev = {"name": name, "ph": "i", "s": "t", "pid": self.rank,
+              "tid": _TIDS.get(track, 9), "ts": round(self.now_us(), 3), "args": args}
+        with self._lock:
+            self._events.append(ev)
+
+    @contextlib.contextmanager
+    def span(self, phase: str, op: str, track: str, tag: str | None = None,
+             **args: Any) -> Iterator[None]:
+        """Bracket a phase with an NVTX range and a timeline event."""
+        label = f"commlib.{op}" + (f"[{tag}]" if tag else "")
+        if "seq" in args:
+            label += f" #{args['seq']}"
+        if "nbytes" in args:
+            label += f" {format_bytes(args['nbytes'])}"
+        if self.nvtx:
+            rng = _nvtx.start_range(message=f"{label} {phase}",
+                                    color=_COLORS.get(op, "grey"), domain="commlib")
+        start = self.now_us() if self.path else 0.0
+        try:
+            yield
+        finally:
+            if self.nvtx:
+                _nvtx.end_range(rng)
+            if self.path:
+                self.add(phase, op, track, start, self.now_us(),
+                         **({"tag": tag} if tag else {}), **args)
+
+    def write(self) -> str | None:
+        """Write the timeline file now (also done at exit); return its path."""
+        if not self.path:
+            return None
+        with self._lock:
+            events = list(self._events)
+        meta = [{"name": "process_name", "ph": "M", "pid": self.rank,
+                 "args": {"name": f"rank {self.rank}"}}]
+        meta += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid,
+                  "args": {"name": name}} for name, tid in _TIDS.items()]
+        doc = {"traceEvents": meta + events, "displayTimeUnit": "ms",
+               "otherData": {"rank": self.rank, "start_unix_s": self._t0_wall}}
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, self.path)
+        return self.path

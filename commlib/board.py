@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-IDLE, IN_OP, REJECTED, TIMED_OUT = 0, 1, 2, 3
-_STATE_NAMES = {IDLE: "idle", IN_OP: "in", REJECTED: "rejected", TIMED_OUT: "timed out in"}
+IDLE, IN_OP, REJECTED, TIMED_OUT, ABORTED = 0, 1, 2, 3, 4
+_STATE_NAMES = {IDLE: "idle after", IN_OP: "in", REJECTED: "rejected", TIMED_OUT: "timed out in",
+                ABORTED: "aborted after"}
 _INTS = 4            # seq, op code, state, spare
 _TEXT = 192          # bytes of reason text per slot
 _SLOT = _INTS * 8 + _TEXT
@@ -65,7 +66,7 @@ class Board:
 
     def set(self, seq: int, op: str, state: int, reason: str = "") -> None:
         """Publish this rank's current operation (plain stores, no MPI call)."""
-        if state == REJECTED:
+        if state in (REJECTED, ABORTED):
             raw = reason.encode("utf-8", "replace")[:_TEXT - 1]
             text = self._slots[self.node.rank, _INTS * 8:]
             text[:] = 0
@@ -80,7 +81,7 @@ class Board:
         for i, comm_rank in enumerate(self.members):
             seq, code, state, _ = (int(v) for v in self._ints[i])
             reason = ""
-            if state == REJECTED:
+            if state in (REJECTED, ABORTED):
                 reason = bytes(self._slots[i, _INTS * 8:]).split(b"\0", 1)[0].decode(
                     "utf-8", "replace")
             op = self._ops[code] if 0 <= code < len(self._ops) else "?"
@@ -90,6 +91,10 @@ class Board:
     def rejected(self, seq: int) -> list[PeerState]:
         """Peers that rejected their input to operation ``seq``."""
         return [p for p in self.peers() if p.state == REJECTED and p.seq == seq]
+
+    def aborted(self) -> list[PeerState]:
+        """Peers whose communicator was aborted (they will not call again)."""
+        return [p for p in self.peers() if p.state == ABORTED]
 
     def free(self) -> None:
         try:

@@ -129,10 +129,13 @@ class Communicator:
             raise CommAbortedError(f"communicator aborted: {self._aborted}") from self._aborted
 
     def abort(self, reason: str = "abort() called") -> None:
-        """Mark this communicator unusable; later operations raise :class:`CommAbortedError`."""
+        """Mark this communicator unusable on this rank; later operations raise
+        :class:`CommAbortedError`, and peers on this node waiting in an
+        operation with this rank raise it too instead of waiting for the timeout."""
         if self._aborted is None:
             self._aborted = CommAbortedError(reason)
             self._tracer.instant("abort", reason=str(reason))
+            self._board.set(self._seq, "?", _board.ABORTED, reason)
 
     # -------------------------------------------------------------- machinery
     def _wait_pending(self, p: Pending, name: str, seq: int) -> None:
@@ -151,25 +154,34 @@ class Communicator:
             look = now + _BOARD_EVERY_S
             rejected = self._board.rejected(seq)
             if rejected:
-                err = ValidationError(f"{name} #{seq}: " + "; ".join(
-                    f"rank {r.rank} rejected its input: {r.reason}" for r in rejected))
-                self._fail(err, name, seq)
+                self._fail(ValidationError(f"{name} #{seq}: " + "; ".join(
+                    f"rank {r.rank} rejected its input: {r.reason}" for r in rejected)), name, seq)
+            # a peer that gave up on this same operation (its own timeout) is a
+            # fellow waiter: this rank's own timeout will follow
+            aborted = [r for r in self._board.aborted() if (r.seq, r.op) != (seq, name)]
+            if aborted:
+                self._fail(CommAbortedError(f"{name} #{seq}: " + "; ".join(
+                    f"rank {r.rank} aborted the communicator after #{r.seq}: {r.reason}"
+                    for r in aborted)), name, seq)
             if now >= deadline:
-                self._fail(self._timeout_error(name, seq), name, seq, _board.TIMED_OUT)
+                self._fail(self._timeout_error(name, seq), name, seq)
 
-    def _fail(self, err: CommlibError, name: str, seq: int,
-              state: int = _board.IDLE) -> None:
-        self._board.set(seq, name, state)
+    def _fail(self, err: CommlibError, name: str, seq: int) -> None:
+        """An operation in flight failed: abort this communicator and raise ``err``.
+
+        The operation may still be posted inside the backend, so no later
+        operation can be trusted; peers on this node see the abort on the board.
+        """
         self._tracer.instant("error", op=name, seq=seq, error=str(err))
-        if self.size > 1:
-            self._aborted = err
+        self._aborted = err
+        self._board.set(seq, name, _board.ABORTED, str(err))
         raise err
 
     def _timeout_error(self, name: str, seq: int) -> CommTimeoutError:
         peers = {p.rank: p for p in self._board.peers()}
         waiting = sorted(r for r, p in peers.items()
                          if p.seq == seq and p.op == name
-                         and p.state in (_board.IN_OP, _board.TIMED_OUT))
+                         and p.state in (_board.IN_OP, _board.ABORTED))
         missing = [r for r in range(self.size) if r in peers and r not in waiting]
         unknown = [r for r in range(self.size) if r not in peers]
         msg = (f"{name} #{seq} timed out after {self.timeout:g} s on rank {self.rank}: "
@@ -232,8 +244,14 @@ class Communicator:
             self._agree(name, seq, op.fingerprint if op else [], err)
         elif err is not None:
             if self.size > 1:
-                self._board.set(seq, name, _board.REJECTED, str(err))
+                # Peers may already be inside this operation: they see the rejection
+                # on the board and raise it too.  Their posted operation could match
+                # this rank's next one, so the communicator is aborted everywhere.
                 self._aborted = err
+                self._board.set(seq, name, _board.REJECTED, str(err))
+                err.args = (f"{err} (communicator aborted: peers may already be inside "
+                            f"{name} #{seq}; COMMLIB_CHECK=1 agrees on inputs first and "
+                            "keeps it usable)",)
             raise err
         assert op is not None
         op.seq = seq

@@ -1,0 +1,73 @@
+"""Shared fixtures: the world communicator, array kinds, deterministic inputs.
+
+Single-process runs (``pytest --with-mpi``) are a world of one; the same
+tests run under ``mpiexec -n 2`` and ``-n 4`` with ``--with-mpi -m mpi``.
+Every skip condition here is the same on every rank, so ranks never diverge.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import commlib
+
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+HAVE_JAX = importlib.util.find_spec("jax") is not None
+
+
+def _have_gpu() -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no cupy or no driver
+        return False
+
+
+HAVE_GPU = _have_gpu()
+NO_GPU_REASON = "no CUDA device with cupy on this machine (GPU tests run on a lent GPU machine)"
+
+NUMPY_DTYPES = {
+    "float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
+    "float64": np.float64, "int32": np.int32, "int64": np.int64,
+}
+#: sizes: empty, one, primes, not divisible by 2, 3 or 4, and one that is
+SIZES = [0, 1, 2, 3, 7, 13, 64, 1009]
+
+
+@pytest.fixture(scope="session")
+def comm() -> commlib.Communicator:
+    return commlib.init(timeout=120)
+
+
+def rank_input(rank: int, n: int, dtype: str, salt: int = 0) -> np.ndarray:
+    """Rank ``rank``'s input: small integers (exact in every dtype) times 0.5 for floats."""
+    rng = np.random.default_rng([rank, n, salt, 12345])
+    ints = rng.integers(-8, 9, size=n)
+    dt = NUMPY_DTYPES[dtype]
+    if dtype.startswith("int"):
+        return ints.astype(dt)
+    return (ints * 0.5).astype(dt)
+
+
+def all_inputs(size: int, n: int, dtype: str, salt: int = 0) -> np.ndarray:
+    """Every rank's input in float64, shape (size, n): the reference's raw material."""
+    return np.stack([rank_input(r, n, dtype, salt).astype(np.float64) for r in range(size)])
+
+
+def reference(op: str, stacked: np.ndarray) -> np.ndarray:
+    """float64 numpy reference of a reduction over ranks."""
+    return {"sum": stacked.sum(0), "avg": stacked.mean(0), "max": stacked.max(0),
+            "min": stacked.min(0)}[op] if stacked.shape[0] else stacked.sum(0)
+
+
+def tolerance(dtype: str) -> float:
+    return {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-6, "float64": 1e-12}.get(dtype, 0)
+
+
+def assert_close(actual, expected, dtype: str) -> None:
+    a = np.asarray(actual).astype(np.float64)
+    np.testing.assert_allclose(a, expected, rtol=tolerance(dtype), atol=tolerance(dtype))

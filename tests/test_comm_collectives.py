@@ -1,0 +1,151 @@
+"""Every collective against a float64 numpy reference: dtypes x sizes x modes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import commlib
+from conftest import SIZES, all_inputs, assert_close, rank_input, reference
+
+DTYPES = list(commlib.DTYPES)
+FLOATS = ["float16", "bfloat16", "float32", "float64"]
+
+
+def _mode_call(comm, mode, name, x, **kw):
+    """Call operation ``name`` blocking or nonblocking."""
+    if mode == "blocking":
+        return getattr(comm, name)(x, **kw)
+    work = getattr(comm, "i" + name)(x, **kw)
+    assert isinstance(work, commlib.Work)
+    return work.wait()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "min"])
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
+def test_allreduce_matches_reference(comm, dtype, op, mode):
+    if op == "avg" and dtype not in FLOATS:
+        pytest.skip("avg is defined for floating dtypes only")
+    for n in SIZES:
+        x = rank_input(comm.rank, n, dtype)
+        expected = reference(op, all_inputs(comm.size, n, dtype))
+        got = _mode_call(comm, mode, "allreduce", x, op=op)
+        assert got.dtype == x.dtype and got.shape == x.shape
+        assert_close(got, expected, dtype)
+        assert_close(x, all_inputs(comm.size, n, dtype)[comm.rank], dtype)  # input untouched
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
+def test_allreduce_in_place_and_into_out(comm, dtype, mode):
+    n = 37
+    expected = reference("sum", all_inputs(comm.size, n, dtype))
+    x = rank_input(comm.rank, n, dtype).reshape(37, 1)
+    got = _mode_call(comm, mode, "allreduce", x, out=x)
+    assert got is x
+    assert_close(x.ravel(), expected, dtype)
+    x = rank_input(comm.rank, n, dtype)
+    out = np.zeros_like(x)
+    assert _mode_call(comm, mode, "allreduce", x, out=out) is out
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
+def test_reduce_scatter_any_size(comm, dtype, op, mode):
+    if op == "avg" and dtype not in FLOATS:
+        pytest.skip("avg is defined for floating dtypes only")
+    for n in SIZES:
+        x = rank_input(comm.rank, n, dtype, salt=1)
+        full = reference(op, all_inputs(comm.size, n, dtype, salt=1))
+        chunks = np.array_split(full, comm.size)
+        assert [len(c) for c in chunks] == commlib.split_counts(n, comm.size)
+        got = _mode_call(comm, mode, "reduce_scatter", x, op=op)
+        assert got.shape == chunks[comm.rank].shape
+        assert_close(got, chunks[comm.rank], dtype)
+        out = np.empty(len(chunks[comm.rank]), x.dtype)
+        assert _mode_call(comm, mode, "reduce_scatter", x, op=op, out=out) is out
+        assert_close(out, chunks[comm.rank], dtype)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
+def test_allgather(comm, dtype, mode):
+    for n in SIZES:
+        x = rank_input(comm.rank, n, dtype, salt=2).reshape(n, 1)
+        got = _mode_call(comm, mode, "allgather", x)
+        assert got.shape == (comm.size, n, 1)
+        assert_close(got.reshape(comm.size, n), all_inputs(comm.size, n, dtype, salt=2), dtype)
+    # in place: x is out's own slice
+    n = 11
+    out = np.zeros(comm.size * n, rank_input(0, 1, dtype).dtype)
+    out[comm.rank * n:(comm.rank + 1) * n] = rank_input(comm.rank, n, dtype, salt=3)
+    mine = out[comm.rank * n:(comm.rank + 1) * n]
+    assert _mode_call(comm, mode, "allgather", mine, out=out) is out
+    assert_close(out, all_inputs(comm.size, n, dtype, salt=3).ravel(), dtype)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
+@pytest.mark.parametrize("give_counts", [True, False])
+def test_allgatherv_variable_counts(comm, dtype, mode, give_counts):
+    counts = [(3 * r + 1) % 5 for r in range(comm.size)]  # includes zero for some ranks
+    x = rank_input(comm.rank, counts[comm.rank], dtype, salt=4)
+    expected = np.concatenate([rank_input(r, counts[r], dtype, salt=4).astype(np.float64)
+                               for r in range(comm.size)])
+    got = _mode_call(comm, mode, "allgatherv", x, counts=counts if give_counts else None)
+    assert got.shape == (sum(counts),)
+    assert_close(got, expected, dtype)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
+def test_broadcast_from_every_root(comm, dtype, mode):
+    for root in range(comm.size):
+        for n in (0, 1, 13):
+            x = rank_input(comm.rank, n, dtype, salt=5)
+            expected = all_inputs(comm.size, n, dtype, salt=5)[root]
+            got = _mode_call(comm, mode, "broadcast", x, root=root)
+            assert got is x  # in place by default
+            assert_close(x, expected, dtype)
+            src = rank_input(comm.rank, n, dtype, salt=5)
+            out = np.zeros_like(src)
+            assert _mode_call(comm, mode, "broadcast", src, root=root, out=out) is out
+            assert_close(out, expected, dtype)
+            assert_close(src, all_inputs(comm.size, n, dtype, salt=5)[comm.rank], dtype)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_nonblocking_keeps_submission_order_with_blocking_calls(comm):
+    """Queued nonblocking ops finish before a later blocking op; results stay right."""
+    xs = [np.full(1 << 14, comm.rank + i, np.float64) for i in range(8)]
+    works = [comm.iallreduce(x, out=x, tag=f"b{i}") for i, x in enumerate(xs)]
+    total = comm.allreduce(np.ones(3))  # blocking, queued behind the eight
+    assert all(w.test() for w in works)
+    for i, (w, x) in enumerate(zip(works, xs)):
+        assert w.wait() is x
+        assert np.all(x == sum(r + i for r in range(comm.size)))
+    np.testing.assert_array_equal(total, np.full(3, comm.size))
+    comm.barrier()
+    w = comm.ibarrier()
+    assert w.wait() is None
+    comm.synchronize()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_split_communicators(comm):
+    sub = comm.split(color=comm.rank % 2)
+    members = [r for r in range(comm.size) if r % 2 == comm.rank % 2]
+    assert sub.size == len(members) and sub.rank == members.index(comm.rank)
+    got = sub.allreduce(np.array([comm.rank], np.int64))
+    assert int(got[0]) == sum(members)
+    assert comm.split(color=-1 if comm.rank == 0 else 0) is None or comm.rank != 0
+    sub.close()

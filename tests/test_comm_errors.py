@@ -1,0 +1,169 @@
+"""Bad input, mismatched calls and hangs end in a clear error on every rank.
+
+Each test that leaves a communicator aborted builds its own (``fresh``), so
+the session communicator stays usable.  The pytest-timeout of setup.cfg
+guarantees that a regression ends the run instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import commlib
+
+
+def fresh(**settings) -> commlib.Communicator:
+    return commlib.init(comm=MPI.COMM_WORLD, **settings)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_local_validation_messages():
+    comm = fresh(check=True, timeout=30)  # check mode: all ranks agree, comm stays usable
+    with pytest.raises(commlib.ValidationError, match="not supported"):
+        comm.allreduce(np.ones(3, np.complex64))
+    with pytest.raises(commlib.ValidationError, match="not contiguous"):
+        comm.allreduce(np.ones((4, 4), np.float32)[:, 0])
+    with pytest.raises(commlib.ValidationError, match="op 'prod'"):
+        comm.allreduce(np.ones(3), op="prod")
+    with pytest.raises(commlib.ValidationError, match="floating dtype"):
+        comm.allreduce(np.ones(3, np.int32), op="avg")
+    with pytest.raises(commlib.ValidationError, match="out has 2 elements"):
+        comm.allreduce(np.ones(3), out=np.ones(2))
+    with pytest.raises(commlib.ValidationError, match="out has dtype"):
+        comm.allreduce(np.ones(3), out=np.ones(3, np.float32))
+    with pytest.raises(commlib.ValidationError, match="root"):
+        comm.broadcast(np.ones(3), root=comm.size)
+    with pytest.raises(commlib.ValidationError, match="counts"):
+        comm.allgatherv(np.ones(3), counts=[3] * (comm.size + 1))
+    with pytest.raises(commlib.ValidationError, match="expected a numpy"):
+        comm.allreduce([1.0, 2.0])
+    np.testing.assert_array_equal(comm.allreduce(np.ones(2)), np.full(2, comm.size))
+    comm.close()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_local_validation_keeps_a_single_rank_world_usable():
+    c = commlib.init(comm=MPI.COMM_SELF)
+    with pytest.raises(commlib.ValidationError):
+        c.allreduce(np.ones(3, np.complex64))
+    np.testing.assert_array_equal(c.allreduce(np.ones(2)), np.ones(2))
+    c.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_check_mode_names_mismatched_op_on_every_rank():
+    c = fresh(check=True, timeout=30)
+    last = c.size - 1
+    x = np.ones(4, np.float32)
+    with pytest.raises(commlib.MismatchError) as info:
+        if c.rank == last:
+            c.broadcast(x, root=0)
+        else:
+            c.allreduce(x)
+    assert info.value.ranks == [last] and info.value.seq == 1
+    assert f"rank {last} called (broadcast" in str(info.value)
+    # nobody entered: the communicator is still usable
+    np.testing.assert_array_equal(c.allreduce(np.ones(2)), np.full(2, c.size))
+    c.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_check_mode_names_mismatched_shape_and_dtype():
+    c = fresh(check=True, timeout=30)
+    n = 5 if c.rank == 1 else 4
+    with pytest.raises(commlib.MismatchError, match="count=5") as info:
+        c.allreduce(np.ones(n, np.float32))
+    assert info.value.ranks == [1]
+    dt = np.float64 if c.rank == 0 else np.float32
+    with pytest.raises(commlib.MismatchError) as info:
+        c.allgather(np.ones(3, dt))
+    assert info.value.ranks == list(range(1, c.size))
+    c.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_check_mode_reports_a_peers_bad_input_on_every_rank():
+    c = fresh(check=True, timeout=30)
+    x = np.ones(3, np.complex64 if c.rank == 1 else np.float32)
+    with pytest.raises(commlib.ValidationError, match="rank 1 rejected its input: .*complex64"):
+        c.allreduce(x)
+    np.testing.assert_array_equal(c.allreduce(np.ones(2)), np.full(2, c.size))
+    c.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_rejected_input_fails_fast_on_peers_without_check_mode():
+    """Without COMMLIB_CHECK, peers already inside the op learn of the rejection at once."""
+    c = fresh(check=False, timeout=60)
+    x = np.ones(3, np.complex64 if c.rank == 1 else np.float32)
+    t0 = time.monotonic()
+    with pytest.raises(commlib.ValidationError, match="complex64") as info:
+        c.allreduce(x)
+    assert time.monotonic() - t0 < 30, "peers must not wait for the timeout"
+    if c.rank != 1:
+        assert "rank 1 rejected its input" in str(info.value)
+    with pytest.raises(commlib.CommAbortedError):
+        c.allreduce(np.ones(2))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_deadlock_across_communicators_times_out_on_every_rank():
+    """Ranks wait on different communicators for each other: every rank raises."""
+    a, b = fresh(timeout=1.0), fresh(timeout=1.0)
+    last = a.size - 1
+    a.barrier()  # a #1 completes everywhere
+    mine, other = (b, a) if a.rank == last else (a, b)
+    with pytest.raises(commlib.CommTimeoutError) as info:
+        mine.allreduce(np.ones(8))
+    err = info.value
+    if a.rank == last:
+        assert (err.op, err.seq, err.waiting, err.missing) == ("allreduce", 1, [last],
+                                                               list(range(last)))
+        assert "rank 0 has not called any operation" in str(err)
+    else:
+        assert (err.op, err.seq, err.waiting, err.missing) == ("allreduce", 2,
+                                                               list(range(last)), [last])
+        assert f"rank {last} idle after barrier #1" in str(err)
+    with pytest.raises(commlib.CommAbortedError, match="timed out"):
+        mine.allreduce(np.ones(2))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_timeout_when_a_rank_never_arrives_and_nonblocking_work_raises():
+    c = fresh(timeout=0.5)
+    if c.rank == 0:
+        time.sleep(2.0)  # never calls; its peers must give up on their own
+        return
+    work = c.iallreduce(np.ones(16))
+    with pytest.raises(commlib.CommTimeoutError, match="allreduce #1 timed out") as info:
+        work.wait()
+    assert 0 in info.value.missing
+    assert "rank 0 has not called any operation" in str(info.value)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_work_wait_timeout_does_not_abort(comm):
+    w = comm.iallreduce(np.ones(4))
+    assert np.all(w.wait(timeout=60) == comm.size)
+    assert w.test()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_config_from_environment(monkeypatch):
+    monkeypatch.setenv("COMMLIB_TIMEOUT", "7.5")
+    monkeypatch.setenv("COMMLIB_CHECK", "1")
+    cfg = commlib.Config.from_env()
+    assert cfg.timeout == 7.5 and cfg.check
+    assert commlib.Config.from_env(timeout=3).timeout == 3  # keyword wins
+    monkeypatch.setenv("COMMLIB_CHECK", "maybe")
+    with pytest.raises(commlib.ValidationError, match="COMMLIB_CHECK"):
+        commlib.Config.from_env()
+    monkeypatch.delenv("COMMLIB_CHECK")
+    with pytest.raises(commlib.ValidationError, match="backend"):
+        commlib.Config.from_env(backend="gloo")
+    with pytest.raises(TypeError, match="unknown"):
+        commlib.Config.from_env(timeuot=3)

@@ -20,8 +20,7 @@ from .arrays import DTYPES
 from .backends.base import REDUCE_OPS, split_counts
 from .communicator import OPS, Communicator
 from .config import Config
-from .errors import (CommAbortedError, CommlibError, CommTimeoutError, MismatchError,
-                     ValidationError)
+from .errors import CommAbortedError, CommlibError, CommTimeoutError, MismatchError, ValidationError
 from .work import Work
 
 __all__ = [

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -14,8 +15,7 @@ from . import board as _board
 from .arrays import DTYPES, FLOAT_DTYPES, View, as_view
 from .backends.base import REDUCE_OPS, Pending, split_counts
 from .config import Config
-from .errors import (CommAbortedError, CommlibError, CommTimeoutError, MismatchError,
-                     ValidationError)
+from .errors import CommAbortedError, CommlibError, CommTimeoutError, MismatchError, ValidationError
 from .tracing import Tracer
 from .work import ProgressEngine, Work
 

@@ -1,15 +1,12 @@
 """Settings: every ``COMMLIB_*`` environment variable, mirrored by a keyword.
 
-| variable            | keyword     | default | meaning                                               |
-| ------------------- | ----------- | ------- | ----------------------------------------------------- |
-| ``COMMLIB_BACKEND`` | ``backend`` | ``auto``| ``auto`` (NCCL for GPU jobs if present, else MPI), ``mpi``, ``nccl`` |
-| ``COMMLIB_TIMEOUT`` | ``timeout`` | ``300`` | seconds an operation may take before it raises; ``0`` waits forever |
-| ``COMMLIB_CHECK``   | ``check``   | ``0``   | ``1``: before each operation all ranks compare op, shape, dtype |
-| ``COMMLIB_TIMELINE``| ``timeline``| unset   | path of a Chrome-trace JSON; ``{rank}`` is replaced, else ``.rank<N>`` is inserted |
-| ``COMMLIB_NVTX``    | ``nvtx``    | ``1``   | ``0`` disables NVTX ranges                              |
-| ``COMMLIB_MPI_CUDA_AWARE`` | ``cuda_aware`` | ``auto`` | ``1``/``0`` force whether MPI is handed device pointers |
-
-A keyword given to :func:`commlib.init` wins over the variable.
+The one table of them is in README.md ("Settings"); in short:
+``COMMLIB_BACKEND`` (``backend``: auto, mpi, nccl), ``COMMLIB_TIMEOUT``
+(``timeout``, seconds, 0 = forever, default 300), ``COMMLIB_CHECK`` (``check``:
+all ranks compare each call before entering it), ``COMMLIB_TIMELINE``
+(``timeline``: Chrome-trace path per rank), ``COMMLIB_NVTX`` (``nvtx``) and
+``COMMLIB_MPI_CUDA_AWARE`` (``cuda_aware``: auto, 0, 1).  A keyword given to
+:func:`commlib.init` wins over the variable.
 """
 
 from __future__ import annotations

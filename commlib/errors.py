@@ -7,7 +7,7 @@ job of many ranks can be traced to its cause from any one rank's log.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class CommlibError(RuntimeError):

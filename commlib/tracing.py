@@ -20,7 +20,8 @@ import json
 import os
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 try:  # the nvtx package is a hard dependency, but keep commlib importable without it
     import nvtx as _nvtx

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import commlib
+
 from conftest import SIZES, all_inputs, assert_close, rank_input, reference
 
 DTYPES = list(commlib.DTYPES)

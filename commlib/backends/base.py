@@ -7,7 +7,8 @@ enforces the timeout; a backend only starts an operation on storage arrays
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 #: Reduction operators, by name.
 REDUCE_OPS = ("sum", "avg", "max", "min")

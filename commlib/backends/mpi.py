@@ -11,7 +11,8 @@ synchronizing the caller's current stream, and the result is copied back.
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import ml_dtypes
 import numpy as np

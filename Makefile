@@ -1,0 +1,52 @@
+# commlib: `make test` and `make bench` set everything up in .venv (no system MPI needed).
+PYTHON  ?= python3
+VENV    := .venv
+PY      := $(VENV)/bin/python
+MPIEXEC := $(VENV)/bin/mpiexec
+EXTRAS  ?= mpich,torch,jax,test,bench,dev
+STAMP   := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml | cksum | cut -d' ' -f1)
+RESULTS ?= benchmarks/results/latest
+# the emulated cluster of `make bench` (benchmarks/cluster): ranks, link rate, extra options
+RANKS   ?= 4
+RATE    ?= 1gbit
+CLUSTER ?=
+# a hung MPI test run is killed after this many seconds
+MPI_TEST_TIMEOUT ?= 900
+
+.PHONY: setup test test-serial test-mpi lint bench bench-local bench-cluster clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q -e ".[$(EXTRAS)]"
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+test-serial: $(STAMP)
+	$(PY) -m pytest --with-mpi -q -p no:cacheprovider
+
+test-mpi: $(STAMP)
+	PYTHON=$(abspath $(PY)) timeout -k 10 $(MPI_TEST_TIMEOUT) $(MPIEXEC) -n 2 tests/mpi_pytest.sh -q
+	PYTHON=$(abspath $(PY)) timeout -k 10 $(MPI_TEST_TIMEOUT) $(MPIEXEC) -n 4 tests/mpi_pytest.sh -q
+
+test: lint test-serial test-mpi
+
+bench: bench-local bench-cluster
+
+bench-local: $(STAMP)
+	mkdir -p $(RESULTS)
+	timeout -k 10 1800 $(MPIEXEC) -n $(RANKS) $(PY) -m benchmarks.collectives \
+		--json $(RESULTS)/collectives-local.json --plot $(RESULTS)/collectives-local.png
+
+bench-cluster: $(STAMP)
+	mkdir -p $(RESULTS)
+	$(PY) -m benchmarks.cluster --ranks $(RANKS) --rate $(RATE) $(CLUSTER) -- \
+		$(abspath $(PY)) -m benchmarks.collectives --min-bytes 4096 \
+		--json $(RESULTS)/collectives-cluster.json --plot $(RESULTS)/collectives-cluster.png
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .pytest-rank*.log

@@ -1,0 +1,88 @@
+"""torch tensors and jax arrays in and out, through DLPack, against numpy references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import HAVE_JAX, HAVE_TORCH, all_inputs, assert_close, rank_input, reference
+
+torch_only = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+jax_only = pytest.mark.skipif(not HAVE_JAX, reason="jax is not installed")
+
+
+@torch_only
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64", "int32", "int64"])
+def test_torch_tensors_in_and_out(comm, dtype):
+    import torch
+
+    tdt = getattr(torch, dtype)
+    n = 13
+    src = "int64" if dtype.startswith("int") else "float64"
+    x = torch.from_numpy(rank_input(comm.rank, n, src)).to(tdt)
+    expected = reference("sum", all_inputs(comm.size, n, src))
+    got = comm.allreduce(x)
+    assert isinstance(got, torch.Tensor) and got.dtype == tdt and got.shape == x.shape
+    assert_close(got.double().numpy(), expected, dtype)
+    # in place on a tensor that requires grad's .grad-like buffer
+    y = x.clone()
+    assert comm.allreduce(y, out=y) is y
+    assert_close(y.double().numpy(), expected, dtype)
+    # reduce_scatter / allgather / broadcast hand back tensors too
+    rs = comm.reduce_scatter(x)
+    assert isinstance(rs, torch.Tensor) and rs.dtype == tdt
+    assert_close(rs.double().numpy(), np.array_split(expected, comm.size)[comm.rank], dtype)
+    ag = comm.allgather(x)
+    assert isinstance(ag, torch.Tensor) and tuple(ag.shape) == (comm.size, n)
+    assert_close(ag.double().numpy(), all_inputs(comm.size, n, src), dtype)
+    b = comm.broadcast(x.clone(), root=comm.size - 1)
+    assert_close(b.double().numpy(), all_inputs(comm.size, n, src)[-1], dtype)
+
+
+@torch_only
+@pytest.mark.mpi(min_size=1)
+def test_torch_parameter_with_grad_and_noncontiguous(comm):
+    import torch
+
+    import commlib
+
+    p = torch.nn.Parameter(torch.ones(4, 3))
+    got = comm.allreduce(p, op="avg")
+    assert torch.equal(got, torch.ones(4, 3))
+    with pytest.raises(commlib.ValidationError, match=r"x.contiguous\(\)"):
+        commlib.init(comm=__import__("mpi4py.MPI").MPI.COMM_SELF).allreduce(torch.ones(4, 3).t())
+
+
+@jax_only
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int32"])
+def test_jax_arrays_in_and_out(comm, dtype):
+    import jax.numpy as jnp
+
+    n = 11
+    src = "int64" if dtype.startswith("int") else "float64"
+    x = jnp.asarray(rank_input(comm.rank, n, src)).astype(dtype)
+    expected = reference("sum", all_inputs(comm.size, n, src))
+    got = comm.allreduce(x)
+    assert type(got).__module__.startswith("jax") and got.dtype == x.dtype
+    assert_close(np.asarray(got, dtype=np.float64), expected, dtype)
+    w = comm.iallgather(x).wait()
+    assert w.shape == (comm.size, n)
+    b = comm.broadcast(x, root=0)  # immutable: a new array comes back
+    assert_close(np.asarray(b, dtype=np.float64), all_inputs(comm.size, n, src)[0], dtype)
+    assert_close(np.asarray(x, dtype=np.float64), all_inputs(comm.size, n, src)[comm.rank], dtype)
+
+
+@jax_only
+@pytest.mark.mpi(min_size=1)
+def test_jax_array_is_never_an_output():
+    import jax.numpy as jnp
+    from mpi4py import MPI
+
+    import commlib
+
+    c = commlib.init(comm=MPI.COMM_SELF)
+    x = jnp.ones(3)
+    with pytest.raises(commlib.ValidationError, match="immutable"):
+        c.allreduce(x, out=x)

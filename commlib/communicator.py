@@ -174,6 +174,9 @@ class Communicator:
         """
         self._tracer.instant("error", op=name, seq=seq, error=str(err))
         self._aborted = err
+        backend_abort = getattr(self._backend, "abort", None)
+        if backend_abort is not None:  # NCCL: unblock the kernels still waiting
+            backend_abort()
         self._board.set(seq, name, _board.ABORTED, str(err))
         raise err
 

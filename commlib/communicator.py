@@ -6,60 +6,20 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from . import board as _board
-from .arrays import DTYPES, FLOAT_DTYPES, View, as_view
-from .backends.base import REDUCE_OPS, Pending, split_counts
+from .arrays import as_view
+from .backends.base import Pending, split_counts
 from .config import Config
 from .errors import CommAbortedError, CommlibError, CommTimeoutError, MismatchError, ValidationError
+from .ops import OPS, Op, check_reduce_op, describe, fingerprint, out_buffer
 from .tracing import Tracer
 from .work import ProgressEngine, Work
 
-#: Operation names, in the order of their codes on the status board and in checks.
-OPS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "broadcast", "barrier")
 _BOARD_EVERY_S = 0.002
-
-
-@dataclass
-class _Op:
-    """One operation, validated and ready to start."""
-
-    name: str
-    start: Callable[[], Pending]
-    result: Callable[[], Any]
-    nbytes: int = 0
-    tag: str | None = None
-    seq: int = 0
-    submitted_us: float = 0.0
-    fingerprint: list[int] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        return f"{self.name} #{self.seq}" + (f" [{self.tag}]" if self.tag else "")
-
-
-def _fingerprint(name: str, v: View | None = None, count: int = -1, root: int = -1,
-                 op: str | None = None) -> list[int]:
-    """What all ranks must agree on: [valid, op, dtype, count, root, reduce op]."""
-    return [1, OPS.index(name), DTYPES.index(v.dtype) if v is not None else -1, count, root,
-            REDUCE_OPS.index(op) if op is not None else -1]
-
-
-def _describe(fp: Sequence[int]) -> str:
-    _, code, dt, count, root, red = (int(v) for v in fp)
-    parts = [OPS[code]]
-    if dt >= 0:
-        parts.append(DTYPES[dt])
-    if count >= 0:
-        parts.append(f"count={count}")
-    if root >= 0:
-        parts.append(f"root={root}")
-    if red >= 0:
-        parts.append(f"op={REDUCE_OPS[red]}")
-    return "(" + ", ".join(parts) + ")"
 
 
 class Communicator:
@@ -196,7 +156,7 @@ class Communicator:
         msg += " (COMMLIB_TIMEOUT sets the limit; COMMLIB_CHECK=1 catches mismatched calls)"
         return CommTimeoutError(msg, name, seq, waiting, missing if not unknown else None)
 
-    def _execute(self, op: _Op, track: str = "engine") -> Any:
+    def _execute(self, op: Op, track: str = "engine") -> Any:
         self._check_alive()
         tr = self._tracer
         if tr.recording and op.submitted_us:
@@ -229,13 +189,13 @@ class Communicator:
             ref[3] = -1
         bad = [r for r in range(self.size) if not np.array_equal(table[r], ref)]
         if bad:
-            calls = "; ".join(f"rank {r} called {_describe(table[r])}" for r in bad)
+            calls = "; ".join(f"rank {r} called {describe(table[r])}" for r in bad)
             raise MismatchError(
                 f"{name} #{seq}: ranks {bad} called a different operation than rank 0, "
-                f"which called {_describe(ref)}: {calls}", name, seq, bad)
+                f"which called {describe(ref)}: {calls}", name, seq, bad)
         del MPI
 
-    def _call(self, name: str, build: Callable[[], _Op], blocking: bool) -> Any:
+    def _call(self, name: str, build: Callable[[], Op], blocking: bool) -> Any:
         self._check_alive()
         self._seq += 1
         seq = self._seq
@@ -270,40 +230,16 @@ class Communicator:
             if not work._event.wait(timeout):
                 raise TimeoutError(f"{op} still running after wait(timeout={timeout})")
 
-    # ------------------------------------------------------------ validation
-    def _out(self, v: View, out: Any, count: int, what: str) -> tuple[Any, Callable[[], Any]]:
-        """The receive storage and the result maker for an ``out`` argument."""
-        if out is None:
-            recv = v.empty(count)
-            return recv, None
-        o = as_view(out, f"{what}: out")
-        if o.dtype != v.dtype:
-            raise ValidationError(f"{what}: out has dtype {o.dtype}, input has {v.dtype}")
-        if o.device != v.device:
-            raise ValidationError(f"{what}: out is on {o.device}, input on {v.device}")
-        if o.count != count:
-            raise ValidationError(f"{what}: out has {o.count} elements, expected {count}")
-        if not o.writable:
-            raise ValidationError(f"{what}: out is read-only (jax arrays are immutable)")
-        return o.data, (lambda: out)
-
-    @staticmethod
-    def _reduce_op(op: str, v: View, what: str) -> None:
-        if op not in REDUCE_OPS:
-            raise ValidationError(f"{what}: op {op!r} is not one of {REDUCE_OPS}")
-        if op == "avg" and v.dtype not in FLOAT_DTYPES:
-            raise ValidationError(f"{what}: op 'avg' needs a floating dtype, got {v.dtype}")
-
     # ------------------------------------------------------------- operations
-    def _allreduce(self, x: Any, op: str, out: Any, tag: str | None) -> _Op:
+    def _allreduce(self, x: Any, op: str, out: Any, tag: str | None) -> Op:
         v = as_view(x, "allreduce: x")
-        self._reduce_op(op, v, "allreduce")
-        recv, result = self._out(v, out, v.count, "allreduce")
+        check_reduce_op(op, v, "allreduce")
+        recv, result = out_buffer(v, out, v.count, "allreduce")
         if result is None:
             def result(): return v.wrap(recv, v.shape)
         be = self._backend
-        return _Op("allreduce", lambda: be.allreduce(v.data, recv, v.dtype, op), result,
-                   v.nbytes, tag, fingerprint=_fingerprint("allreduce", v, v.count, op=op))
+        return Op("allreduce", lambda: be.allreduce(v.data, recv, v.dtype, op), result,
+                   v.nbytes, tag, fingerprint=fingerprint("allreduce", v, v.count, op=op))
 
     def allreduce(self, x: Any, op: str = "sum", *, out: Any = None,
                   tag: str | None = None) -> Any:
@@ -320,18 +256,18 @@ class Communicator:
         """Nonblocking :meth:`allreduce`; ``wait()`` returns the result."""
         return self._call("allreduce", lambda: self._allreduce(x, op, out, tag), False)
 
-    def _reduce_scatter(self, x: Any, op: str, out: Any, tag: str | None) -> _Op:
+    def _reduce_scatter(self, x: Any, op: str, out: Any, tag: str | None) -> Op:
         v = as_view(x, "reduce_scatter: x")
-        self._reduce_op(op, v, "reduce_scatter")
+        check_reduce_op(op, v, "reduce_scatter")
         counts = split_counts(v.count, self.size)
         mine = counts[self.rank]
-        recv, result = self._out(v, out, mine, "reduce_scatter")
+        recv, result = out_buffer(v, out, mine, "reduce_scatter")
         if result is None:
             def result(): return v.wrap(recv, (mine,))
         be = self._backend
-        return _Op("reduce_scatter",
+        return Op("reduce_scatter",
                    lambda: be.reduce_scatter(v.data, recv, v.dtype, op, counts), result,
-                   v.nbytes, tag, fingerprint=_fingerprint("reduce_scatter", v, v.count, op=op))
+                   v.nbytes, tag, fingerprint=fingerprint("reduce_scatter", v, v.count, op=op))
 
     def reduce_scatter(self, x: Any, op: str = "sum", *, out: Any = None,
                        tag: str | None = None) -> Any:
@@ -352,14 +288,14 @@ class Communicator:
         """Nonblocking :meth:`reduce_scatter`."""
         return self._call("reduce_scatter", lambda: self._reduce_scatter(x, op, out, tag), False)
 
-    def _allgather(self, x: Any, out: Any, tag: str | None) -> _Op:
+    def _allgather(self, x: Any, out: Any, tag: str | None) -> Op:
         v = as_view(x, "allgather: x")
-        recv, result = self._out(v, out, v.count * self.size, "allgather")
+        recv, result = out_buffer(v, out, v.count * self.size, "allgather")
         if result is None:
             def result(): return v.wrap(recv, (self.size, *v.shape))
         be = self._backend
-        return _Op("allgather", lambda: be.allgather(v.data, recv, v.dtype), result,
-                   v.nbytes * self.size, tag, fingerprint=_fingerprint("allgather", v, v.count))
+        return Op("allgather", lambda: be.allgather(v.data, recv, v.dtype), result,
+                   v.nbytes * self.size, tag, fingerprint=fingerprint("allgather", v, v.count))
 
     def allgather(self, x: Any, *, out: Any = None, tag: str | None = None) -> Any:
         """Gather equal-sized ``x`` from every rank; the result has shape ``(size, *x.shape)``.
@@ -383,7 +319,7 @@ class Communicator:
         return [int(c) for c in table]
 
     def _allgatherv(self, x: Any, counts: Sequence[int] | None, out: Any,
-                    tag: str | None) -> _Op:
+                    tag: str | None) -> Op:
         try:
             v = as_view(x, "allgatherv: x")
         except ValidationError:
@@ -403,12 +339,12 @@ class Communicator:
             raise ValidationError(
                 f"allgatherv: counts[{self.rank}] = {counts[self.rank]} but x has {v.count} elements")
         total = sum(counts)
-        recv, result = self._out(v, out, total, "allgatherv")
+        recv, result = out_buffer(v, out, total, "allgatherv")
         if result is None:
             def result(): return v.wrap(recv, (total,))
         be = self._backend
-        return _Op("allgatherv", lambda: be.allgatherv(v.data, recv, v.dtype, counts), result,
-                   total * v.data.itemsize, tag, fingerprint=_fingerprint("allgatherv", v, total))
+        return Op("allgatherv", lambda: be.allgatherv(v.data, recv, v.dtype, counts), result,
+                   total * v.data.itemsize, tag, fingerprint=fingerprint("allgatherv", v, total))
 
     def allgatherv(self, x: Any, counts: Sequence[int] | None = None, *, out: Any = None,
                    tag: str | None = None) -> Any:
@@ -427,7 +363,7 @@ class Communicator:
         """Nonblocking :meth:`allgatherv` (the counts exchange, if any, happens now)."""
         return self._call("allgatherv", lambda: self._allgatherv(x, counts, out, tag), False)
 
-    def _broadcast(self, x: Any, root: int, out: Any, tag: str | None) -> _Op:
+    def _broadcast(self, x: Any, root: int, out: Any, tag: str | None) -> Op:
         v = as_view(x, "broadcast: x")
         if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
             raise ValidationError(f"broadcast: root {root!r} is not a rank of 0..{self.size - 1}")
@@ -435,7 +371,7 @@ class Communicator:
         if out is None and v.writable:
             buf, result = v.data, (lambda: x)
         else:
-            buf, result = self._out(v, None if out is x else out, v.count, "broadcast")
+            buf, result = out_buffer(v, None if out is x else out, v.count, "broadcast")
             if result is None:
                 def result(): return v.wrap(buf, v.shape)
         be = self._backend
@@ -445,8 +381,8 @@ class Communicator:
                 buf[...] = v.data
             return be.broadcast(buf, v.dtype, root)
 
-        return _Op("broadcast", start, result, v.nbytes, tag,
-                   fingerprint=_fingerprint("broadcast", v, v.count, root=root))
+        return Op("broadcast", start, result, v.nbytes, tag,
+                   fingerprint=fingerprint("broadcast", v, v.count, root=root))
 
     def broadcast(self, x: Any, root: int = 0, *, out: Any = None, tag: str | None = None) -> Any:
         """Give every rank root's ``x``: in place where ``x`` is writable, else a new array.
@@ -461,10 +397,10 @@ class Communicator:
         """Nonblocking :meth:`broadcast`."""
         return self._call("broadcast", lambda: self._broadcast(x, root, out, tag), False)
 
-    def _barrier(self, tag: str | None) -> _Op:
+    def _barrier(self, tag: str | None) -> Op:
         be = self._backend
-        return _Op("barrier", be.barrier, lambda: None, 0, tag,
-                   fingerprint=_fingerprint("barrier"))
+        return Op("barrier", be.barrier, lambda: None, 0, tag,
+                   fingerprint=fingerprint("barrier"))
 
     def barrier(self, *, tag: str | None = None) -> None:
         """Block until every rank has called ``barrier``."""

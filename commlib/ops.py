@@ -1,0 +1,78 @@
+"""An operation record and what ranks compare about it (``COMMLIB_CHECK``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .arrays import DTYPES, FLOAT_DTYPES, View, as_view
+from .backends.base import REDUCE_OPS, Pending
+from .errors import ValidationError
+
+#: Operation names, in the order of their codes on the status board and in checks.
+OPS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "broadcast", "barrier")
+
+
+@dataclass
+class Op:
+    """One operation, validated and ready to start."""
+
+    name: str
+    start: Callable[[], Pending]
+    result: Callable[[], Any]
+    nbytes: int = 0
+    tag: str | None = None
+    seq: int = 0
+    submitted_us: float = 0.0
+    fingerprint: list[int] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return f"{self.name} #{self.seq}" + (f" [{self.tag}]" if self.tag else "")
+
+
+def fingerprint(name: str, v: View | None = None, count: int = -1, root: int = -1,
+                 op: str | None = None) -> list[int]:
+    """What all ranks must agree on: [valid, op, dtype, count, root, reduce op]."""
+    return [1, OPS.index(name), DTYPES.index(v.dtype) if v is not None else -1, count, root,
+            REDUCE_OPS.index(op) if op is not None else -1]
+
+
+def describe(fp: Sequence[int]) -> str:
+    _, code, dt, count, root, red = (int(v) for v in fp)
+    parts = [OPS[code]]
+    if dt >= 0:
+        parts.append(DTYPES[dt])
+    if count >= 0:
+        parts.append(f"count={count}")
+    if root >= 0:
+        parts.append(f"root={root}")
+    if red >= 0:
+        parts.append(f"op={REDUCE_OPS[red]}")
+    return "(" + ", ".join(parts) + ")"
+
+
+
+
+def out_buffer(v: View, out: Any, count: int, what: str) -> tuple[Any, Callable[[], Any] | None]:
+    """The receive storage for an ``out`` argument and its result maker (``None``: allocated)."""
+    if out is None:
+        return v.empty(count), None
+    o = as_view(out, f"{what}: out")
+    if o.dtype != v.dtype:
+        raise ValidationError(f"{what}: out has dtype {o.dtype}, input has {v.dtype}")
+    if o.device != v.device:
+        raise ValidationError(f"{what}: out is on {o.device}, input on {v.device}")
+    if o.count != count:
+        raise ValidationError(f"{what}: out has {o.count} elements, expected {count}")
+    if not o.writable:
+        raise ValidationError(f"{what}: out is read-only (jax arrays are immutable)")
+    return o.data, (lambda: out)
+
+
+def check_reduce_op(op: str, v: View, what: str) -> None:
+    """Reject an unknown reduce op, and ``avg`` on integers."""
+    if op not in REDUCE_OPS:
+        raise ValidationError(f"{what}: op {op!r} is not one of {REDUCE_OPS}")
+    if op == "avg" and v.dtype not in FLOAT_DTYPES:
+        raise ValidationError(f"{what}: op 'avg' needs a floating dtype, got {v.dtype}")

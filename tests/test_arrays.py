@@ -1,0 +1,50 @@
+"""Single-process properties of the array views and chunking (hypothesis)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import commlib
+from commlib.arrays import as_view, dtype_name
+
+
+@given(n=st.integers(0, 10_000), size=st.integers(1, 64))
+def test_split_counts_matches_numpy_array_split(n, size):
+    counts = commlib.split_counts(n, size)
+    assert sum(counts) == n and len(counts) == size
+    assert counts == [len(c) for c in np.array_split(np.arange(n), size)]
+    assert max(counts) - min(counts) <= 1
+
+
+@given(shape=st.lists(st.integers(0, 5), min_size=0, max_size=3),
+       dtype=st.sampled_from(["float16", "float32", "float64", "int32", "int64", "bfloat16"]))
+def test_view_aliases_memory_and_round_trips(shape, dtype):
+    npdt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    x = np.arange(int(np.prod(shape)), dtype=np.float64).astype(npdt).reshape(shape)
+    v = as_view(x, "x")
+    assert (v.dtype, v.shape, v.count, v.device) == (dtype, tuple(shape), x.size, "cpu")
+    assert v.data.size == 0 or np.shares_memory(v.data, x)
+    back = v.wrap(v.data, v.shape)
+    assert back.dtype == x.dtype and back.shape == x.shape
+    np.testing.assert_array_equal(back.astype(np.float64), x.astype(np.float64))
+
+
+def test_dtype_names_across_frameworks():
+    assert dtype_name("torch.float32") == "float32"
+    assert dtype_name("torch.half") == "float16"
+    assert dtype_name(np.int64) == "int64"
+    assert dtype_name(ml_dtypes.bfloat16) == "bfloat16"
+
+
+def test_rejects_what_it_cannot_alias():
+    with pytest.raises(commlib.ValidationError, match="not contiguous"):
+        as_view(np.ones((3, 3))[:, 1], "x")
+    with pytest.raises(commlib.ValidationError, match="uint8 is not supported"):
+        as_view(np.ones(3, np.uint8), "x")
+    ro = np.ones(3)
+    ro.flags.writeable = False
+    assert not as_view(ro, "x").writable

@@ -37,6 +37,11 @@ _NUMPY_LOGICAL = {
 }
 
 
+#: numpy dtype -> commlib name, for the fast path
+_NP_NAMES = {np.dtype(ml_dtypes.bfloat16): "bfloat16",
+             **{v: k for k, v in _STORAGE.items() if k != "bfloat16"}}
+
+
 def storage_dtype(dtype: str) -> np.dtype:
     """The numpy/cupy dtype that holds ``dtype`` (``uint16`` for bfloat16)."""
     return _STORAGE[dtype]
@@ -78,7 +83,7 @@ def _kind(x: Any) -> str:
     return "unknown"
 
 
-@dataclass
+@dataclass(slots=True)
 class View:
     """A flat alias of an array's memory plus what is needed to hand results back.
 
@@ -156,6 +161,13 @@ def as_view(x: Any, name: str) -> View:
     is ignored: the data is used), jax arrays (read-only: never an output) and
     any object with ``__dlpack__``.
     """
+    if type(x) is np.ndarray:  # fast path: the common case costs a few attribute reads
+        dt = _NP_NAMES.get(x.dtype)
+        if dt is not None and x.flags.c_contiguous:
+            flat = x if x.ndim == 1 else x.reshape(-1)
+            if dt == "bfloat16":
+                flat = flat.view(np.uint16)
+            return View(flat, dt, x.shape, "cpu", -1, "numpy", x, x.flags.writeable)
     kind = _kind(x)
     writable = True
     device, device_id = "cpu", -1

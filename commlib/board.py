@@ -50,6 +50,7 @@ class Board:
         from mpi4py import MPI
 
         self._ops = ops
+        self._codes = {name: i for i, name in enumerate(ops)}
         self.node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.rank)
         nbytes = _SLOT * self.node.size if self.node.rank == 0 else 0
         self.win = MPI.Win.Allocate_shared(nbytes, 1, comm=self.node)
@@ -72,7 +73,7 @@ class Board:
             text[:] = 0
             text[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         self._mine[2] = state
-        self._mine[1] = self._ops.index(op) if op in self._ops else -1
+        self._mine[1] = self._codes.get(op, -1)
         self._mine[0] = seq
 
     def peers(self) -> list[PeerState]:

@@ -99,15 +99,24 @@ class Communicator:
 
     # -------------------------------------------------------------- machinery
     def _wait_pending(self, p: Pending, name: str, seq: int) -> None:
-        """Poll ``p`` to completion; fail fast on a peer's rejection, raise on timeout."""
-        if p.test():
+        """Poll ``p`` to completion; fail fast on a peer's rejection, raise on timeout.
+
+        The loop yields the core between polls (ranks may share cores) and
+        reads the clock only every few polls, so that polling costs about
+        what a blocking MPI call costs.
+        """
+        test = p._test
+        if test():
             return
         now = time.monotonic()
         deadline = now + self.timeout if self.timeout > 0 else math.inf
         look = now + _BOARD_EVERY_S
         yield_ = os.sched_yield
-        while not p.test():
-            yield_()
+        while True:
+            for _ in range(32):
+                if test():
+                    return
+                yield_()
             now = time.monotonic()
             if now < look:
                 continue
@@ -157,16 +166,26 @@ class Communicator:
         return CommTimeoutError(msg, name, seq, waiting, missing if not unknown else None)
 
     def _execute(self, op: Op, track: str = "engine") -> Any:
-        self._check_alive()
+        if self._aborted is not None or self._closed:
+            self._check_alive()
         tr = self._tracer
-        if tr.recording and op.submitted_us:
-            tr.add("queued", op.name, "engine", op.submitted_us, tr.now_us(), seq=op.seq)
-        self._board.set(op.seq, op.name, _board.IN_OP)
-        with tr.span("running", op.name, track, op.tag, seq=op.seq, nbytes=op.nbytes):
+        board = self._board
+        board.set(op.seq, op.name, _board.IN_OP)
+        if tr.active:
+            if tr.path and op.submitted_us:
+                tr.add("queued", op.name, "engine", op.submitted_us, tr.now_us(), seq=op.seq)
+            token = tr.begin("running", op.name, track, op.tag, seq=op.seq, nbytes=op.nbytes)
+            try:
+                p = op.start()
+                self._wait_pending(p, op.name, op.seq)
+                p.finish()
+            finally:
+                tr.end(token)
+        else:
             p = op.start()
             self._wait_pending(p, op.name, op.seq)
             p.finish()
-        self._board.set(op.seq, op.name, _board.IDLE)
+        board.set(op.seq, op.name, _board.IDLE)
         return op.result()
 
     def _agree(self, name: str, seq: int, fp: list[int], err: BaseException | None) -> None:
@@ -196,7 +215,8 @@ class Communicator:
         del MPI
 
     def _call(self, name: str, build: Callable[[], Op], blocking: bool) -> Any:
-        self._check_alive()
+        if self._aborted is not None or self._closed:
+            self._check_alive()
         self._seq += 1
         seq = self._seq
         try:
@@ -204,7 +224,7 @@ class Communicator:
         except ValidationError as exc:
             op, err = None, exc
         if self.config.check:
-            self._agree(name, seq, op.fingerprint if op else [], err)
+            self._agree(name, seq, fingerprint(*op.check_args) if op else [], err)
         elif err is not None:
             if self.size > 1:
                 # Peers may already be inside this operation: they see the rejection
@@ -220,7 +240,7 @@ class Communicator:
         op.seq = seq
         if blocking and self._engine.idle:
             return self._execute(op, track="caller")
-        op.submitted_us = self._tracer.now_us() if self._tracer.recording else 0.0
+        op.submitted_us = self._tracer.now_us() if self._tracer.path else 0.0
         work = self._engine.submit(Work(op, waiter=self._wait_work))
         return work.wait() if blocking else work
 
@@ -239,7 +259,7 @@ class Communicator:
             def result(): return v.wrap(recv, v.shape)
         be = self._backend
         return Op("allreduce", lambda: be.allreduce(v.data, recv, v.dtype, op), result,
-                   v.nbytes, tag, fingerprint=fingerprint("allreduce", v, v.count, op=op))
+                   v.nbytes, tag, check_args=("allreduce", v, v.count, -1, op))
 
     def allreduce(self, x: Any, op: str = "sum", *, out: Any = None,
                   tag: str | None = None) -> Any:
@@ -267,7 +287,7 @@ class Communicator:
         be = self._backend
         return Op("reduce_scatter",
                    lambda: be.reduce_scatter(v.data, recv, v.dtype, op, counts), result,
-                   v.nbytes, tag, fingerprint=fingerprint("reduce_scatter", v, v.count, op=op))
+                   v.nbytes, tag, check_args=("reduce_scatter", v, v.count, -1, op))
 
     def reduce_scatter(self, x: Any, op: str = "sum", *, out: Any = None,
                        tag: str | None = None) -> Any:
@@ -295,7 +315,7 @@ class Communicator:
             def result(): return v.wrap(recv, (self.size, *v.shape))
         be = self._backend
         return Op("allgather", lambda: be.allgather(v.data, recv, v.dtype), result,
-                   v.nbytes * self.size, tag, fingerprint=fingerprint("allgather", v, v.count))
+                   v.nbytes * self.size, tag, check_args=("allgather", v, v.count))
 
     def allgather(self, x: Any, *, out: Any = None, tag: str | None = None) -> Any:
         """Gather equal-sized ``x`` from every rank; the result has shape ``(size, *x.shape)``.
@@ -344,7 +364,7 @@ class Communicator:
             def result(): return v.wrap(recv, (total,))
         be = self._backend
         return Op("allgatherv", lambda: be.allgatherv(v.data, recv, v.dtype, counts), result,
-                   total * v.data.itemsize, tag, fingerprint=fingerprint("allgatherv", v, total))
+                   total * v.data.itemsize, tag, check_args=("allgatherv", v, total))
 
     def allgatherv(self, x: Any, counts: Sequence[int] | None = None, *, out: Any = None,
                    tag: str | None = None) -> Any:
@@ -382,7 +402,7 @@ class Communicator:
             return be.broadcast(buf, v.dtype, root)
 
         return Op("broadcast", start, result, v.nbytes, tag,
-                   fingerprint=fingerprint("broadcast", v, v.count, root=root))
+                   check_args=("broadcast", v, v.count, root))
 
     def broadcast(self, x: Any, root: int = 0, *, out: Any = None, tag: str | None = None) -> Any:
         """Give every rank root's ``x``: in place where ``x`` is writable, else a new array.
@@ -400,7 +420,7 @@ class Communicator:
     def _barrier(self, tag: str | None) -> Op:
         be = self._backend
         return Op("barrier", be.barrier, lambda: None, 0, tag,
-                   fingerprint=fingerprint("barrier"))
+                   check_args=("barrier",))
 
     def barrier(self, *, tag: str | None = None) -> None:
         """Block until every rank has called ``barrier``."""

@@ -63,7 +63,7 @@ class Config:
             timeout=timeout,
             check=_env_bool("COMMLIB_CHECK", False),
             timeline=os.environ.get("COMMLIB_TIMELINE") or None,
-            nvtx=_env_bool("COMMLIB_NVTX", True),
+            nvtx=os.environ.get("COMMLIB_NVTX") == "force" or _env_bool("COMMLIB_NVTX", True),
             cuda_aware=None if aware_raw == "auto" else aware_raw == "1",
         )
         known = {f.name for f in fields(cls)}

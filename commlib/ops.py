@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .arrays import DTYPES, FLOAT_DTYPES, View, as_view
@@ -14,7 +14,7 @@ from .errors import ValidationError
 OPS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "broadcast", "barrier")
 
 
-@dataclass
+@dataclass(slots=True)
 class Op:
     """One operation, validated and ready to start."""
 
@@ -25,7 +25,7 @@ class Op:
     tag: str | None = None
     seq: int = 0
     submitted_us: float = 0.0
-    fingerprint: list[int] = field(default_factory=list)
+    check_args: tuple = ()   # arguments of fingerprint(), computed only in check mode
 
     def __str__(self) -> str:
         return f"{self.name} #{self.seq}" + (f" [{self.tag}]" if self.tag else "")
@@ -58,6 +58,8 @@ def out_buffer(v: View, out: Any, count: int, what: str) -> tuple[Any, Callable[
     """The receive storage for an ``out`` argument and its result maker (``None``: allocated)."""
     if out is None:
         return v.empty(count), None
+    if out is v.original and v.count == count and v.writable:
+        return v.data, (lambda: out)   # in place: the backend sees send is recv
     o = as_view(out, f"{what}: out")
     if o.dtype != v.dtype:
         raise ValidationError(f"{what}: out has dtype {o.dtype}, input has {v.dtype}")

@@ -1,10 +1,12 @@
 """Tracing: NVTX ranges for Nsight, and a Chrome-trace / Perfetto timeline.
 
 Every operation is bracketed by an NVTX range named
-``commlib.<op>[<tag>] #<seq> <bytes>`` (the ``nvtx`` package; a no-op when no
-profiler is attached).  With ``COMMLIB_TIMELINE=path`` each rank also writes
-the same events as a Chrome-trace JSON (open it in ``chrome://tracing`` or
-https://ui.perfetto.dev), with three phases per operation:
+``commlib.<op>[<tag>] #<seq> <bytes>`` (the ``nvtx`` package) whenever an
+NVTX tool is attached (Nsight Systems sets ``NVTX_INJECTION64_PATH``;
+``COMMLIB_NVTX=force`` emits them regardless, ``COMMLIB_NVTX=0`` never).
+With ``COMMLIB_TIMELINE=path`` each rank also writes the same events as a
+Chrome-trace JSON (open it in ``chrome://tracing`` or https://ui.perfetto.dev),
+with three phases per operation:
 
 * ``queued``  (track ``engine``): submitted, waiting for earlier operations;
 * ``running`` (track ``engine``): inside the backend;
@@ -55,7 +57,12 @@ class Tracer:
     def __init__(self, rank: int, path: str | None, nvtx: bool = True):
         self.rank = rank
         self.path = path
-        self.nvtx = nvtx and _nvtx is not None
+        # NVTX ranges cost label formatting per call: build them only when a tool
+        # (Nsight Systems sets NVTX_INJECTION64_PATH) is attached to collect them
+        self.nvtx = bool(nvtx and _nvtx is not None and (
+            os.environ.get("NVTX_INJECTION64_PATH") or os.environ.get("COMMLIB_NVTX") == "force"))
+        #: whether begin()/end() do anything (NVTX or timeline)
+        self.active = bool(self.nvtx or path)
         self._events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
@@ -90,27 +97,44 @@ class Tracer:
         with self._lock:
             self._events.append(ev)
 
+    def begin(self, phase: str, op: str, track: str, tag: str | None = None,
+              **args: Any) -> tuple[Any, float, tuple] | None:
+        """Open a phase (NVTX range + timeline start); pass the token to :meth:`end`.
+
+        Returns ``None`` when neither NVTX nor the timeline is on (no cost).
+        """
+        if not self.nvtx and not self.path:
+            return None
+        rng = None
+        if self.nvtx:
+            label = f"commlib.{op}" + (f"[{tag}]" if tag else "")
+            if "seq" in args:
+                label += f" #{args['seq']}"
+            if "nbytes" in args:
+                label += f" {format_bytes(args['nbytes'])}"
+            rng = _nvtx.start_range(message=f"{label} {phase}", color=_COLORS.get(op, "grey"),
+                                    domain="commlib")
+        return rng, (self.now_us() if self.path else 0.0), (phase, op, track, tag, args)
+
+    def end(self, token: tuple[Any, float, tuple] | None) -> None:
+        """Close a phase opened by :meth:`begin`."""
+        if token is None:
+            return
+        rng, start, (phase, op, track, tag, args) = token
+        if rng is not None:
+            _nvtx.end_range(rng)
+        if self.path:
+            self.add(phase, op, track, start, self.now_us(), **({"tag": tag} if tag else {}), **args)
+
     @contextlib.contextmanager
     def span(self, phase: str, op: str, track: str, tag: str | None = None,
              **args: Any) -> Iterator[None]:
-        """Bracket a phase with an NVTX range and a timeline event."""
-        label = f"commlib.{op}" + (f"[{tag}]" if tag else "")
-        if "seq" in args:
-            label += f" #{args['seq']}"
-        if "nbytes" in args:
-            label += f" {format_bytes(args['nbytes'])}"
-        if self.nvtx:
-            rng = _nvtx.start_range(message=f"{label} {phase}",
-                                    color=_COLORS.get(op, "grey"), domain="commlib")
-        start = self.now_us() if self.path else 0.0
+        """Bracket a phase with an NVTX range and a timeline event (context manager)."""
+        token = self.begin(phase, op, track, tag, **args)
         try:
             yield
         finally:
-            if self.nvtx:
-                _nvtx.end_range(rng)
-            if self.path:
-                self.add(phase, op, track, start, self.now_us(),
-                         **({"tag": tag} if tag else {}), **args)
+            self.end(token)
 
     def write(self) -> str | None:
         """Write the timeline file now (also done at exit); return its path."""

@@ -41,6 +41,13 @@ def _is_device(a: Any) -> bool:
     return not isinstance(a, np.ndarray)
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Whether two arrays start at the same address (an in-place call)."""
+    if type(a) is np.ndarray and type(b) is np.ndarray and not np.may_share_memory(a, b):
+        return False
+    return _ptr(a) == _ptr(b)
+
+
 def _ptr(a: Any) -> int:
     if isinstance(a, np.ndarray):
         return a.__array_interface__["data"][0]
@@ -59,13 +66,16 @@ class MPIBackend:
         self.cuda_aware = mpi_cuda_aware() if cuda_aware is None else cuda_aware
 
     # -- helpers ---------------------------------------------------------
-    def _host(self, *arrays: Any, force: bool = False) -> tuple[list[Any], list[tuple[Any, Any]]]:
+    def _host(self, *arrays: Any, force: bool = False) -> tuple[Any, Any]:
         """Host stand-ins for device arrays (staged) and the copy-backs to do.
 
         ``force`` stages even under CUDA-aware MPI (host arithmetic needed).
         """
-        if all(type(a) is np.ndarray for a in arrays):
-            return list(arrays), []
+        for a in arrays:
+            if type(a) is not np.ndarray:
+                break
+        else:
+            return arrays, ()
         if self.cuda_aware and not force:
             if any(_is_device(a) for a in arrays if a is not None):
                 import cupy
@@ -100,8 +110,10 @@ class MPIBackend:
             req = self.comm.Iallreduce(MPI.IN_PLACE, work, op=_MPI_OPS[op])
         else:
             work = hrecv
-            sbuf = MPI.IN_PLACE if _ptr(hsend) == _ptr(hrecv) else hsend
+            sbuf = MPI.IN_PLACE if hsend is hrecv or _same(hsend, hrecv) else hsend
             req = self.comm.Iallreduce(sbuf, hrecv, op=_MPI_OPS[op])
+            if op != "avg" and not back:
+                return Pending(req.Test)
 
         def finish() -> None:
             if op == "avg":

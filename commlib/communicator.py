@@ -52,7 +52,7 @@ class Communicator:
         from mpi4py import MPI
 
         self.config = config
-        self.timeout = config.timeout
+        self._timeout = config.timeout
         self._ctl = mpi_comm.Dup()          # control traffic: checks, counts
         self.rank: int = mpi_comm.rank
         self.size: int = mpi_comm.size
@@ -62,7 +62,7 @@ class Communicator:
             self._backend = NCCLBackend(mpi_comm)
         else:
             from .backends.mpi import MPIBackend
-            self._backend = MPIBackend(mpi_comm, config.cuda_aware)
+            self._backend = MPIBackend(mpi_comm, config.cuda_aware, blocking=config.timeout == 0)
         self.backend: str = self._backend.name
         self._board = _board.Board(self._ctl, OPS)
         world_rank = MPI.COMM_WORLD.rank
@@ -73,6 +73,23 @@ class Communicator:
         self._closed = False
 
     # ------------------------------------------------------------------ state
+    @property
+    def timeout(self) -> float:
+        """Seconds an operation may take before :class:`CommTimeoutError` (0: no limit).
+
+        With 0 the MPI backend calls MPI's blocking collectives directly: the
+        fastest path, but a hang then stays a hang.
+        """
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        if not seconds >= 0:
+            raise ValidationError(f"timeout {seconds!r}: expected seconds >= 0")
+        self._timeout = float(seconds)
+        if hasattr(self._backend, "blocking"):
+            self._backend.blocking = self._timeout == 0
+
     @property
     def seq(self) -> int:
         """Number of operations called so far (the last one's sequence number)."""
@@ -247,7 +264,7 @@ class Communicator:
     def _wait_work(self, work: Work, timeout: float | None) -> None:
         op = work.op
         with self._tracer.span("waiting", op.name, "caller", op.tag, seq=op.seq):
-            if not work._event.wait(timeout):
+            if not self._engine.help_until(work, timeout):
                 raise TimeoutError(f"{op} still running after wait(timeout={timeout})")
 
     # ------------------------------------------------------------- operations

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -69,13 +70,14 @@ class Work:
 
 
 class ProgressEngine:
-    """One background thread that runs submitted operations in order.
+    """Runs submitted operations one at a time, in submission order.
 
-    ``execute(op)`` runs one operation to completion and returns its result
-    (or raises); the engine stores either into the operation's :class:`Work`.
-    After ``execute`` raises a :class:`CommlibError` with ``fatal=True``
-    semantics (the communicator aborted), the remaining queue fails the same way
-    through ``execute`` itself, which checks the communicator's state.
+    Whoever holds the run lock executes the operation at the head of the
+    queue: the background thread, so that operations progress while the
+    caller computes, or the caller itself inside :meth:`help_until` (its
+    ``wait()``), which saves two thread hand-offs per operation when the
+    caller waits right away.  An operation is always executed start to finish
+    by one thread, so no MPI request is ever polled by two threads.
     """
 
     def __init__(self, execute: Callable[[Any], Any], name: str):
@@ -83,6 +85,7 @@ class ProgressEngine:
         self._name = name
         self._queue: collections.deque[Work] = collections.deque()
         self._cv = threading.Condition()
+        self._run_lock = threading.Lock()
         self._pending = 0
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -103,6 +106,39 @@ class ProgressEngine:
             self._queue.append(work)
             self._cv.notify()
         return work
+
+    def _run_one(self) -> bool:
+        """Execute the queue's head (the run lock is held); False if the queue was empty."""
+        with self._cv:
+            if not self._queue:
+                return False
+            work = self._queue.popleft()
+        try:
+            work._complete(self._execute(work.op))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            work._complete(error=exc)
+        with self._cv:
+            self._pending -= 1
+            self._cv.notify_all()
+        return True
+
+    def help_until(self, work: Work, timeout: float | None = None) -> bool:
+        """Run queued operations on this thread until ``work`` is done; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done = work._event.is_set
+        while not done():
+            if self._run_lock.acquire(blocking=False):
+                try:
+                    while not done() and self._run_one():
+                        pass
+                finally:
+                    self._run_lock.release()
+                continue
+            left = 0.0005 if deadline is None else min(0.0005, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            work._event.wait(left)
+        return True
 
     def drain(self) -> None:
         """Wait until every submitted operation has finished."""
@@ -125,11 +161,5 @@ class ProgressEngine:
                     self._cv.wait()
                 if not self._queue:
                     return
-                work = self._queue.popleft()
-            try:
-                work._complete(self._execute(work.op))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                work._complete(error=exc)
-            with self._cv:
-                self._pending -= 1
-                self._cv.notify_all()
+            with self._run_lock:
+                self._run_one()

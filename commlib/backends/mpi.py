@@ -24,6 +24,23 @@ _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
+class _Done:
+    """A request that is already complete (blocking mode)."""
+
+    @staticmethod
+    def Test() -> bool:  # noqa: N802 - mirrors MPI.Request.Test
+        return True
+
+
+_DONE = _Done()
+_NONBLOCKING = {"allreduce": MPI.Intracomm.Iallreduce, "reduce_scatter": MPI.Intracomm.Ireduce_scatter,
+                "allgather": MPI.Intracomm.Iallgather, "allgatherv": MPI.Intracomm.Iallgatherv,
+                "bcast": MPI.Intracomm.Ibcast, "barrier": MPI.Intracomm.Ibarrier}
+_BLOCKING = {"allreduce": MPI.Intracomm.Allreduce, "reduce_scatter": MPI.Intracomm.Reduce_scatter,
+             "allgather": MPI.Intracomm.Allgather, "allgatherv": MPI.Intracomm.Allgatherv,
+             "bcast": MPI.Intracomm.Bcast, "barrier": MPI.Intracomm.Barrier}
+
+
 def mpi_cuda_aware() -> bool:
     """Whether the loaded MPI library says it accepts CUDA device pointers."""
     for name in (None, "libmpi.so.12", "libmpi.so.40", "libmpi.so"):
@@ -59,13 +76,23 @@ class MPIBackend:
 
     name = "mpi"
 
-    def __init__(self, comm: "MPI.Intracomm", cuda_aware: bool | None = None):
+    def __init__(self, comm: MPI.Intracomm, cuda_aware: bool | None = None,
+                 blocking: bool = False):
         self.comm = comm
+        #: call MPI's blocking collectives (no timeout possible; used when timeout is 0)
+        self.blocking = blocking
         self.rank = comm.rank
         self.size = comm.size
         self.cuda_aware = mpi_cuda_aware() if cuda_aware is None else cuda_aware
 
     # -- helpers ---------------------------------------------------------
+    def _go(self, name: str, *args: Any, **kw: Any) -> Any:
+        """Start MPI's nonblocking ``name``; or, in blocking mode, run the blocking one."""
+        if self.blocking:
+            _BLOCKING[name](self.comm, *args, **kw)
+            return _DONE
+        return _NONBLOCKING[name](self.comm, *args, **kw)
+
     def _host(self, *arrays: Any, force: bool = False) -> tuple[Any, Any]:
         """Host stand-ins for device arrays (staged) and the copy-backs to do.
 
@@ -107,11 +134,11 @@ class MPIBackend:
         (hsend, hrecv), back = self._host(send, recv, force=upcast)
         if upcast:  # MPI has no bfloat16 arithmetic: reduce in float32
             work = hsend.view(_BF16).astype(np.float32)
-            req = self.comm.Iallreduce(MPI.IN_PLACE, work, op=_MPI_OPS[op])
+            req = self._go("allreduce", MPI.IN_PLACE, work, op=_MPI_OPS[op])
         else:
             work = hrecv
             sbuf = MPI.IN_PLACE if hsend is hrecv or _same(hsend, hrecv) else hsend
-            req = self.comm.Iallreduce(sbuf, hrecv, op=_MPI_OPS[op])
+            req = self._go("allreduce", sbuf, hrecv, op=_MPI_OPS[op])
             if op != "avg" and not back:
                 return Pending(req.Test)
 
@@ -131,10 +158,10 @@ class MPIBackend:
         if upcast:
             s = hsend.view(_BF16).astype(np.float32)
             work = np.empty(hrecv.size, np.float32)
-            req = self.comm.Ireduce_scatter(s, work, list(counts), op=_MPI_OPS[op])
+            req = self._go("reduce_scatter", s, work, list(counts), op=_MPI_OPS[op])
         else:
             work = hrecv
-            req = self.comm.Ireduce_scatter(hsend, hrecv, list(counts), op=_MPI_OPS[op])
+            req = self._go("reduce_scatter", hsend, hrecv, list(counts), op=_MPI_OPS[op])
 
         def finish() -> None:
             if op == "avg":
@@ -148,22 +175,22 @@ class MPIBackend:
     def allgather(self, send: Any, recv: Any, dtype: str) -> Pending:
         (hsend, hrecv), back = self._host(send, recv)
         inplace = _ptr(hsend) == _ptr(hrecv) + self.rank * hsend.nbytes and not back
-        req = self.comm.Iallgather(MPI.IN_PLACE if inplace else hsend, hrecv)
+        req = self._go("allgather", MPI.IN_PLACE if inplace else hsend, hrecv)
         return Pending(req.Test, lambda: self._copy_back(back, recv))
 
     def allgatherv(self, send: Any, recv: Any, dtype: str, counts: Sequence[int]) -> Pending:
         (hsend, hrecv), back = self._host(send, recv)
         displs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(int).tolist()
-        req = self.comm.Iallgatherv(hsend, [hrecv, list(counts), displs, None])
+        req = self._go("allgatherv", hsend, [hrecv, list(counts), displs, None])
         return Pending(req.Test, lambda: self._copy_back(back, recv))
 
     def broadcast(self, buf: Any, dtype: str, root: int) -> Pending:
         (hbuf,), back = self._host(buf)
-        req = self.comm.Ibcast(hbuf, root=root)
+        req = self._go("bcast", hbuf, root=root)
         return Pending(req.Test, lambda: self._copy_back(back))
 
     def barrier(self) -> Pending:
-        return Pending(self.comm.Ibarrier().Test)
+        return Pending(self._go("barrier").Test)
 
     def free(self) -> None:
         try:

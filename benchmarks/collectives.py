@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +59,8 @@ def _gloo(world: Any, enabled: bool) -> Any:
         import torch.distributed as dist
     except ImportError:
         return None
+    # torch 2.13 renamed reduce_scatter_tensor; the old name is the one every release has
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     port = world.bcast(29500 + os.getpid() % 2000 if world.rank == 0 else None)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=world.rank, world_size=world.size)

@@ -1,0 +1,30 @@
+"""The collective benchmark runs end to end under MPI and writes a JSON others can read."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from mpi4py import MPI
+
+from benchmarks import collectives
+
+
+@pytest.mark.mpi(min_size=2)
+def test_collectives_benchmark_quick_run(tmp_path_factory):
+    world = MPI.COMM_WORLD
+    base = world.bcast(str(tmp_path_factory.mktemp("bench")) if world.rank == 0 else None)
+    path = os.path.join(base, "c.json")
+    collectives.main(["--quick", "--no-torch", "--max-bytes", "65536", "--ops", "allreduce",
+                      "rs+ag", "--json", path])
+    world.Barrier()
+    doc = json.load(open(path))
+    assert doc["env"]["ranks"] == world.size
+    rows = doc["results"]
+    assert {r["op"] for r in rows} == {"allreduce", "rs+ag"}
+    for r in rows:
+        assert set(r["time_s"]) == {"mpi4py", "commlib", "commlib-nb", "commlib-t0"}
+        assert all(t > 0 for t in r["time_s"].values())
+        assert r["ratio"]["commlib/mpi4py"] == r["time_s"]["commlib"] / r["time_s"]["mpi4py"]
+    assert collectives.ring_bound_s(1 << 20, 4, 1e9) == pytest.approx(2 * 3 / 4 * 8 * (1 << 20) / 1e9)

@@ -148,5 +148,10 @@ def test_split_communicators(comm):
     assert sub.size == len(members) and sub.rank == members.index(comm.rank)
     got = sub.allreduce(np.array([comm.rank], np.int64))
     assert int(got[0]) == sum(members)
-    assert comm.split(color=-1 if comm.rank == 0 else 0) is None or comm.rank != 0
+    rest = comm.split(color=-1 if comm.rank == 0 else 0)  # rank 0 opts out (MPI_UNDEFINED)
+    if comm.rank == 0:
+        assert rest is None
+    else:
+        assert rest.size == comm.size - 1
+        rest.close()
     sub.close()

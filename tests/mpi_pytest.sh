@@ -4,7 +4,8 @@
 # print it only when they fail, so the summary stays readable and nothing is lost.
 set -u
 rank=${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-0}}
-py=${PYTHON:-python}
+here=$(cd "$(dirname "$0")/.." && pwd)
+py=${PYTHON:-$here/.venv/bin/python}
 if [ "$rank" = 0 ]; then
   exec "$py" -m pytest --with-mpi -m mpi -p no:cacheprovider "$@"
 fi

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+from mpi4py import MPI  # before our exit hook is registered, so that MPI finalizes after it
 
 from . import board as _board
 from .arrays import as_view
@@ -20,6 +23,23 @@ from .tracing import Tracer
 from .work import ProgressEngine, Work
 
 _BOARD_EVERY_S = 0.002
+#: every communicator made, oldest first: closed in reverse order at exit
+_OPEN: list[weakref.ref] = []
+
+
+def _close_all() -> None:
+    for ref in reversed(_OPEN):
+        comm = ref()
+        if comm is not None:
+            try:
+                comm.close()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+    _OPEN.clear()
+
+
+# registered after mpi4py's own exit hook (imported above us), so it runs before MPI_Finalize
+atexit.register(_close_all)
 
 
 class Communicator:
@@ -49,8 +69,6 @@ class Communicator:
 
     def __init__(self, mpi_comm: Any, config: Config, backend: str = "mpi",
                  tracer: Tracer | None = None):
-        from mpi4py import MPI
-
         self.config = config
         self._timeout = config.timeout
         self._ctl = mpi_comm.Dup()          # control traffic: checks, counts
@@ -71,6 +89,7 @@ class Communicator:
         self._seq = 0
         self._aborted: BaseException | None = None
         self._closed = False
+        _OPEN.append(weakref.ref(self))
 
     # ------------------------------------------------------------------ state
     @property
@@ -207,8 +226,6 @@ class Communicator:
 
     def _agree(self, name: str, seq: int, fp: list[int], err: BaseException | None) -> None:
         """COMMLIB_CHECK: all ranks compare their calls before any enters the operation."""
-        from mpi4py import MPI
-
         mine = np.array(fp if err is None else [0, OPS.index(name), -1, -1, -1, -1], np.int64)
         table = np.empty((self.size, mine.size), np.int64)
         with self._tracer.span("running", "check", "control", seq=seq):
@@ -229,7 +246,6 @@ class Communicator:
             raise MismatchError(
                 f"{name} #{seq}: ranks {bad} called a different operation than rank 0, "
                 f"which called {describe(ref)}: {calls}", name, seq, bad)
-        del MPI
 
     def _call(self, name: str, build: Callable[[], Op], blocking: bool) -> Any:
         if self._aborted is not None or self._closed:
@@ -474,15 +490,24 @@ class Communicator:
         self._engine.drain()
 
     def close(self) -> None:
-        """Finish pending operations, free MPI resources and write the timeline."""
+        """Finish pending operations, free MPI resources and write the timeline.
+
+        Collective, like ``MPI_Comm_free``: every rank closes its communicators
+        in the same order.  Done for every open communicator at interpreter exit
+        (before MPI is finalized; an OFI fabric with live objects fails to close).
+        A communicator that is aborted here or on a node-local peer frees
+        nothing, since its peers may never join the collective frees.
+        """
         if self._closed:
             return
+        if self._aborted is None and any(p.rank != self.rank for p in self._board.aborted()):
+            self._aborted = CommAbortedError("a peer aborted this communicator")
         if self._aborted is None:
             self._engine.close()
         self._closed = True
-        self._board.free()
         self._tracer.write()
         if self._aborted is None:
+            self._board.free()
             self._backend.free()
             self._ctl.Free()
 

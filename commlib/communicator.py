@@ -473,8 +473,6 @@ class Communicator:
         Example:
             >>> half = comm.split(color=comm.rank % 2)
         """
-        from mpi4py import MPI
-
         self._check_alive()
         self._engine.drain()
         sub = self._mpi.Split(MPI.UNDEFINED if color < 0 else color,

@@ -46,7 +46,7 @@ bench-local: $(STAMP)
 bench-cluster: $(STAMP)
 	mkdir -p $(RESULTS)
 	$(PY) -m benchmarks.cluster --ranks $(RANKS) --rate $(RATE) $(CLUSTER) -- \
-		$(abspath $(PY)) -m benchmarks.collectives --min-bytes 4096 --no-torch \
+		$(abspath $(PY)) -m benchmarks.collectives --min-bytes 65536 --rounds 2 --no-torch \
 		--json $(RESULTS)/collectives-cluster.json --plot $(RESULTS)/collectives-cluster.png
 
 clean:

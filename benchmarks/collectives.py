@@ -1,33 +1,48 @@
-"""OSU-style sweep of allreduce, reduce_scatter and allgather: commlib against raw mpi4py and gloo.
+"""OSU-style sweep of allreduce, reduce_scatter, allgather: commlib against raw mpi4py and gloo.
 
-In one run, on the same buffers, per operation and message size:
+In one run, on the same float32 numpy buffers, per operation and message size:
 
-* ``mpi4py``      raw uppercase calls (``Allreduce``, ``Reduce_scatter``, ``Allgather``);
-* ``commlib``     blocking calls;
+* ``mpi4py``      raw uppercase calls, out of place (``Allreduce``, ``Reduce_scatter``, ``Allgather``);
+* ``commlib``     blocking calls (default settings: timeout 300 s, nonblocking MPI polled);
 * ``commlib-nb``  the ``i``-form plus ``wait()`` (through the progress engine);
 * ``commlib-t0``  blocking calls with ``timeout=0`` (MPI's blocking collectives, no hang detection);
-* ``gloo``        ``torch.distributed`` over gloo (``--no-torch`` leaves it out).
+* ``gloo``        ``torch.distributed`` on gloo, same memory (``all_reduce`` is in place: a copy first);
+* ``mpi4py-nb``   (only with ``--contenders``) raw ``Iallreduce(...).Wait()`` and so on.
 
-Contenders run round-robin, ``--rounds`` times per size, and the median is
-kept, so machine noise hits all of them alike.  Each time is a batch of
-calls after a barrier, divided by the batch length, of the slowest rank.
-Bus bandwidth follows the NCCL-tests convention: allreduce ``2(n-1)/n * S/t``,
-reduce_scatter and allgather ``(n-1)/n * S/t`` with S the full buffer.
-Under the emulated cluster (``COMMLIB_CLUSTER_RATE`` set, bits/s) the table
-adds the ring lower bound ``2(n-1)/n * S/B`` of allreduce and
-reduce_scatter + allgather.
+Operations: ``allreduce``, ``reduce_scatter``, ``allgather`` and ``rs+ag`` (reduce_scatter,
+then allgather of the shard).  The size S is the full buffer (as nccl-tests): allreduce S in
+and out, reduce_scatter S in and S/n out, allgather S/n in and S out; sizes below 4n bytes
+are rounded up to whole float32 shards.
+
+Timing (``--timing batch``): per size, every contender is warmed up, then one batch length is
+chosen for all (about ``--target-ms`` per batch, at most ``--iters`` calls and
+``--budget-bytes`` moved, at least ``--min-iters``; gloo gets its own).  A batch starts after a
+barrier; its time is the slowest rank's elapsed time over the batch length.  The contenders
+run round-robin, ``--rounds`` times (the first one rotates), and the median over rounds is
+kept, so that machine noise (4 ranks on 2 cores) hits all of them alike.  ``--timing iter``:
+a barrier before every call, per round the median over calls of the slowest rank's time.
+Rank 0 counts runnable tasks after each round; the report flags sizes where other jobs competed.
+
+Reported: latency, algorithm bandwidth S/t, bus bandwidth (allreduce and rs+ag
+``2(n-1)/n * S/t``, reduce_scatter and allgather ``(n-1)/n * S/t``), the ratios
+commlib/mpi4py, commlib-nb/commlib ("nb/blocking"), commlib-t0/mpi4py, gloo/mpi4py, and the
+targets of :data:`TARGETS`.  With ``COMMLIB_CLUSTER_RATE`` (bits/s, set by
+``benchmarks.cluster``) allreduce and rs+ag rows add the ring bound ``2(n-1)/n * S/B``.
 
 Example:
-    mpiexec -n 4 python -m benchmarks.collectives --json out.json --plot out.png
-    mpiexec -n 2 python -m benchmarks.collectives --quick
+    timeout 1800 mpiexec -n 4 python -m benchmarks.collectives --json out.json --plot out.png
+    timeout 120 mpiexec -n 2 python -m benchmarks.collectives --quick --no-torch
+    timeout 600 mpiexec -n 4 python -m benchmarks.collectives --no-torch --min-bytes 4096 \\
+        --max-bytes 1048576 --step 16 --rounds 15 --contenders mpi4py mpi4py-nb commlib commlib-nb
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
+import socket
 import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -35,226 +50,349 @@ import numpy as np
 from mpi4py import MPI
 
 import commlib
-from benchmarks._common import environment, markdown_table, median, size_label, timed, write_json
+from benchmarks import _common as bc
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "rs+ag")
 CONTENDERS = ("mpi4py", "commlib", "commlib-nb", "commlib-t0", "gloo")
+OPTIONAL = ("mpi4py-nb",)
+#: ratio name -> (first, second contender)
+RATIOS = {"commlib/mpi4py": ("commlib", "mpi4py"), "nb/blocking": ("commlib-nb", "commlib"),
+          "t0/mpi4py": ("commlib-t0", "mpi4py"), "gloo/mpi4py": ("gloo", "mpi4py"),
+          "mpi4py-nb/mpi4py": ("mpi4py-nb", "mpi4py")}
+#: (ratio, sizes, limit): the project's targets, checked per operation at the end of a run
+TARGETS = (("commlib/mpi4py", ">=1MiB", 1.05), ("commlib/mpi4py", "4KiB", 1.5),
+           ("nb/blocking", "1MiB", 1.10))
+_BUS = {"allreduce": 2.0, "rs+ag": 2.0, "reduce_scatter": 1.0, "allgather": 1.0}
 
 
-def sizes(lo: int, hi: int) -> list[int]:
-    """Message sizes in bytes: powers of 4 from ``lo``, plus 4 KiB, 1 MiB, 16 MiB and ``hi``."""
-    out = {hi}
-    s = lo
+def sizes(lo: int, hi: int, step: int = 4) -> list[int]:
+    """Requested sizes in bytes: powers of ``step`` from ``lo``, plus 4 KiB, 1 MiB, 16 MiB, ``hi``."""
+    out, s = {hi}, lo
     while s <= hi:
         out.add(s)
-        s *= 4
-    out |= {x for x in (4096, 1 << 20, 16 << 20) if lo <= x <= hi}
-    return sorted(out)
+        s *= step
+    return sorted(out | {x for x in (4096, 1 << 20, 16 << 20) if lo <= x <= hi})
 
 
-def _gloo(world: Any, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return None
-    # torch 2.13 renamed reduce_scatter_tensor; the old name is the one every release has
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    port = world.bcast(29500 + os.getpid() % 2000 if world.rank == 0 else None)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=world.rank, world_size=world.size)
-    return dist
-
-
-def make_calls(op: str, nbytes: int, world: Any, comm: commlib.Communicator,
-               comm0: commlib.Communicator, dist: Any) -> dict[str, Callable[[], Any] | None]:
-    """One callable per contender doing ``op`` on ``nbytes`` (None: not supported)."""
-    n = world.size
-    count = max(nbytes // 4, n)
-    count -= count % n          # divisible, so every contender does the same work
-    x = np.random.default_rng(world.rank).random(count, dtype=np.float32)
-    full = np.empty(count, np.float32)
-    shard = np.empty(count // n, np.float32)
-    gathered = np.empty(count * n, np.float32)
-    counts = [count // n] * n
-    calls: dict[str, Callable[[], Any] | None] = {}
-    if op == "allreduce":
-        calls["mpi4py"] = lambda: world.Allreduce(x, full)
-        calls["commlib"] = lambda: comm.allreduce(x, out=full)
-        calls["commlib-nb"] = lambda: comm.iallreduce(x, out=full).wait()
-        calls["commlib-t0"] = lambda: comm0.allreduce(x, out=full)
-    elif op == "reduce_scatter":
-        calls["mpi4py"] = lambda: world.Reduce_scatter(x, shard, counts)
-        calls["commlib"] = lambda: comm.reduce_scatter(x, out=shard)
-        calls["commlib-nb"] = lambda: comm.ireduce_scatter(x, out=shard).wait()
-        calls["commlib-t0"] = lambda: comm0.reduce_scatter(x, out=shard)
-    elif op == "allgather":
-        calls["mpi4py"] = lambda: world.Allgather(x, gathered)
-        calls["commlib"] = lambda: comm.allgather(x, out=gathered)
-        calls["commlib-nb"] = lambda: comm.iallgather(x, out=gathered).wait()
-        calls["commlib-t0"] = lambda: comm0.allgather(x, out=gathered)
-    else:  # reduce_scatter then allgather of the shard: DeAR's decoupled allreduce
-        calls["mpi4py"] = lambda: (world.Reduce_scatter(x, shard, counts), world.Allgather(shard, full))
-        calls["commlib"] = lambda: (comm.reduce_scatter(x, out=shard), comm.allgather(shard, out=full))
-        calls["commlib-nb"] = lambda: (comm.ireduce_scatter(x, out=shard).wait(),
-                                       comm.iallgather(shard, out=full).wait())
-        calls["commlib-t0"] = lambda: (comm0.reduce_scatter(x, out=shard), comm0.allgather(shard, out=full))
-    calls["gloo"] = None
-    if dist is not None:
-        import torch
-
-        tx, tfull = torch.from_numpy(x), torch.from_numpy(full)
-        tshard, tgath = torch.from_numpy(shard), torch.from_numpy(gathered)
-        g = {"allreduce": lambda: dist.all_reduce(tfull.copy_(tx)),
-             "reduce_scatter": lambda: dist.reduce_scatter_tensor(tshard, tx),
-             "allgather": lambda: dist.all_gather_into_tensor(tgath, tx),
-             "rs+ag": lambda: (dist.reduce_scatter_tensor(tshard, tx),
-                               dist.all_gather_into_tensor(tfull, tshard))}[op]
-        try:
-            g()
-            ok = True
-        except (RuntimeError, ValueError):
-            ok = False
-        ok = world.allreduce(int(ok), op=MPI.MIN)   # every rank agrees before timing
-        calls["gloo"] = g if ok else None
-    return calls
-
-
-def busbw(op: str, nbytes: int, n: int, seconds: float) -> float:
-    """Bus bandwidth in GB/s."""
-    factor = {"allreduce": 2 * (n - 1) / n, "rs+ag": 2 * (n - 1) / n}.get(op, (n - 1) / n)
-    return factor * nbytes / seconds / 1e9
+def element_count(nbytes: int, n: int) -> int:
+    """float32 elements of the full buffer: ``nbytes``/4 rounded up to a multiple of ``n``."""
+    return -(-max(-(-nbytes // 4), 1) // n) * n
 
 
 def ring_bound_s(nbytes: int, n: int, rate_bps: float) -> float:
-    """Ring all-reduce lower bound 2(n-1)/n * S / B, in seconds."""
+    """Ring all-reduce lower bound ``2(n-1)/n * S / B`` in seconds (``rate_bps`` in bits/s)."""
     return 2 * (n - 1) / n * nbytes * 8 / rate_bps
 
 
+def bus_factor(op: str, n: int) -> float:
+    """Bus bandwidth over algorithm bandwidth: ``2(n-1)/n`` or ``(n-1)/n``."""
+    return _BUS[op] * (n - 1) / n
+
+
+def init_gloo(world: Any, enabled: bool) -> tuple[Any, str | None]:
+    """``torch.distributed`` on gloo over TCP with MPI's ranks, or ``(None, why not)``.
+
+    Rank 0 picks a free port (on ``COMMLIB_CLUSTER_ADDR`` under the emulated cluster, else
+    127.0.0.1) and broadcasts it.  torch gets one intra-op thread (ranks share the cores).
+    """
+    if not enabled:
+        return None, "left out (--no-torch)"
+    try:
+        import torch
+        import torch.distributed as dist
+        why = None if dist.is_available() and dist.is_gloo_available() else "no gloo in this torch"
+    except ImportError as exc:
+        why = f"torch not importable: {exc}"
+    if world.allreduce(why is not None, op=MPI.LOR):
+        return None, world.bcast(why) or "torch unavailable on some rank"
+    torch.set_num_threads(1)
+    addr, port = None, None
+    if world.rank == 0:
+        addr = os.environ.get("COMMLIB_CLUSTER_ADDR", "127.0.0.1")
+        with socket.socket() as s:
+            s.bind((addr, 0))
+            port = s.getsockname()[1]
+    addr, port = world.bcast((addr, port))
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=world.rank,
+                                world_size=world.size, timeout=datetime.timedelta(seconds=120))
+        why = None
+    except Exception as exc:  # noqa: BLE001 - report, and go on without gloo
+        why = f"init_process_group failed: {exc}"
+    if world.allreduce(why is not None, op=MPI.LOR):
+        return None, why or "init_process_group failed on another rank"
+    return dist, None
+
+
+def make_calls(op: str, count: int, world: Any, comm: commlib.Communicator,
+               comm0: commlib.Communicator, dist: Any,
+               wanted: list[str]) -> tuple[dict[str, Callable[[], Any]], dict[str, str]]:
+    """One callable per wanted contender doing ``op`` on a full buffer of ``count`` float32.
+
+    Returns the calls and, for contenders that cannot do ``op``, why.  All of them read
+    and write the same numpy buffers.
+    """
+    n = world.size
+    x = np.random.default_rng(world.rank).random(count, dtype=np.float32)
+    full, shard = np.empty(count, np.float32), np.empty(count // n, np.float32)
+    part, counts, c, c0 = x[:count // n].copy(), [count // n] * n, comm, comm0
+    table: dict[str, dict[str, Callable[[], Any]]] = {
+        "allreduce": {
+            "mpi4py": lambda: world.Allreduce(x, full),
+            "mpi4py-nb": lambda: world.Iallreduce(x, full).Wait(),
+            "commlib": lambda: c.allreduce(x, out=full),
+            "commlib-nb": lambda: c.iallreduce(x, out=full).wait(),
+            "commlib-t0": lambda: c0.allreduce(x, out=full)},
+        "reduce_scatter": {
+            "mpi4py": lambda: world.Reduce_scatter(x, shard, counts),
+            "mpi4py-nb": lambda: world.Ireduce_scatter(x, shard, counts).Wait(),
+            "commlib": lambda: c.reduce_scatter(x, out=shard),
+            "commlib-nb": lambda: c.ireduce_scatter(x, out=shard).wait(),
+            "commlib-t0": lambda: c0.reduce_scatter(x, out=shard)},
+        "allgather": {
+            "mpi4py": lambda: world.Allgather(part, full),
+            "mpi4py-nb": lambda: world.Iallgather(part, full).Wait(),
+            "commlib": lambda: c.allgather(part, out=full),
+            "commlib-nb": lambda: c.iallgather(part, out=full).wait(),
+            "commlib-t0": lambda: c0.allgather(part, out=full)},
+        "rs+ag": {
+            "mpi4py": lambda: (world.Reduce_scatter(x, shard, counts), world.Allgather(shard, full)),
+            "mpi4py-nb": lambda: (world.Ireduce_scatter(x, shard, counts).Wait(),
+                                  world.Iallgather(shard, full).Wait()),
+            "commlib": lambda: (c.reduce_scatter(x, out=shard), c.allgather(shard, out=full)),
+            "commlib-nb": lambda: (c.ireduce_scatter(x, out=shard).wait(),
+                                   c.iallgather(shard, out=full).wait()),
+            "commlib-t0": lambda: (c0.reduce_scatter(x, out=shard), c0.allgather(shard, out=full))},
+    }
+    calls = {k: f for k, f in table[op].items() if k in wanted}
+    skipped: dict[str, str] = {}
+    if "gloo" in wanted and dist is not None:
+        import torch
+
+        tx, tfull, tshard, tpart = (torch.from_numpy(a) for a in (x, full, shard, part))
+        # torch 2.13 renamed them *_single and deprecated the old names (a warning per call)
+        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        g = {"allreduce": lambda: dist.all_reduce(tfull.copy_(tx)),
+             "reduce_scatter": lambda: rs(tshard, tx),
+             "allgather": lambda: ag(tfull, tpart),
+             "rs+ag": lambda: (rs(tshard, tx), ag(tfull, tshard))}[op]
+        try:
+            g()
+            why = None
+        except Exception as exc:  # noqa: BLE001 - an op gloo lacks: skip it and say so
+            why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"
+        if world.allreduce(why is not None, op=MPI.LOR):   # every rank agrees before timing
+            skipped["gloo"] = world.allreduce([why] if why else [], op=MPI.SUM)[0]
+        else:
+            calls["gloo"] = g
+    return calls, skipped
+
+
+def make_row(op: str, nbytes: int, n: int, iters: dict[str, int], runs: dict[str, list[float]],
+             skipped: dict[str, str], rate: float | None) -> dict[str, Any]:
+    """Medians, bandwidths and ratios of one (operation, size)."""
+    t = {k: bc.median(v) for k, v in runs.items()}
+    row: dict[str, Any] = {
+        "op": op, "bytes": nbytes, "iters": iters, "time_s": t, "all_s": runs,
+        "stats_s": {k: bc.stats(v) for k, v in runs.items()},
+        "algbw_GBps": {k: nbytes / v / 1e9 for k, v in t.items()},
+        "busbw_GBps": {k: bus_factor(op, n) * nbytes / v / 1e9 for k, v in t.items()},
+        "ratio": {k: t[a] / t[b] if a in t and b in t else None for k, (a, b) in RATIOS.items()},
+        "ratio_paired": {}, "skipped": skipped}
+    for k, (a, b) in RATIOS.items():
+        if a in runs and b in runs:   # per round, then the median: robust to slow drifts
+            q = [p / r for p, r in zip(runs[a], runs[b])]
+            row["ratio_paired"][k] = {"median": bc.median(q), "ci95": bc.median_ci(q)}
+    if rate and op in ("allreduce", "rs+ag"):
+        row["ring_bound_s"] = ring_bound_s(nbytes, n, rate)
+        row["ratio"]["commlib/ring_bound"] = t["commlib"] / row["ring_bound_s"] if "commlib" in t else None
+    return row
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The sweep (collective: every rank calls it); returns the full result document."""
     world = MPI.COMM_WORLD
+    n = world.size
     comm = commlib.init()
     comm0 = commlib.init(comm=world, timeout=0)
-    dist = _gloo(world, not args.no_torch)
-    env = environment(world)
-    rate = env["cluster_rate_bps"]
-    grid = sizes(args.min_bytes, args.max_bytes)
+    dist, gloo_why = init_gloo(world, "gloo" in args.contenders)
+    env = bc.environment(world)
+    grid = sorted({element_count(s, n) * 4 for s in sizes(args.min_bytes, args.max_bytes, args.step)})
     bar = None
     if world.rank == 0:
         from tqdm import tqdm
-        bar = tqdm(total=len(grid) * len(args.ops), desc="collectives", file=sys.stderr)
-    results = []
+        bar = tqdm(total=len(grid) * len(args.ops), desc="collectives", file=sys.stderr, unit="size")
+    rows = []
     for op in args.ops:
         for nbytes in grid:
-            calls = make_calls(op, nbytes, world, comm, comm0, dist)
-            iters = int(min(args.max_iters, max(args.min_iters, args.budget_bytes // nbytes)))
-            times: dict[str, list[float]] = {c: [] for c in CONTENDERS if calls.get(c)}
-            for _ in range(args.rounds):
-                for name in times:
-                    times[name].append(timed(world, calls[name], iters))
-            row = {"op": op, "bytes": nbytes, "iters": iters,
-                   "time_s": {k: median(v) for k, v in times.items()},
-                   "all_s": times}
-            t = row["time_s"]
-            row["busbw_GBps"] = {k: busbw(op, nbytes, world.size, v) for k, v in t.items()}
-            row["ratio"] = {
-                "commlib/mpi4py": t["commlib"] / t["mpi4py"],
-                "nb/blocking": t["commlib-nb"] / t["commlib"],
-                "t0/mpi4py": t["commlib-t0"] / t["mpi4py"],
-                "gloo/mpi4py": t["gloo"] / t["mpi4py"] if "gloo" in t else None,
-            }
-            if rate and op in ("allreduce", "rs+ag"):
-                row["ring_bound_s"] = ring_bound_s(nbytes, world.size, rate)
-                row["ratio"]["commlib/ring_bound"] = t["commlib"] / row["ring_bound_s"]
-            results.append(row)
+            if bar is not None:
+                bar.set_postfix_str(f"{op} {bc.size_label(nbytes)}")
+            calls, skipped = make_calls(op, nbytes // 4, world, comm, comm0, dist, args.contenders)
+            if "gloo" in args.contenders and dist is None:
+                skipped["gloo"] = gloo_why or "unavailable"
+            names = [c for c in args.contenders if c in calls]
+            cap = max(args.min_iters, min(args.iters, args.budget_bytes // nbytes))
+            own = {c: bc.calibrate(world, calls[c], args.warmup, args.target_ms / 1e3, args.min_iters, cap)
+                   for c in names}
+            common = min((v for c, v in own.items() if c != "gloo"), default=0)
+            iters = {c: v if c == "gloo" else common for c, v in own.items()}
+            runs: dict[str, list[float]] = {c: [] for c in names}
+            busy = []
+            for r in range(args.rounds):
+                k = r % len(names)
+                for c in names[k:] + names[:k]:       # round-robin, rotating who goes first
+                    runs[c].append(bc.timed(world, calls[c], iters[c], args.timing))
+                busy.append(bc.runnable_tasks() if world.rank == 0 else None)
+            rows.append(make_row(op, nbytes, n, iters, runs, skipped, env["cluster_rate_bps"]))
+            rows[-1]["runnable"] = busy
             if bar is not None:
                 bar.update(1)
-    if bar is not None:
-        bar.close()
+    bar is not None and bar.close()
     if dist is not None:
         dist.destroy_process_group()
-    return {"benchmark": "collectives", "env": env, "args": vars(args), "results": results}
+    comm0.close()
+    env["loadavg_end"] = list(os.getloadavg())
+    argv = sys.argv[1:] if args.argv is None else args.argv
+    return {"benchmark": "collectives", "command": " ".join(["python -m benchmarks.collectives", *argv]),
+            "env": env, "args": vars(args), "results": rows, "checks": checks(rows)}
+
+
+def checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The :data:`TARGETS` per operation, at the worst of the sizes this run measured."""
+    out = []
+    for op in dict.fromkeys(r["op"] for r in rows):
+        for name, where, limit in TARGETS:
+            pick = [r for r in rows if r["op"] == op and r["ratio"].get(name) is not None and (
+                r["bytes"] >= 1 << 20 if where == ">=1MiB" else bc.size_label(r["bytes"]) == where)]
+            if pick:
+                worst = max(pick, key=lambda r: r["ratio"][name])
+                out.append({"op": op, "ratio": name, "sizes": where, "worst_size": worst["bytes"],
+                            "value": worst["ratio"][name], "paired": worst["ratio_paired"].get(name, {}),
+                            "limit": limit, "ok": worst["ratio"][name] <= limit})
+    return out
 
 
 def report(doc: dict[str, Any]) -> str:
-    """The Markdown table of a run."""
-    ring = any("ring_bound_s" in r for r in doc["results"])
-    header = ["op", "size", "mpi4py us", "commlib us", "commlib-nb us", "commlib-t0 us", "gloo us",
-              "commlib/mpi4py", "nb/blocking", "t0/mpi4py", "gloo/mpi4py", "commlib busbw GB/s"]
-    if ring:
-        header += ["ring bound us", "commlib/bound"]
-    rows = []
-    for r in doc["results"]:
-        t, q = r["time_s"], r["ratio"]
-        row = [r["op"], size_label(r["bytes"]), t["mpi4py"] * 1e6, t["commlib"] * 1e6,
-               t["commlib-nb"] * 1e6, t["commlib-t0"] * 1e6, t["gloo"] * 1e6 if "gloo" in t else "n/a",
-               q["commlib/mpi4py"], q["nb/blocking"], q["t0/mpi4py"],
-               q["gloo/mpi4py"] if q["gloo/mpi4py"] is not None else "n/a",
-               r["busbw_GBps"]["commlib"]]
+    """Markdown: latencies with ratios, bandwidths, notes, and the targets."""
+    rows, env, a = doc["results"], doc["env"], doc["args"]
+    names = [c for c in CONTENDERS + OPTIONAL if any(c in r["time_s"] for r in rows)]
+    rnames = [k for k in RATIOS if any(r["ratio"].get(k) is not None for r in rows)]
+    ring = any("ring_bound_s" in r for r in rows)
+    head = ["op", "size"] + [f"{c} us" for c in names] + rnames
+    head += ["ring bound us", "commlib/bound"] if ring else []
+    lat = []
+    for r in rows:
+        line = [r["op"], bc.size_label(r["bytes"])] + [r["time_s"][c] * 1e6 if c in r["time_s"] else "n/a"
+                                                       for c in names]
+        line += [r["ratio"].get(k) if r["ratio"].get(k) is not None else "n/a" for k in rnames]
         if ring:
-            row += [r["ring_bound_s"] * 1e6 if "ring_bound_s" in r else "",
-                    q.get("commlib/ring_bound", "")]
-        rows.append(row)
-    env = doc["env"]
-    shaped = (f"emulated cluster, links at {env['cluster_rate_bps'] / 1e9:g} Gbit/s"
-              if env["cluster_shaped"] else "unshaped (shared memory on one host)")
-    head = (f"{env['ranks']} ranks, {env['mpi']}, {shaped}; median of {doc['args']['rounds']} "
-            "round-robin rounds, slowest rank")
-    return head + "\n\n" + markdown_table(header, rows)
+            line += [r["ring_bound_s"] * 1e6, r["ratio"]["commlib/ring_bound"]] if "ring_bound_s" in r \
+                else ["", ""]
+        lat.append(line)
+    bw = [[r["op"], bc.size_label(r["bytes"])] + [r["algbw_GBps"].get(c, "n/a") for c in names]
+          + [r["busbw_GBps"].get(c, "n/a") for c in names] for r in rows]
+    rate = env["cluster_rate_bps"]
+    shaped = (f"emulated cluster, links at {rate / 1e9:g} Gbit/s" if env["cluster_shaped"] and rate
+              else "shaped cluster" if env["cluster_shaped"] else "unshaped (one host, shared memory)")
+    how = ("batch after a barrier, slowest rank, per call" if a["timing"] == "batch"
+           else "barrier before each call, median over calls of the slowest rank")
+    out = [f"{env['ranks']} ranks on {env['host']} ({env['cpus']} cpus, load {env['loadavg'][0]:.1f}), "
+           f"{env['mpi']}, {shaped}; timing: {how}; median of {a['rounds']} round-robin rounds. "
+           "Ratio > 1: the first is slower.", "", "Latency (us) and ratios", "", bc.markdown_table(head, lat),
+           "", "Bandwidth (GB/s): algbw = S/t; busbw = algbw * 2(n-1)/n (allreduce, rs+ag) "
+           "or (n-1)/n (reduce_scatter, allgather)", "",
+           bc.markdown_table(["op", "size"] + [f"{c} algbw" for c in names]
+                             + [f"{c} busbw" for c in names], bw)]
+    notes = sorted({f"{c} skipped {r['op']}: {why}" for r in rows for c, why in r["skipped"].items()})
+    crowded = [r for r in rows if any((b or 0) > env["local_ranks"] + 1 for b in r.get("runnable", []))]
+    if crowded:
+        notes.append(f"other jobs competed for the cores during {len(crowded)} of {len(rows)} sizes "
+                     f"(more than {env['local_ranks'] + 1} runnable tasks): read those rows with care")
+    out += ["", "Notes:", ""] + [f"* {s}" for s in notes] if notes else []
+    if doc.get("checks"):
+        ck = [[c["op"], c["ratio"], c["sizes"], bc.size_label(c["worst_size"]), c["value"],
+               c["paired"].get("median"), "{:.3g}-{:.3g}".format(*c["paired"]["ci95"]) if c["paired"] else "",
+               c["limit"], "ok" if c["ok"] else "MISSED"] for c in doc["checks"]]
+        out += ["", "Targets (value: ratio of the medians at the worst size in range; paired: median "
+                "over rounds of the same-round ratio, with its 95 % confidence interval)", "",
+                bc.markdown_table(["op", "ratio", "sizes", "worst at", "value", "paired", "paired 95% CI",
+                                   "limit", ""], ck)]
+    return "\n".join(out)
 
 
 def plot(doc: dict[str, Any], path: str) -> None:
-    """Latency against size, one panel per operation, one line per contender."""
+    """Latency (top) and bus bandwidth (bottom) against size, log-log, one column per operation."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ops = list(dict.fromkeys(r["op"] for r in doc["results"]))
-    fig, axes = plt.subplots(1, len(ops), figsize=(4.5 * len(ops), 4), squeeze=False)
-    for ax, op in zip(axes[0], ops):
-        rows = [r for r in doc["results"] if r["op"] == op]
-        for c in CONTENDERS:
-            pts = [(r["bytes"], r["time_s"][c] * 1e6) for r in rows if c in r["time_s"]]
+    rows = doc["results"]
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    fig, axes = plt.subplots(2, len(ops), figsize=(4.6 * len(ops), 7.5), squeeze=False)
+    for j, op in enumerate(ops):
+        sel = [r for r in rows if r["op"] == op]
+        for c in CONTENDERS + OPTIONAL:
+            pts = [(r["bytes"], r["time_s"][c] * 1e6, r["busbw_GBps"][c]) for r in sel if c in r["time_s"]]
             if pts:
-                ax.loglog(*zip(*pts), marker="o", ms=3, label=c)
-        bound = [(r["bytes"], r["ring_bound_s"] * 1e6) for r in rows if "ring_bound_s" in r]
+                xs, ts, bws = zip(*pts)
+                axes[0][j].loglog(xs, ts, marker="o", ms=3, label=c)
+                axes[1][j].loglog(xs, bws, marker="o", ms=3, label=c)
+        bound = [(r["bytes"], r["ring_bound_s"] * 1e6) for r in sel if "ring_bound_s" in r]
         if bound:
-            ax.loglog(*zip(*bound), "k--", label="ring bound")
-        ax.set_title(op)
-        ax.set_xlabel("bytes")
-        ax.set_ylabel("latency (us)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+            axes[0][j].loglog(*zip(*bound), "k--", label="ring bound")
+        axes[0][j].set(title=f"{op} ({doc['env']['ranks']} ranks)", ylabel="latency (us)")
+        axes[1][j].set(ylabel="bus bandwidth (GB/s)")
+        for ax in axes[:, j]:
+            ax.set_xlabel("size S (bytes, full buffer)")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Options (see the module docs); ``--quick`` is a sweep of seconds for tests."""
+    p = bc.base_parser(__doc__.splitlines()[0])
     p.add_argument("--min-bytes", type=int, default=8)
     p.add_argument("--max-bytes", type=int, default=64 << 20)
+    p.add_argument("--step", type=int, default=4, help="size ratio of the sweep (2, 4, ...)")
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--budget-bytes", type=int, default=256 << 20,
-                   help="bytes moved per timed batch (sets the iterations per size)")
-    p.add_argument("--min-iters", type=int, default=3)
-    p.add_argument("--max-iters", type=int, default=300)
+    p.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS + OPTIONAL)
     p.add_argument("--no-torch", action="store_true", help="leave torch.distributed/gloo out")
-    p.add_argument("--quick", action="store_true", help="a short sweep (tests, smoke runs)")
-    p.add_argument("--json", help="write all figures here")
-    p.add_argument("--plot", help="write a PNG plot here")
+    p.add_argument("--rounds", type=int, default=9, help="round-robin rounds per size (median kept)")
+    p.add_argument("--timing", choices=("batch", "iter"), default="batch")
+    p.add_argument("--iters", type=int, default=200, help="most calls per timed batch")
+    p.add_argument("--min-iters", type=int, default=3, help="fewest calls per timed batch")
+    p.add_argument("--budget-bytes", type=int, default=256 << 20,
+                   help="at most this many bytes (S * calls) per batch: fewer calls for large S")
+    p.add_argument("--target-ms", type=float, default=25.0, help="aim for batches this long")
+    p.add_argument("--warmup", type=int, default=3, help="calls before timing (also calibrate)")
     args = p.parse_args(argv)
+    args.argv = argv
     if args.quick:
         args.max_bytes = min(args.max_bytes, 1 << 20)
-        args.rounds, args.budget_bytes, args.max_iters = 1, 8 << 20, 30
+        args.step, args.rounds, args.iters, args.min_iters = 16, 2, 20, 2
+        args.target_ms, args.warmup = 3.0, 1
+    if args.no_torch:
+        args.contenders = [c for c in args.contenders if c != "gloo"]
+    if args.min_bytes < 1 or args.max_bytes < args.min_bytes or args.rounds < 1 or args.step < 2:
+        p.error("need 1 <= --min-bytes <= --max-bytes, --rounds >= 1, --step >= 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the sweep; rank 0 prints the Markdown report and writes ``--json`` and ``--plot``."""
+    args = parse_args(argv)
     doc = run(args)
     if MPI.COMM_WORLD.rank == 0:
         print(report(doc), flush=True)
-        write_json(args.json, doc)
+        bc.write_json(args.json, doc)
         if args.plot:
             plot(doc, args.plot)
+    return doc
 
 
 if __name__ == "__main__":

@@ -1,14 +1,28 @@
 """Refuse to report figures unless the links deliver the configured rate.
 
-Run inside the ranks (``python -m benchmarks.cluster.selfcheck``) or call
-:func:`selfcheck` at the start of a benchmark: it times a large raw mpi4py
-allreduce, turns it into bus bandwidth (``2(n-1)/n * S / t``) and raises if
-that is more than ``tolerance`` away from ``COMMLIB_CLUSTER_RATE`` — a silent
-shared-memory fallback shows up as far too fast, a broken shaping as too slow.
+:func:`selfcheck` runs inside the ranks (the launcher runs it before every
+command; a benchmark may call it at start).  It times two things with raw
+mpi4py, rank 0's verdict is shared, and every rank raises
+:class:`SelfCheckFailed` when either is more than ``tolerance`` away from the
+configured rate:
+
+- the link: every rank sends ``nbytes`` to its right neighbour at once
+  (``Sendrecv``), so each link carries ``nbytes`` once; a shared-memory
+  fallback shows up as many times too fast, a broken shaper as too slow;
+- a large allreduce as bus bandwidth ``2(n-1)/n * S / t``, the figure the
+  benchmarks compare with :func:`ring_bound_s`; the links may be right while
+  the host is too small for the ranks at this rate (reductions, page faults
+  and 4 busy-polling ranks on 2 cores), and then figures would be the host's,
+  not the network's.
+
+``python -m benchmarks.cluster.selfcheck --sizes 4,16,64`` (inside the ranks)
+prints the allreduce table of benchmarks/results/cluster-selfcheck.md.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import sys
 import time
@@ -18,70 +32,220 @@ import numpy as np
 
 
 class SelfCheckFailed(RuntimeError):
-    """The achieved link rate is not the configured one: figures would lie."""
+    """The achieved rate is not the configured one: figures would lie.
+
+    Example:
+        >>> try:                                   # doctest: +SKIP
+        ...     selfcheck(comm)
+        ... except SelfCheckFailed as exc:
+        ...     sys.exit(f"no figures: {exc}")
+    """
 
 
 def ring_bound_s(nbytes: int, n: int, rate_bps: float) -> float:
-    """Ring all-reduce lower bound ``2(n-1)/n * S / B`` in seconds.
+    """Ring all-reduce lower bound ``2(n-1)/n * S / B`` in seconds (``S`` bytes, ``B`` bits/s).
 
     Example:
-        >>> round(ring_bound_s(4 << 20, 2, 1e9) * 1e3, 1)
-        33.6
+        >>> round(ring_bound_s(4 << 20, 2, 1e9) * 1e3, 2), round(ring_bound_s(4 << 20, 4, 1e9) * 1e3, 2)
+        (33.55, 50.33)
     """
-    return 2 * (n - 1) / n * nbytes * 8 / rate_bps
+    return 2 * (n - 1) / n * nbytes * 8 / rate_bps if n > 1 else 0.0
 
 
-def selfcheck(comm: Any = None, rate_bps: float | None = None, nbytes: int = 16 << 20,
-              tolerance: float = 0.15, iters: int = 3) -> dict[str, float]:
-    """Measure the allreduce bus bandwidth and compare it with the configured rate.
+def default_nbytes(n: int, rate_bps: float | None) -> int:
+    """Allreduce size for the check: about 0.5 s at the ring bound, a power of two, 4..256 MiB.
 
-    Returns the figures; raises :class:`SelfCheckFailed` on every rank when
-    the rate is off by more than ``tolerance``.  Without a configured rate
-    (unshaped run) it only measures.
+    Large enough that per-operation overheads stay small (4 ranks at 1 Gbit/s on
+    2 cores: 4 MiB 0.86-0.90x of the bound, 64 MiB 0.90-0.92x), small enough
+    that the check takes seconds.
+
+    Example:
+        >>> default_nbytes(4, 1e9) >> 20, default_nbytes(2, 2e8) >> 20, default_nbytes(8, 1e8) >> 20
+        (32, 8, 4)
     """
+    if not rate_bps or n < 2:
+        return 16 << 20
+    want_mib = 0.5 * rate_bps / 8 / (2 * (n - 1) / n) / (1 << 20)
+    return 1 << (20 + max(2, min(8, int(np.log2(max(want_mib, 1))))))
+
+
+def _timed(comm: Any, op: Any, iters: int, warmup: int = 2) -> list[float]:
     from mpi4py import MPI
 
-    comm = comm or MPI.COMM_WORLD
-    if rate_bps is None and os.environ.get("COMMLIB_CLUSTER_RATE"):
-        rate_bps = float(os.environ["COMMLIB_CLUSTER_RATE"])
-    a = np.ones(nbytes // 4, np.float32)
-    b = np.empty_like(a)
-    comm.Allreduce(a, b)
+    for _ in range(warmup):  # connections, page faults, TCP windows (2-3 transfers to open up)
+        op()
     times = []
     for _ in range(iters):
         comm.Barrier()
         t0 = time.perf_counter()
-        comm.Allreduce(a, b)
+        op()
         times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    t = float(np.median(times))
-    n = comm.size
-    busbw = 2 * (n - 1) / n * nbytes * 8 / t if n > 1 else float("inf")
-    out = {"bytes": nbytes, "seconds": t, "busbw_bps": busbw, "rate_bps": rate_bps or 0.0}
-    if rate_bps and n > 1:
-        out["ratio"] = busbw / rate_bps
-        if abs(out["ratio"] - 1) > tolerance:
-            raise SelfCheckFailed(
-                f"links deliver {busbw / 1e9:.3g} Gbit/s of allreduce bus bandwidth, configured "
-                f"{rate_bps / 1e9:.3g} Gbit/s ({out['ratio']:.2f}x, tolerance {tolerance:.0%}): "
-                + ("traffic bypasses the shaped links (shared memory?); is MPIR_CVAR_NOLOCAL=1 set?"
-                   if busbw > rate_bps else "the links are slower than configured"))
-    return out
+    return times
 
 
-def main() -> None:
+def allreduce_times(comm: Any, nbytes: int, iters: int = 5) -> list[float]:
+    """Seconds (slowest rank) of ``iters`` float32 ``Allreduce`` of ``nbytes``, after 2 warm-ups.
+
+    Example:
+        >>> allreduce_times(MPI.COMM_WORLD, 4 << 20)   # doctest: +SKIP
+        [0.052, 0.051, 0.053, 0.052, 0.052]
+    """
+    a = np.ones(nbytes // 4, np.float32)
+    b = np.empty_like(a)
+    return _timed(comm, lambda: comm.Allreduce(a, b), iters)
+
+
+def link_times(comm: Any, nbytes: int, iters: int = 5) -> list[float]:
+    """Seconds of ``iters`` ring exchanges: each rank sends ``nbytes`` right, receives from the left.
+
+    Example:
+        >>> link_times(MPI.COMM_WORLD, 4 << 20)   # doctest: +SKIP
+        [0.034, 0.034, 0.035, 0.034, 0.034]
+    """
+    a = np.ones(nbytes, np.uint8)
+    b = np.empty_like(a)
+    r, n = comm.rank, comm.size
+    return _timed(comm, lambda: comm.Sendrecv(a, (r + 1) % n, 7, b, (r - 1) % n, 7), iters)
+
+
+def selfcheck(comm: Any = None, rate_bps: float | None = None, nbytes: int | None = None,
+              tolerance: float = 0.15, iters: int = 5) -> dict[str, Any]:
+    """Measure link rate and allreduce bus bandwidth; raise if either is off the configured rate.
+
+    ``rate_bps`` defaults to ``COMMLIB_CLUSTER_RATE``.  Unshaped ranks
+    (``COMMLIB_CLUSTER_SHAPED`` not ``1``) and a single rank are only measured.
+    Every rank returns the same dict (medians of ``iters`` runs) or raises
+    :class:`SelfCheckFailed`.
+
+    Example:
+        >>> from mpi4py import MPI                         # doctest: +SKIP
+        >>> res = selfcheck(MPI.COMM_WORLD, 1e9)           # doctest: +SKIP
+        >>> round(res["allreduce_ratio"], 2), round(res["link_ratio"], 2)   # doctest: +SKIP
+        (0.92, 0.97)
+    """
     from mpi4py import MPI
 
+    comm = comm or MPI.COMM_WORLD
+    n = comm.size
+    shaped = os.environ.get("COMMLIB_CLUSTER_SHAPED") == "1"
+    if rate_bps is None and shaped and os.environ.get("COMMLIB_CLUSTER_RATE"):
+        rate_bps = float(os.environ["COMMLIB_CLUSTER_RATE"])
+    nbytes = nbytes or default_nbytes(n, rate_bps)
+    res: dict[str, Any] = {"shaped": shaped, "ranks": n, "rate_bps": rate_bps, "bytes": nbytes,
+                           "tolerance": tolerance}
+    if n < 2:
+        return {**res, "ok": True, "note": "one rank: nothing to check"}
+    t_link = float(np.median(link_times(comm, nbytes, iters)))
+    t_ar = float(np.median(allreduce_times(comm, nbytes, iters)))
+    res.update(link_s=t_link, link_bps=nbytes * 8 / t_link, allreduce_s=t_ar,
+               busbw_bps=ring_bound_s(nbytes, n, 1.0) / t_ar)
+    if not rate_bps:
+        return {**res, "ok": True, "note": "no configured rate: measured only"}
+    res.update(link_ratio=res["link_bps"] / rate_bps, allreduce_ratio=res["busbw_bps"] / rate_bps)
+    problems = []
+    if res["link_ratio"] > 1 + tolerance or res["allreduce_ratio"] > 1 + tolerance:
+        problems.append("traffic bypasses the shaped links (shared memory? is MPIR_CVAR_NOLOCAL=1 "
+                        "set in the ranks?)")
+    elif res["link_ratio"] < 1 - tolerance:
+        problems.append("the links are slower than configured (host too busy, or the shaper is off)")
+    elif res["allreduce_ratio"] < 1 - tolerance:
+        problems.append(f"the links are right, but this host cannot keep {n} ranks busy at this rate "
+                        "(CPU-bound reductions and polling): use fewer ranks or a lower rate")
+    res["ok"] = not problems
+    res["problem"] = problems[0] if problems else ""
+    res = comm.bcast(res, root=0)  # one verdict for every rank
+    if not res["ok"]:
+        raise SelfCheckFailed(f"{describe(res)}: {res['problem']}")
+    return res
+
+
+def describe(res: dict[str, Any]) -> str:
+    """One line for a :func:`selfcheck` result.
+
+    Example:
+        >>> describe({"ranks": 4, "bytes": 16 << 20, "rate_bps": 1e9, "link_bps": 0.97e9,
+        ...           "allreduce_s": 0.218, "busbw_bps": 0.92e9})[21:]
+        'link 0.97 Gbit/s (0.97x), 16 MiB allreduce 218.0 ms = bus bandwidth 0.92 Gbit/s (0.92x)'
+    """
+    rate = res.get("rate_bps")
+    head = f"{res['ranks']} ranks " + (f"at {rate / 1e9:g} Gbit/s" if rate else "unshaped")
+    if "link_bps" not in res:
+        return f"{head}: {res.get('note', '')}"
+
+    def _gbit(v: float) -> str:
+        return f"{v / 1e9:.3g} Gbit/s" + (f" ({v / rate:.2f}x)" if rate else "")
+
+    return (f"{head}: link {_gbit(res['link_bps'])}, {res['bytes'] >> 20} MiB allreduce "
+            f"{res['allreduce_s'] * 1e3:.1f} ms = bus bandwidth {_gbit(res['busbw_bps'])}")
+
+
+def from_env() -> dict[str, Any] | None:
+    """The launcher's self-check result (``COMMLIB_CLUSTER_SELFCHECK``, JSON), if any.
+
+    Example:
+        >>> from_env() is None or "ok" in from_env()
+        True
+    """
+    raw = os.environ.get("COMMLIB_CLUSTER_SELFCHECK")
+    return json.loads(raw) if raw else None
+
+
+def table(comm: Any, sizes_mib: list[int], rate_bps: float | None, iters: int) -> list[dict]:
+    """Allreduce at each size vs the ring bound (rows for rank 0's markdown table).
+
+    Example:
+        >>> table(MPI.COMM_WORLD, [4, 16], 1e9, 10)[0]["bytes"] >> 20   # doctest: +SKIP
+        4
+    """
+    rows = []
+    for mib in sizes_mib:
+        ts = sorted(allreduce_times(comm, mib << 20, iters))
+        row = {"bytes": mib << 20, "median_s": float(np.median(ts)), "min_s": ts[0], "max_s": ts[-1]}
+        if rate_bps:
+            row["bound_s"] = ring_bound_s(mib << 20, comm.size, rate_bps)
+            row["ratio"] = row["bound_s"] / row["median_s"]
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run inside the ranks: the self-check (exit 3 when it fails), with ``--sizes`` a table.
+
+    Example:
+        >>> main(["--sizes", "4,16,64", "--iters", "10"])   # doctest: +SKIP
+        0
+    """
+    from mpi4py import MPI
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cluster.selfcheck")
+    p.add_argument("--tolerance", type=float, default=0.15)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--bytes", type=int, default=None)
+    p.add_argument("--sizes", default="", help="MiB, comma-separated: print an allreduce table")
+    p.add_argument("--json", default=None, help="rank 0 writes the result here")
+    args = p.parse_args(argv)
+    comm = MPI.COMM_WORLD
     try:
-        res = selfcheck()
+        res = selfcheck(comm, nbytes=args.bytes, tolerance=args.tolerance, iters=args.iters)
     except SelfCheckFailed as exc:
-        if MPI.COMM_WORLD.rank == 0:
-            print(f"selfcheck FAILED: {exc}", file=sys.stderr)
-        sys.exit(3)
-    if MPI.COMM_WORLD.rank == 0:
-        ratio = f", {res['ratio']:.2f}x of the configured rate" if "ratio" in res else ""
-        print(f"selfcheck ok: 16 MiB allreduce {res['seconds'] * 1e3:.1f} ms, bus bandwidth "
-              f"{res['busbw_bps'] / 1e9:.3g} Gbit/s{ratio}", flush=True)
+        if comm.rank == 0:
+            print(f"cluster: selfcheck FAILED, no figures: {exc}", file=sys.stderr, flush=True)
+        return 3
+    if args.sizes:
+        res["table"] = table(comm, [int(s) for s in args.sizes.split(",")], res["rate_bps"],
+                             args.iters)
+    if comm.rank == 0:
+        print(f"cluster: selfcheck ok: {describe(res)}", file=sys.stderr, flush=True)
+        for row in res.get("table", []):
+            bound = (f" | {row['bound_s'] * 1e3:.1f} | {row['ratio']:.2f}" if "bound_s" in row
+                     else " | - | -")
+            print(f"| {row['bytes'] >> 20} MiB | {row['median_s'] * 1e3:.1f} | "
+                  f"{row['min_s'] * 1e3:.1f} | {row['max_s'] * 1e3:.1f}{bound} |", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

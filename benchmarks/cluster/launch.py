@@ -95,10 +95,9 @@ def run_ranks(cmd: Sequence[str], ranks: int, cluster: Cluster | None,
         0
     """
     # not ours to pass on: a surrounding run's cluster and PMI variables (a nested launch
-    # would talk to the outer hydra), and what the wrapper sets
+    # would talk to the outer hydra); the wrapper overrides MPICH_ENV in shaped ranks
     full_env = {k: v for k, v in os.environ.items()
-                if not k.startswith(("COMMLIB_CLUSTER_", "PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))
-                and k not in MPICH_ENV}
+                if not k.startswith(("COMMLIB_CLUSTER_", "PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
     full_env.update(rank_env(ranks, cluster))
     full_env.update(env or {})
     # every process of this run inherits the marker, so that none escapes kill_tree

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import CommTimeoutError
+
 IDLE, IN_OP, REJECTED, TIMED_OUT, ABORTED = 0, 1, 2, 3, 4
 _STATE_NAMES = {IDLE: "idle after", IN_OP: "in", REJECTED: "rejected", TIMED_OUT: "timed out in",
                 ABORTED: "aborted after"}
@@ -96,6 +98,22 @@ class Board:
     def aborted(self) -> list[PeerState]:
         """Peers whose communicator was aborted (they will not call again)."""
         return [p for p in self.peers() if p.state == ABORTED]
+
+    def timeout_error(self, name: str, seq: int, timeout: float, rank: int,
+                      size: int) -> CommTimeoutError:
+        """The error for operation ``seq`` timing out on ``rank``: who waits, who is elsewhere."""
+        peers = {p.rank: p for p in self.peers()}
+        waiting = sorted(r for r, p in peers.items()
+                         if p.seq == seq and p.op == name and p.state in (IN_OP, ABORTED))
+        missing = [r for r in range(size) if r in peers and r not in waiting]
+        unknown = [r for r in range(size) if r not in peers]
+        msg = f"{name} #{seq} timed out after {timeout:g} s on rank {rank}: ranks {waiting} are waiting in it"
+        if missing:
+            msg += "; not arrived: " + ", ".join(peers[r].describe() for r in missing)
+        if unknown:
+            msg += f"; ranks {unknown} are on other nodes (state unknown)"
+        msg += " (COMMLIB_TIMEOUT sets the limit; COMMLIB_CHECK=1 catches mismatched calls)"
+        return CommTimeoutError(msg, name, seq, waiting, missing if not unknown else None)
 
     def free(self) -> None:
         try:

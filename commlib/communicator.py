@@ -17,8 +17,8 @@ from . import board as _board
 from .arrays import as_view
 from .backends.base import Pending, split_counts
 from .config import Config
-from .errors import CommAbortedError, CommlibError, CommTimeoutError, MismatchError, ValidationError
-from .ops import OPS, Op, check_reduce_op, describe, fingerprint, out_buffer
+from .errors import CommAbortedError, CommlibError, ValidationError
+from .ops import OPS, Op, check_agreement, check_reduce_op, fingerprint, out_buffer
 from .tracing import Tracer
 from .work import ProgressEngine, Work
 
@@ -169,7 +169,8 @@ class Communicator:
                     f"rank {r.rank} aborted the communicator after #{r.seq}: {r.reason}"
                     for r in aborted)), name, seq)
             if now >= deadline:
-                self._fail(self._timeout_error(name, seq), name, seq)
+                self._fail(self._board.timeout_error(name, seq, self.timeout, self.rank, self.size),
+                           name, seq)
 
     def _fail(self, err: CommlibError, name: str, seq: int) -> None:
         """An operation in flight failed: abort this communicator and raise ``err``.
@@ -184,22 +185,6 @@ class Communicator:
             backend_abort()
         self._board.set(seq, name, _board.ABORTED, str(err))
         raise err
-
-    def _timeout_error(self, name: str, seq: int) -> CommTimeoutError:
-        peers = {p.rank: p for p in self._board.peers()}
-        waiting = sorted(r for r, p in peers.items()
-                         if p.seq == seq and p.op == name
-                         and p.state in (_board.IN_OP, _board.ABORTED))
-        missing = [r for r in range(self.size) if r in peers and r not in waiting]
-        unknown = [r for r in range(self.size) if r not in peers]
-        msg = (f"{name} #{seq} timed out after {self.timeout:g} s on rank {self.rank}: "
-               f"ranks {waiting} are waiting in it")
-        if missing:
-            msg += "; not arrived: " + ", ".join(peers[r].describe() for r in missing)
-        if unknown:
-            msg += f"; ranks {unknown} are on other nodes (state unknown)"
-        msg += " (COMMLIB_TIMEOUT sets the limit; COMMLIB_CHECK=1 catches mismatched calls)"
-        return CommTimeoutError(msg, name, seq, waiting, missing if not unknown else None)
 
     def _execute(self, op: Op, track: str = "engine") -> Any:
         if self._aborted is not None or self._closed:
@@ -236,16 +221,7 @@ class Communicator:
             reasons = self._ctl.allgather(None if err is None else str(err))
             raise ValidationError(f"{name} #{seq}: " + "; ".join(
                 f"rank {r} rejected its input: {reasons[r]}" for r in invalid))
-        ref = table[0].copy()
-        if OPS[int(ref[1])] == "allgatherv":
-            table[:, 3] = -1   # counts may differ by rank
-            ref[3] = -1
-        bad = [r for r in range(self.size) if not np.array_equal(table[r], ref)]
-        if bad:
-            calls = "; ".join(f"rank {r} called {describe(table[r])}" for r in bad)
-            raise MismatchError(
-                f"{name} #{seq}: ranks {bad} called a different operation than rank 0, "
-                f"which called {describe(ref)}: {calls}", name, seq, bad)
+        check_agreement(table, name, seq)
 
     def _call(self, name: str, build: Callable[[], Op], blocking: bool) -> Any:
         if self._aborted is not None or self._closed:

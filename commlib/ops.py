@@ -6,9 +6,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .arrays import DTYPES, FLOAT_DTYPES, View, as_view
 from .backends.base import REDUCE_OPS, Pending
-from .errors import ValidationError
+from .errors import MismatchError, ValidationError
 
 #: Operation names, in the order of their codes on the status board and in checks.
 OPS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "broadcast", "barrier")
@@ -78,3 +80,17 @@ def check_reduce_op(op: str, v: View, what: str) -> None:
         raise ValidationError(f"{what}: op {op!r} is not one of {REDUCE_OPS}")
     if op == "avg" and v.dtype not in FLOAT_DTYPES:
         raise ValidationError(f"{what}: op 'avg' needs a floating dtype, got {v.dtype}")
+
+
+def check_agreement(table: np.ndarray, name: str, seq: int) -> None:
+    """Raise :class:`MismatchError` unless every row of the fingerprint table matches rank 0's."""
+    ref = table[0].copy()
+    if OPS[int(ref[1])] == "allgatherv":
+        table[:, 3] = -1   # counts may differ by rank
+        ref[3] = -1
+    bad = [r for r in range(table.shape[0]) if not np.array_equal(table[r], ref)]
+    if bad:
+        calls = "; ".join(f"rank {r} called {describe(table[r])}" for r in bad)
+        raise MismatchError(
+            f"{name} #{seq}: ranks {bad} called a different operation than rank 0, "
+            f"which called {describe(ref)}: {calls}", name, seq, bad)

@@ -45,7 +45,7 @@ bench-local: $(STAMP)
 
 bench-cluster: $(STAMP)
 	mkdir -p $(RESULTS)
-	$(PY) -m benchmarks.cluster --ranks $(RANKS) --rate $(RATE) $(CLUSTER) -- \
+	$(PY) -m benchmarks.cluster --ranks $(RANKS) --rate $(RATE) --timeout 1700 $(CLUSTER) -- \
 		$(abspath $(PY)) -m benchmarks.collectives --min-bytes 65536 --rounds 2 --no-torch \
 		--json $(RESULTS)/collectives-cluster.json --plot $(RESULTS)/collectives-cluster.png
 

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"failed: {exc}")
         return 2
     except KeyboardInterrupt as exc:
-        _say(f"interrupted ({exc or 'SIGINT'}); every rank killed, everything torn down")
+        _say(f"interrupted ({str(exc) or 'SIGINT'}); every rank killed, everything torn down")
         return 130
 
 

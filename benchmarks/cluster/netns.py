@@ -123,9 +123,10 @@ def tbf_params(rate_bps: float, mtu: int = 9000, burst: int | None = None) -> di
     then passes them at memory speed, so idle gaps inside a collective are
     partly refunded; smaller is more faithful.  But it must hold a whole GSO
     super-packet (64 KiB): ``tbf`` cuts any packet larger than its bucket into
-    MTU-sized segments in software, which on a 2-core host costs as much CPU as
-    everything else together (4 ranks at 1 Gbit/s: 16 MiB allreduce 0.79x of
-    the ring bound with a 62.5 KB bucket, 0.92x with 68 KiB).  And it must cover
+    MTU-sized segments in software, which on a 2-core host triples the softirq
+    time (4 ranks at 1 Gbit/s, 16 MiB allreduce: 0.81x of the ring bound with a
+    62500-byte bucket, 0.83-0.90x with 68 KiB; with 1 MiB a 4 MiB allreduce
+    meets the bound exactly, which a real link cannot).  And it must cover
     0.5 ms of the rate, so that a late timer wake-up does not lose tokens (this
     decides above ~1.1 Gbit/s).  ``limit`` holds 50 ms of the rate (at least
     256 KiB): TCP never loses a packet at the shaper (a loss would cost a 200 ms

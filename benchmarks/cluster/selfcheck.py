@@ -56,7 +56,7 @@ def default_nbytes(n: int, rate_bps: float | None) -> int:
     """Allreduce size for the check: about 0.5 s at the ring bound, a power of two, 4..256 MiB.
 
     Large enough that per-operation overheads stay small (4 ranks at 1 Gbit/s on
-    2 cores: 4 MiB 0.86-0.90x of the bound, 64 MiB 0.90-0.92x), small enough
+    2 cores: 4 MiB 0.86-0.94x of the bound, 64 MiB 0.89-0.92x), small enough
     that the check takes seconds.
 
     Example:

@@ -219,15 +219,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dist, gloo_why = init_gloo(world, "gloo" in args.contenders)
     env = bc.environment(world)
     grid = sorted({element_count(s, n) * 4 for s in sizes(args.min_bytes, args.max_bytes, args.step)})
-    bar = None
-    if world.rank == 0:
-        from tqdm import tqdm
-        bar = tqdm(total=len(grid) * len(args.ops), desc="collectives", file=sys.stderr, unit="size")
+    from tqdm import tqdm
+    bar = tqdm(total=len(grid) * len(args.ops), desc="collectives", file=sys.stderr, unit="size",
+               disable=world.rank != 0)
     rows = []
     for op in args.ops:
         for nbytes in grid:
-            if bar is not None:
-                bar.set_postfix_str(f"{op} {bc.size_label(nbytes)}")
+            bar.set_postfix_str(f"{op} {bc.size_label(nbytes)}")
             calls, skipped = make_calls(op, nbytes // 4, world, comm, comm0, dist, args.contenders)
             if "gloo" in args.contenders and dist is None:
                 skipped["gloo"] = gloo_why or "unavailable"
@@ -239,16 +237,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             iters = {c: v if c == "gloo" else common for c, v in own.items()}
             runs: dict[str, list[float]] = {c: [] for c in names}
             busy = []
-            for r in range(args.rounds):
+            for r in range(args.rounds if names else 0):
                 k = r % len(names)
                 for c in names[k:] + names[:k]:       # round-robin, rotating who goes first
                     runs[c].append(bc.timed(world, calls[c], iters[c], args.timing))
                 busy.append(bc.runnable_tasks() if world.rank == 0 else None)
             rows.append(make_row(op, nbytes, n, iters, runs, skipped, env["cluster_rate_bps"]))
             rows[-1]["runnable"] = busy
-            if bar is not None:
-                bar.update(1)
-    bar is not None and bar.close()
+            bar.update(1)
+    bar.close()
     if dist is not None:
         dist.destroy_process_group()
     comm0.close()

@@ -118,6 +118,12 @@ class Communicator:
     def tracer(self) -> Tracer:
         return self._tracer
 
+    @property
+    def mpi_comm(self) -> Any:
+        """The mpi4py communicator under this one (for one-sided windows and
+        point-to-point traffic that commlib does not wrap); do not free it."""
+        return self._mpi
+
     def _check_alive(self) -> None:
         if self._closed:
             raise CommAbortedError("communicator is closed")
@@ -397,7 +403,7 @@ class Communicator:
         if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
             raise ValidationError(f"broadcast: root {root!r} is not a rank of 0..{self.size - 1}")
         root = int(root)
-        if out is None and v.writable:
+        if (out is None or out is x) and v.writable:
             buf, result = v.data, (lambda: x)
         else:
             buf, result = out_buffer(v, None if out is x else out, v.count, "broadcast")

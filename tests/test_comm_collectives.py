@@ -122,6 +122,9 @@ def test_broadcast_from_every_root(comm, dtype, mode):
             assert _mode_call(comm, mode, "broadcast", src, root=root, out=out) is out
             assert_close(out, expected, dtype)
             assert_close(src, all_inputs(comm.size, n, dtype, salt=5)[comm.rank], dtype)
+            same = rank_input(comm.rank, n, dtype, salt=5)           # out=x: in place too
+            assert _mode_call(comm, mode, "broadcast", same, root=root, out=same) is same
+            assert_close(same, expected, dtype)
 
 
 @pytest.mark.mpi(min_size=1)

@@ -1,0 +1,514 @@
+"""PyTorch adapter: ``DistributedOptimizer`` drives a commlib strategy from autograd and module hooks.
+
+The wrapper Horovod users know (``DistributedOptimizer``,
+``broadcast_parameters``, ``broadcast_optimizer_state``,
+``backward_passes_per_step``) over commlib's strategies::
+
+    import torch, commlib
+    from bindings.torch import DistributedOptimizer
+    from collectives import DeAR
+
+    comm = commlib.init()                                   # under mpiexec -n N
+    opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, strategy=DeAR())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 10)
+    for x, y in loader:                                     # each rank: its own shard of the data
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()                     # buckets start communicating here
+        opt.step()                                          # waits, updates, starts DeAR's all-gathers
+        sched.step()
+    with opt.flush():                                       # parameters current for evaluation
+        evaluate(model)
+
+Sharp bits: parameters and gradients become views of the strategy's fused
+buckets (as DDP's ``gradient_as_bucket_view``), so ``zero_grad`` zeroes the
+buckets instead of setting ``.grad`` to ``None``, and moving the model
+(``.to()``) after wrapping breaks the views.  Gradients are averaged over
+ranks (and over the ``backward_passes_per_step`` passes).  Optimizers must be
+elementwise for sharded strategies (``DeAR``): SGD (momentum, Nesterov),
+Adam, AdamW, RMSprop, Adagrad... but not LBFGS or anything that reads the
+whole gradient (clip by global norm before the step is not seen: DeAR's
+update runs on shards).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+import commlib
+from collectives import AllReduce, Strategy, TensorSpec, plan_buckets
+from commlib.errors import ValidationError
+
+__all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "register_comm_hook"]
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _agree(comm: commlib.Communicator, what: str, desc: str) -> None:
+    """Raise on every rank unless ``desc`` is the same on all ranks (one small allgather)."""
+    digest = np.frombuffer(hashlib.sha256(desc.encode()).digest()[:8], np.int64).copy()
+    table = comm.allgather(digest).reshape(-1)
+    bad = [r for r in range(comm.size) if table[r] != table[0]]
+    if bad:
+        raise ValidationError(f"{what} differs between ranks: ranks {bad} disagree with rank 0 "
+                              f"(this rank: {desc[:300]})")
+
+
+class _Flush:
+    """Returned by :meth:`DistributedOptimizer.flush`: already flushed; usable in ``with``."""
+
+    def __init__(self, opt: "DistributedOptimizer"):
+        self.opt = opt
+
+    def __enter__(self) -> "DistributedOptimizer":
+        return self.opt
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wrap ``optimizer`` so that ``step()`` trains ``model`` data-parallel over ``comm``.
+
+    ``strategy``: a :class:`collectives.Strategy` (default :class:`collectives.AllReduce`).
+    ``backward_passes_per_step``: backward passes accumulated locally (no
+    communication) per ``step()``; their gradients are averaged.
+    ``find_unused_parameters``: agree every step (one small all-reduce) on which
+    parameters got no gradient on any rank, and skip them in the update as a
+    single process would (otherwise they count as zero gradients, as in Horovod).
+    ``broadcast``: start from rank 0's parameters (default ``True``).
+
+    The wrapper is a ``torch.optim.Optimizer`` sharing ``optimizer.param_groups``,
+    so LR schedulers work on either.  ``state_dict()`` is the consolidated
+    state in ``optimizer``'s own format (identical on all ranks, loadable by a
+    plain optimizer); ``load_state_dict`` accepts it on any number of ranks.
+
+    Example:
+        >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        ...                            model, strategy=DeAR(cap_mb=8), backward_passes_per_step=2)
+        >>> for x, y in loader:
+        ...     for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        ...         loss_fn(model(xs), ys).backward()
+        ...     opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                 strategy: Strategy | None = None, comm: commlib.Communicator | None = None, *,
+                 backward_passes_per_step: int = 1, find_unused_parameters: bool = False,
+                 broadcast: bool = True):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("optimizer is already a DistributedOptimizer")
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step {backward_passes_per_step!r}: expected an int >= 1")
+        self.comm = comm or commlib.init()
+        self.strategy = strategy if strategy is not None else AllReduce()
+        self.model = model
+        self.backward_passes_per_step = backward_passes_per_step
+        self.find_unused_parameters = find_unused_parameters
+        self._inner = optimizer
+        super().__init__([p for g in optimizer.param_groups for p in g["params"]], optimizer.defaults)
+        self.param_groups = optimizer.param_groups     # one truth: schedulers may hold either object
+        self.state = optimizer.state
+
+        # the parameters that train, in optimizer order, and the group of each
+        self._params: list[torch.nn.Parameter] = []
+        self._group_of: list[int] = []
+        problems = []
+        for gi, g in enumerate(optimizer.param_groups):
+            for p in g["params"]:
+                if not p.requires_grad:
+                    continue
+                if any(p is q for q in self._params):
+                    problems.append("a parameter appears twice in the optimizer")
+                if p.is_sparse or not p.is_contiguous():
+                    problems.append(f"parameter {tuple(p.shape)} is sparse or not contiguous")
+                self._params.append(p)
+                self._group_of.append(gi)
+        model_ids = {id(p): i for i, p in enumerate(model.parameters())}
+        if not self._params:
+            problems.append("the optimizer has no parameter that requires a gradient")
+        if self.strategy.sharded and isinstance(optimizer, torch.optim.LBFGS):
+            problems.append(f"{self.strategy.name} updates shards: LBFGS is not elementwise")
+        desc = ";".join(f"{tuple(p.shape)}/{_dtype_name(p)}/{p.device.type}/{g}"
+                        for p, g in zip(self._params, self._group_of))
+        desc += f"|{self.strategy!r}|{backward_passes_per_step}|{find_unused_parameters}|{problems}"
+        if problems:
+            # every rank learns about every rank's problem before anything else runs
+            _agree(self.comm, "parameter validation", desc)
+            raise ValidationError("DistributedOptimizer: " + "; ".join(problems))
+        _agree(self.comm, "the parameters, their groups or the strategy settings", desc)
+        # gradients become ready in reverse order of the model's parameters (as DDP assumes)
+        order = sorted(range(len(self._params)),
+                       key=lambda i: -model_ids.get(id(self._params[i]), -1 - i))
+        self._ready_order = order
+        self._counts = [0] * len(self._params)
+        self._hooks: list[Any] = []
+        self._build(self.strategy.cap_bytes, broadcast=broadcast)
+        if broadcast:      # the rest of the module state (buffers, frozen parameters), as DDP does
+            trained = {id(p) for p in self._params}
+            rest = [p for p in model.parameters() if id(p) not in trained] + list(model.buffers())
+            broadcast_parameters(rest, 0, self.comm)
+        self._install_hooks()
+        self.step_times: list[float] = []
+
+    # ------------------------------------------------------------------ buckets and views
+    def _build(self, cap_bytes: int, broadcast: bool) -> None:
+        s = self.strategy
+        specs = [TensorSpec(i, self._params[i].numel(), _dtype_name(self._params[i]),
+                            self._params[i].element_size(), str(self._params[i].device), self._group_of[i])
+                 for i in self._ready_order]
+        self.buckets = plan_buckets(specs, self.comm.size, cap_bytes, s.first_cap_bytes)
+        self._bucket_of = [0] * len(self._params)
+        self._flat_params, self._flat_grads, self._shard_grads = [], [], []
+        self._grad_views: list[torch.Tensor] = [None] * len(self._params)   # type: ignore[list-item]
+        for b in self.buckets:
+            p0 = self._params[b.slots[0].index]
+            fp = torch.zeros(b.padded, dtype=p0.dtype, device=p0.device)
+            fg = torch.zeros(b.padded, dtype=p0.dtype, device=p0.device)
+            for sl in b.slots:
+                p = self._params[sl.index]
+                self._bucket_of[sl.index] = b.index
+                fp[sl.offset:sl.offset + sl.numel].copy_(p.detach().reshape(-1))
+                p.data = fp[sl.offset:sl.offset + sl.numel].view_as(p)
+                view = fg[sl.offset:sl.offset + sl.numel].view_as(p)
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+                self._grad_views[sl.index] = view
+            self._flat_params.append(fp)
+            self._flat_grads.append(fg)
+            if s.sharded:
+                self._shard_grads.append(torch.zeros(b.shard_numel, dtype=p0.dtype, device=p0.device))
+        self._bucket_need = [len(b.slots) for b in self.buckets]
+        self._signaled = [False] * len(self.buckets)
+        if s.sharded:
+            self._build_shard_optimizer()
+        s.setup(self.comm, self.buckets, self._flat_params, self._flat_grads,
+                self._shard_grads if s.sharded else None, broadcast=broadcast)
+
+    def _build_shard_optimizer(self) -> None:
+        """One optimizer of the user's class over this rank's pieces of every bucket."""
+        rank = self.comm.rank
+        groups: list[list[torch.Tensor]] = [[] for _ in self.param_groups]
+        # (piece, param index, slice of the flat parameter, bucket index, slice of the bucket)
+        self._pieces: list[tuple[torch.Tensor, int, slice, int, slice]] = []
+        for b in self.buckets:
+            base = b.shard(rank).start
+            for idx, pslice, bslice in b.pieces(rank):
+                piece = torch.nn.Parameter(self._flat_params[b.index][bslice], requires_grad=True)
+                piece.grad = self._shard_grads[b.index][bslice.start - base:bslice.stop - base]
+                groups[self._group_of[idx]].append(piece)
+                self._pieces.append((piece, idx, pslice, b.index, bslice))
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        self._shard_opt = type(self._inner)([{"params": ps, **h} for ps, h in zip(groups, hyper)])
+
+    def _install_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for i, p in enumerate(self._params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(i)))
+        if type(self.strategy).before_forward is not Strategy.before_forward:
+            index = {id(p): i for i, p in enumerate(self._params)}
+            for m in self.model.modules():
+                bs = sorted({self._bucket_of[index[id(p)]] for p in m.parameters(recurse=False)
+                             if id(p) in index})
+                if bs:
+                    self._hooks.append(m.register_forward_pre_hook(self._make_forward_hook(bs)))
+
+    def _make_grad_hook(self, i: int) -> Any:
+        def hook(p: torch.Tensor) -> None:
+            view = self._grad_views[i]
+            if p.grad is not view:
+                # .grad was set to None (model.zero_grad) and autograd made a new tensor
+                view.copy_(p.grad)
+                p.grad = view
+            self._counts[i] += 1
+            if self._counts[i] == self.backward_passes_per_step:
+                b = self._bucket_of[i]
+                self._bucket_need[b] -= 1
+                if self._bucket_need[b] == 0:
+                    self._signal(b)
+        return hook
+
+    def _make_forward_hook(self, bs: list[int]) -> Any:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            for b in bs:
+                self.strategy.before_forward(b)
+        return hook
+
+    def _signal(self, b: int) -> None:
+        if self._signaled[b]:
+            return
+        self._signaled[b] = True
+        if self.backward_passes_per_step > 1:
+            self._flat_grads[b].div_(self.backward_passes_per_step)
+        self.strategy.bucket_ready(b)
+
+    # ------------------------------------------------------------------ the step
+    @property
+    def plan(self) -> list[dict]:
+        """The fusion plan: one dict per bucket (tensors, elements, bytes, dtype, group)."""
+        return [b.describe() for b in self.buckets]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient buckets (``.grad`` stays a view of its bucket; ``set_to_none`` is ignored)."""
+        for g in self._flat_grads:
+            g.zero_()
+        for i, p in enumerate(self._params):
+            if p.grad is not self._grad_views[i]:
+                p.grad = self._grad_views[i]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Wait for the gradients, update, and start what overlaps the next forward."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t0 = time.perf_counter()
+        for i, c in enumerate(self._counts):
+            if c == 0:              # no gradient here this step: contribute zeros
+                self._grad_views[i].zero_()
+        for b in range(len(self.buckets)):
+            if not self._signaled[b]:
+                self._signal(b)
+        self.strategy.before_update()
+        unused = self._globally_unused() if self.find_unused_parameters else set()
+        if self.strategy.sharded:
+            for sg, g in zip(self._shard_opt.param_groups, self.param_groups):
+                for k, v in g.items():
+                    if k != "params":
+                        sg[k] = v
+            for piece, idx, *_ in self._pieces:
+                if idx in unused:
+                    piece.grad = None
+            self._shard_opt.step()
+            if unused:
+                self._restore_piece_grads()
+        else:
+            for i in unused:
+                self._params[i].grad = None
+            self._inner.step()
+            for i in unused:
+                self._params[i].grad = self._grad_views[i]
+        self.strategy.after_update()
+        self._counts = [0] * len(self._params)
+        self._bucket_need = [len(b.slots) for b in self.buckets]
+        self._signaled = [False] * len(self.buckets)
+        self.step_times.append(time.perf_counter() - t0)
+        return loss
+
+    def _globally_unused(self) -> set[int]:
+        used = np.array([c > 0 for c in self._counts], np.int32)
+        used = self.comm.allreduce(used, "max", tag="unused")
+        return {i for i, u in enumerate(used) if not u}
+
+    def _restore_piece_grads(self) -> None:
+        for piece, _, _, bi, bslice in self._pieces:
+            base = self.buckets[bi].shard(self.comm.rank).start
+            piece.grad = self._shard_grads[bi][bslice.start - base:bslice.stop - base]
+
+    def flush(self) -> _Flush:
+        """Make parameters current on every rank now (evaluation, checkpoint, end of training).
+
+        Also a context manager: ``with opt.flush(): evaluate(model)``.
+        """
+        self.strategy.flush()
+        return _Flush(self)
+
+    # ------------------------------------------------------------------ state
+    def _full_state(self) -> dict[int, dict[str, Any]]:
+        """Per parameter (index in ``self._params``): its optimizer state, gathered from the shards
+        (a collective for sharded strategies: identical calls on every rank)."""
+        if not self.strategy.sharded:
+            return {i: self._inner.state[p] for i, p in enumerate(self._params) if p in self._inner.state}
+        keys: set[str] = set()
+        scalars: dict[int, dict[str, Any]] = {}
+        for piece, idx, *_ in self._pieces:
+            st = self._shard_opt.state.get(piece)
+            if st is None:
+                continue
+            d = scalars.setdefault(idx, {})
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    keys.add(k)
+                elif torch.is_tensor(v):
+                    d[k] = ("tensor", v.item(), _dtype_name(v))
+                else:
+                    d[k] = ("value", v, None)
+        gathered = self.comm.mpi_comm.allgather((sorted(keys), scalars))
+        all_keys = sorted(set().union(*(set(k) for k, _ in gathered)))
+        out: dict[int, dict[str, Any]] = {}
+        for _, part in gathered:
+            for i, d in part.items():
+                st = out.setdefault(i, {})
+                for k, (kind, v, dt) in d.items():
+                    st[k] = torch.tensor(v, dtype=getattr(torch, dt)) if kind == "tensor" else v
+        rank = self.comm.rank
+        for key in all_keys:
+            for b in self.buckets:
+                fp = self._flat_params[b.index]
+                flat = torch.zeros(b.padded, dtype=fp.dtype, device=fp.device)
+                for piece, _, _, bi, bslice in self._pieces:
+                    v = self._shard_opt.state.get(piece, {}).get(key) if bi == b.index else None
+                    if v is not None:
+                        flat[bslice] = v
+                base = b.shard(rank).start
+                self.comm.allgather(flat[base:base + b.shard_numel], out=flat, tag="state")
+                for sl in b.slots:
+                    if sl.index in out:
+                        view = flat[sl.offset:sl.offset + sl.numel].view_as(self._params[sl.index])
+                        out[sl.index][key] = view.clone()
+        return out
+
+    def _set_full_state(self, full: dict[int, dict[str, Any]]) -> None:
+        if not self.strategy.sharded:
+            for i, d in full.items():
+                self._inner.state[self._params[i]] = d
+            return
+        self._shard_opt.state.clear()
+        for piece, idx, pslice, *_ in self._pieces:
+            d = full.get(idx)
+            if d is None:
+                continue
+            self._shard_opt.state[piece] = {
+                k: (v.reshape(-1)[pslice].to(piece.dtype).clone() if torch.is_tensor(v) and v.dim() > 0
+                    else v.clone() if torch.is_tensor(v) else v)
+                for k, v in d.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The consolidated optimizer state (``optimizer``'s format) plus the strategy's.
+
+        A collective for sharded strategies: call it on every rank.
+        """
+        full = self._full_state()
+        saved = dict(self._inner.state)
+        try:
+            self._inner.state.clear()
+            for i, d in full.items():
+                self._inner.state[self._params[i]] = d
+            sd = self._inner.state_dict()
+        finally:
+            self._inner.state.clear()
+            self._inner.state.update(saved)
+        sd["commlib"] = {"strategy": self.strategy.state_dict(), "world_size": self.comm.size}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` (from any number of ranks, or a plain optimizer's)."""
+        sd = dict(state_dict)
+        extra = sd.pop("commlib", None)
+        self._inner.load_state_dict(sd)
+        self.param_groups = self._inner.param_groups     # torch replaced the group list
+        self.state = self._inner.state
+        if extra is not None:
+            self.strategy.load_state_dict(extra["strategy"])
+        if self.strategy.sharded:
+            full = {i: self._inner.state[p] for i, p in enumerate(self._params) if p in self._inner.state}
+            self._inner.state.clear()
+            self._set_full_state(full)
+
+    def __repr__(self) -> str:
+        inner = type(self._inner).__name__
+        return f"DistributedOptimizer({inner}, {self.strategy!r}, buckets={len(self.buckets)})"
+
+
+# ---------------------------------------------------------------------- Horovod-style helpers
+def _tensors(params: Any) -> list[torch.Tensor]:
+    if isinstance(params, dict):
+        items = list(params.values())
+    else:
+        items = [p[1] if isinstance(p, tuple) else p for p in params]
+    return [t for t in items if torch.is_tensor(t)]
+
+
+def broadcast_parameters(params: Any, root_rank: int = 0, comm: commlib.Communicator | None = None) -> None:
+    """Copy ``root_rank``'s tensors to every rank, in place.
+
+    ``params``: ``model.state_dict()``, ``model.named_parameters()`` or an iterable of tensors.
+
+    Example:
+        >>> broadcast_parameters(model.state_dict(), root_rank=0)
+    """
+    comm = comm or commlib.init()
+    tensors = _tensors(params)
+    _agree(comm, "broadcast_parameters: the tensors",
+           ";".join(f"{tuple(t.shape)}/{_dtype_name(t)}" for t in tensors))
+    with torch.no_grad():
+        for t in tensors:
+            if t.numel():
+                data = t.detach()
+                if data.is_contiguous():
+                    comm.broadcast(data, root_rank, out=data)
+                else:
+                    data.copy_(comm.broadcast(data.contiguous(), root_rank))
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              comm: commlib.Communicator | None = None) -> None:
+    """Give every rank ``root_rank``'s optimizer state and hyperparameters.
+
+    Example:
+        >>> broadcast_optimizer_state(opt, root_rank=0)
+    """
+    comm = comm or commlib.init()
+    sd = optimizer.state_dict()
+    sd = comm.mpi_comm.bcast(sd if comm.rank == root_rank else None, root=root_rank)
+    optimizer.load_state_dict(sd)
+
+
+# ---------------------------------------------------------------------- DDP comm hook
+class _Completer:
+    """One daemon thread that waits on commlib works and completes torch futures in order."""
+
+    def __init__(self) -> None:
+        self.q: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, daemon=True, name="commlib-ddp-hook").start()
+
+    def _run(self) -> None:
+        while True:
+            work, fut, tensor = self.q.get()
+            try:
+                work.wait()
+                fut.set_result(tensor)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting DDP reducer
+                fut.set_exception(e)
+
+
+_completer: _Completer | None = None
+
+
+def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel,
+                       comm: commlib.Communicator | None = None) -> None:
+    """Route a DDP model's gradient buckets through commlib's all-reduce (averaged).
+
+    DDP keeps its bucketing and overlap; commlib carries the bytes (MPI or
+    NCCL), with its timeouts, checks and timeline.
+
+    Example:
+        >>> ddp = torch.nn.parallel.DistributedDataParallel(model)   # gloo process group
+        >>> register_comm_hook(ddp, commlib.init())
+    """
+    global _completer
+    comm = comm or commlib.init()
+    if _completer is None:
+        _completer = _Completer()
+
+    def hook(state: commlib.Communicator, bucket: Any) -> torch.futures.Future:
+        t = bucket.buffer()
+        fut: torch.futures.Future = torch.futures.Future()
+        _completer.q.put((state.iallreduce(t, "avg", out=t, tag=f"ddp{bucket.index()}"), fut, t))
+        return fut
+
+    ddp_model.register_comm_hook(comm, hook)

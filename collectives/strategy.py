@@ -1,0 +1,200 @@
+# TEMPORARY NOTE TO HELPERS (the lead removes this block; these rules bind you):
+# ## Common rules (read carefully)
+# - Repository: /work/main (git, branch main). Python venv: /work/main/.venv (already set up: numpy, mpi4py + mpich wheel,
+#   torch 2.13 CPU, jax 0.10, pytest, pytest-mpi, hypothesis, ruff). Use `.venv/bin/python`, `.venv/bin/mpiexec`.
+#   If you need a new dependency, add it to the right extra in setup.cfg ONLY by telling the lead in your final report
+#   (do not edit setup.cfg yourself); you may `.venv/bin/pip install` it locally (registries are reachable) to work.
+# - Read /work/shared/DESIGN.md (floors: commlib <- collectives/sparsify <- bindings; only bindings/ imports torch or jax;
+#   collectives/ never imports sparsify/) and the relevant section of /work/shared/PAPERS.md.
+# - Core library you build on: `commlib` (read commlib/__init__.py, commlib/communicator.py for the API: `commlib.init()`
+#   returns a Communicator with rank, size, allreduce/iallreduce(x, op="sum"|"avg"|"max"|"min", out=), reduce_scatter,
+#   allgather, allgatherv(x, counts=None), broadcast(x, root, out=), barrier, split, `mpi_comm` (the mpi4py communicator,
+#   for one-sided windows / point-to-point), each i-form returns Work with wait()/test(). Arrays: numpy, cupy, torch, jax.
+#   Errors in commlib/errors.py (ValidationError etc.).
+# - The strategy lifecycle base is in collectives/strategy.py (class Strategy: setup(comm, buckets, params, grads,
+#   shard_grads=None, broadcast=True), bucket_ready(b), launch(b), before_update(), after_update(), before_forward(b),
+#   flush(), state_dict()/load_state_dict()), buckets in collectives/buckets.py (plan_buckets, Bucket with slots,
+#   padded, shard(rank)), strategies collectives/allreduce.py (AllReduce) and collectives/dear.py (DeAR). READ them.
+#   The lead is writing bindings/torch.py (DistributedOptimizer(optimizer, model, strategy=...)) right now: do NOT edit
+#   collectives/strategy.py, buckets.py, allreduce.py, dear.py, bindings/torch.py, commlib/*, Makefile, README.md,
+#   setup.cfg; if you need a change there, describe it in your report.
+# - ONLY create/edit the files assigned to you below. Other helpers work in the same tree at the same time on other
+#   files. Do NOT run `git commit`, `git stash`, `git checkout` or anything that changes other files; the lead commits.
+# - Tests: pytest + pytest-mpi. Mark MPI tests `@pytest.mark.mpi` (optionally `mpi(min_size=2)`); tests must pass
+#   single-process (`.venv/bin/python -m pytest --with-mpi -q tests/your_file.py`) and under
+#   `PYTHON=$PWD/.venv/bin/python .venv/bin/mpiexec -n 2 tests/mpi_pytest.sh -q tests/your_file.py` and `-n 4`.
+#   Use the `comm` fixture of tests/conftest.py (commlib.init(timeout=120)). Every result checked against a reference
+#   (numpy float64, or single-process computation). Keep your tests fast: the whole project suite must stay under 15
+#   minutes on a 2-core machine at -n 4, so aim for well under 60 s for your files at -n 4. No mocks of MPI.
+#   Bad input must raise a clear error on every rank before any rank enters a collective.
+# - The machine has 2 cores and other helpers run tests concurrently: timings you take now are noisy. Make benchmarks
+#   correct and runnable (with a --quick mode); do NOT run benchmarks/cluster (the network-namespace launcher) yourself:
+#   only one cluster run can exist at a time and the lead runs them at the end. Benchmarks follow benchmarks/collectives.py
+#   and benchmarks/_common.py conventions: contenders side by side in one run, a printed table of ratios, `--json PATH`.
+# - Public API: docstrings with an example and type hints; `.venv/bin/ruff check <your files>` must pass (config in
+#   pyproject.toml, line length 110).
+# - Write your own code (you may read public references with the search tools, copy none).
+# - Wall-clock budget: stop and report within 95 minutes of starting, earlier if done. Your final message is your
+#   report to the lead: files, what works (with test commands and their results), figures measured (with commands),
+#   what is missing or doubtful, and any change you need in files you do not own. Keep it under 60 lines.
+"""The strategy lifecycle: the moments of a training step at which a strategy communicates.
+
+A binding (``bindings.torch``, ``bindings.jax``) owns the model and the
+optimizer and tells the strategy what the training loop is doing:
+
+=====================  ==================================================  ==========================
+moment                 called by the binding                               e.g.
+=====================  ==================================================  ==========================
+``setup``              once, with the buckets and their flat buffers        broadcast from rank 0
+``bucket_ready(b)``    backward filled bucket ``b``'s gradients            WFBP all-reduce, DeAR RS
+``before_update()``    optimizer step, before the update                   wait for the gradients
+``after_update()``     optimizer step, after the update                    DeAR's all-gathers
+``before_forward(b)``  before the first module of bucket ``b`` runs        wait for bucket ``b``
+``flush()``            evaluation, checkpoint, end of training             parameters current
+``state_dict()``       checkpoint                                          tuner, meters, phase
+=====================  ==================================================  ==========================
+
+Buffers are flat arrays of any kind commlib accepts (numpy, cupy, torch via
+DLPack).  ``params[b]`` holds bucket ``b``'s parameters (the framework's
+parameters are views of it), ``grads[b]`` its gradients; a strategy with
+``sharded = True`` also gets ``shard_grads[b]`` (``bucket.shard_numel``
+elements) and the binding then runs the optimizer on this rank's shard of
+each bucket only (ZeRO-1), reading gradients from ``shard_grads`` and
+updating ``params[b][bucket.shard(rank)]``.
+
+Buckets are launched in index order on every rank (a bucket that is ready
+early waits for the ones before it), so that all ranks call the same
+collectives in the same order even when gradients arrive in another order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from commlib import Communicator, Work
+
+from .buckets import DEFAULT_CAP, DEFAULT_FIRST_CAP, Bucket, MiB
+
+
+class Strategy:
+    """Base of every strategy; subclasses override :meth:`launch` and the moments they need.
+
+    ``cap_mb`` / ``first_cap_mb``: the bucket caps in MiB (``first_cap_mb=0``:
+    no smaller first bucket).  ``tune``: search the cap online
+    (:class:`collectives.tuning.CapTuner`) during the first steps.
+
+    Example (what a binding does each step):
+        >>> s = AllReduce()
+        >>> s.setup(comm, buckets, params, grads)
+        >>> for b in range(len(buckets)): s.bucket_ready(b)     # from backward hooks
+        >>> s.before_update(); optimizer.step(); s.after_update()
+    """
+
+    name = "strategy"
+    sharded = False
+
+    def __init__(self, cap_mb: float = DEFAULT_CAP / MiB, first_cap_mb: float = DEFAULT_FIRST_CAP / MiB,
+                 tune: bool = False):
+        if not cap_mb > 0:
+            raise ValueError(f"cap_mb {cap_mb!r}: expected > 0")
+        if not first_cap_mb >= 0:
+            raise ValueError(f"first_cap_mb {first_cap_mb!r}: expected >= 0")
+        self.cap_bytes = int(cap_mb * MiB)
+        self.first_cap_bytes = int(first_cap_mb * MiB) or None
+        self.tune = tune
+        self.comm: Communicator | None = None
+        self.buckets: list[Bucket] = []
+        self.params: list[Any] = []
+        self.grads: list[Any] = []
+        self.shard_grads: list[Any] = []
+        self.steps = 0
+        self.stats: dict[str, float] = {"wait_s": 0.0, "bytes": 0.0}
+        self._ready: list[bool] = []
+        self._next = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(self, comm: Communicator, buckets: Sequence[Bucket], params: Sequence[Any],
+              grads: Sequence[Any], shard_grads: Sequence[Any] | None = None,
+              broadcast: bool = True) -> None:
+        """Take the buckets and their buffers; with ``broadcast``, make every
+        rank start from rank 0's parameters.  Called again after a re-plan."""
+        if len(params) != len(buckets) or len(grads) != len(buckets):
+            raise ValueError(f"{len(buckets)} buckets but {len(params)} parameter and "
+                             f"{len(grads)} gradient buffers")
+        if self.sharded and (shard_grads is None or len(shard_grads) != len(buckets)):
+            raise ValueError(f"{self.name} updates shards: it needs one shard gradient buffer per bucket")
+        self.comm = comm
+        self.buckets = list(buckets)
+        self.params, self.grads = list(params), list(grads)
+        self.shard_grads = list(shard_grads or [])
+        self._reset_step()
+        if broadcast:
+            for b, p in enumerate(self.params):
+                comm.broadcast(p, 0, out=p, tag=f"bcast{b}")
+
+    def _reset_step(self) -> None:
+        self._ready = [False] * len(self.buckets)
+        self._next = 0
+
+    def bucket_ready(self, b: int) -> None:
+        """Backward has filled bucket ``b``'s gradients; launch what may start."""
+        self._ready[b] = True
+        while self._next < len(self.buckets) and self._ready[self._next]:
+            self.launch(self._next)
+            self._next += 1
+
+    def launch_remaining(self) -> None:
+        """Launch every bucket not launched yet (gradients that never came count as they are)."""
+        while self._next < len(self.buckets):
+            self._ready[self._next] = True
+            self.launch(self._next)
+            self._next += 1
+
+    def launch(self, b: int) -> None:
+        """Start bucket ``b``'s communication (subclasses)."""
+        raise NotImplementedError
+
+    def before_update(self) -> None:
+        """Make the gradients the update needs complete (averaged over ranks)."""
+        self.launch_remaining()
+
+    def after_update(self) -> None:
+        """The update is applied; start what may overlap the next forward."""
+        self.steps += 1
+        self._reset_step()
+
+    def before_forward(self, b: int) -> None:
+        """The first module of bucket ``b`` is about to run forward."""
+
+    def flush(self) -> None:
+        """Make parameters current on every rank (evaluation, checkpoint, end of training)."""
+
+    # ------------------------------------------------------------------ helpers
+    def _wait(self, works: list[Work | None], b: int | None = None) -> None:
+        """Wait for ``works[b]`` (or all), counting the time blocked."""
+        idx = range(len(works)) if b is None else (b,)
+        t0 = time.perf_counter()
+        for i in idx:
+            w = works[i]
+            if w is not None:
+                works[i] = None
+                w.wait()
+        self.stats["wait_s"] += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly (the binding adds the optimizer's)."""
+        return {"name": self.name, "steps": self.steps, "cap_bytes": self.cap_bytes,
+                "first_cap_bytes": self.first_cap_bytes}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("name") != self.name:
+            raise ValueError(f"state of strategy {state.get('name')!r} given to {self.name!r}")
+        self.steps = int(state["steps"])
+        self.cap_bytes = int(state["cap_bytes"])
+        self.first_cap_bytes = state["first_cap_bytes"]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(cap_mb={self.cap_bytes / MiB:g})"

@@ -1,0 +1,238 @@
+"""bindings.torch: DistributedOptimizer with AllReduce and DeAR against single-process training.
+
+Every rank trains on its slice of a global batch; the reference is one
+process training the same model on the whole batch (the mean loss over the
+concatenated batch has the average of the ranks' gradients as its gradient).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from conftest import HAVE_TORCH
+
+pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+
+if HAVE_TORCH:
+    import torch
+
+    from bindings.torch import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+    from collectives import AllReduce, DeAR
+    from commlib.errors import ValidationError
+
+    torch.set_num_threads(1)
+
+LOCAL = 3          # samples per rank per step
+STEPS = 5
+
+
+class Net(torch.nn.Module if HAVE_TORCH else object):
+    """Two layers, an embedding-like bias, a parameter that never gets a gradient, a frozen one."""
+
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, hidden)
+        self.fc2 = torch.nn.Linear(hidden, 4)
+        self.scale = torch.nn.Parameter(torch.ones(4))
+        self.unused = torch.nn.Parameter(torch.randn(5))
+        self.frozen = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x))) * self.scale + self.frozen.sum()
+
+
+def make_model(seed: int, hidden: int = 16) -> Net:
+    torch.manual_seed(seed)
+    return Net(hidden)
+
+
+def make_optimizer(kind: str, model: Net) -> torch.optim.Optimizer:
+    groups = [
+        {"params": [model.fc1.weight, model.fc1.bias, model.unused]},
+        {"params": [model.fc2.weight, model.fc2.bias, model.scale, model.frozen], "lr": 0.05},
+    ]
+    if kind == "sgd":
+        groups[0]["weight_decay"] = 0.01
+        return torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True)
+    groups[1]["weight_decay"] = 0.0
+    return torch.optim.AdamW(groups, lr=0.01, weight_decay=0.05)
+
+
+def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(LOCAL * size, 8, generator=g), torch.randn(LOCAL * size, 4, generator=g)
+
+
+def loss_fn(model: Net, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def reference(kind: str, size: int, steps: int) -> tuple[Net, torch.optim.Optimizer]:
+    model = make_model(0)
+    opt = make_optimizer(kind, model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for step in range(steps):
+        x, y = batch(step, size)
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        opt.step()
+        sched.step()
+    return model, opt
+
+
+def distributed(comm, kind: str, strategy, steps: int, extra_forward: bool = True, passes: int = 1):
+    model = make_model(comm.rank)          # rank 0 has the reference's initial parameters
+    opt = DistributedOptimizer(make_optimizer(kind, model), model, strategy=strategy, comm=comm,
+                               find_unused_parameters=True, backward_passes_per_step=passes)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for step in range(steps):
+        x, y = batch(step, comm.size)
+        mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL)
+        opt.zero_grad()
+        if passes == 1:
+            loss_fn(model, x[mine], y[mine]).backward()
+        else:
+            for part in np.array_split(np.arange(mine.start, mine.stop), passes):
+                loss_fn(model, x[part], y[part]).backward()
+        opt.step()
+        sched.step()
+        if extra_forward:   # evaluation forwards must not apply the update again
+            with torch.no_grad():
+                model(x)
+            model(x)
+    opt.sched = sched
+    return model, opt
+
+
+def same_on_all_ranks(comm, model: Net) -> None:
+    vec = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    table = comm.allgather(vec)
+    for r in range(comm.size):
+        np.testing.assert_array_equal(table[r], table[0], err_msg=f"rank {r} differs from rank 0")
+
+
+def assert_close(model: Net, ref: Net) -> None:
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=2e-5, atol=2e-6,
+                                   err_msg=name)
+
+
+STRATEGIES = {"allreduce": lambda: AllReduce(cap_mb=0.0003, first_cap_mb=0.0001),
+              "dear": lambda: DeAR(cap_mb=0.0003, first_cap_mb=0.0001),
+              "dear-1bucket": lambda: DeAR(cap_mb=64)} if HAVE_TORCH else {}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_matches_single_process(comm, kind, name):
+    model, opt = distributed(comm, kind, STRATEGIES[name](), STEPS)
+    assert len(opt.buckets) >= (1 if name == "dear-1bucket" else 3), opt.plan
+    with opt.flush():
+        same_on_all_ranks(comm, model)
+        ref, _ = reference(kind, comm.size, STEPS)
+        assert_close(model, ref)
+    # the parameter without a gradient is untouched, as in single-process training
+    np.testing.assert_array_equal(model.unused.detach().numpy(), make_model(0).unused.detach().numpy())
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["allreduce", "dear"])
+def test_consolidated_state_equals_reference_state(comm, name):
+    model, opt = distributed(comm, "adamw", STRATEGIES[name](), 3)
+    sd = opt.state_dict()
+    _, ref_opt = reference("adamw", comm.size, 3)
+    ref_sd = ref_opt.state_dict()
+    assert sd["param_groups"] == ref_sd["param_groups"]
+    assert sorted(sd["state"]) == sorted(ref_sd["state"])
+    for i, st in ref_sd["state"].items():
+        for k, v in st.items():
+            np.testing.assert_allclose(np.asarray(sd["state"][i][k]), np.asarray(v), rtol=2e-5, atol=1e-7,
+                                       err_msg=f"param {i} {k}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["allreduce", "dear"])
+def test_state_round_trip_mid_training(comm, name):
+    steps, cut = 6, 3
+    full, full_opt = distributed(comm, "sgd", STRATEGIES[name](), steps, extra_forward=False)
+    full_opt.flush()
+    full_opt_params = [p.detach().clone() for p in full.parameters()]
+    # train `cut` steps, checkpoint, rebuild everything fresh, continue
+    model, opt = distributed(comm, "sgd", STRATEGIES[name](), cut, extra_forward=False)
+    opt.flush()
+    msd, osd, ssd = copy.deepcopy(model.state_dict()), opt.state_dict(), opt.sched.state_dict()
+    model2 = make_model(comm.rank + 7)
+    opt2 = DistributedOptimizer(make_optimizer("sgd", model2), model2, strategy=STRATEGIES[name](), comm=comm,
+                                find_unused_parameters=True)
+    model2.load_state_dict(msd)
+    opt2.load_state_dict(osd)
+    sched = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
+    sched.load_state_dict(ssd)
+    assert opt2.strategy.steps == cut
+    for step in range(cut, steps):
+        x, y = batch(step, comm.size)
+        mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL)
+        opt2.zero_grad()
+        loss_fn(model2, x[mine], y[mine]).backward()
+        opt2.step()
+        sched.step()
+    opt2.flush()
+    for p, q in zip(model2.parameters(), full_opt_params):
+        np.testing.assert_allclose(p.detach().numpy(), q.numpy(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["allreduce", "dear"])
+def test_backward_passes_per_step(comm, name):
+    model, opt = distributed(comm, "sgd", STRATEGIES[name](), 3, extra_forward=False, passes=1)
+    model3, opt3 = distributed(comm, "sgd", STRATEGIES[name](), 3, extra_forward=False, passes=3)
+    opt.flush()
+    opt3.flush()
+    for p, q in zip(model.parameters(), model3.parameters()):
+        np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi
+def test_dear_overlaps_and_flush_is_needed_for_current_parameters(comm):
+    """After step() the gathered parameters may still be in flight; flush() makes them current."""
+    model, opt = distributed(comm, "sgd", DeAR(cap_mb=0.0003, first_cap_mb=0.0001), 2, extra_forward=False)
+    assert any(w is not None for w in opt.strategy._gather)      # all-gathers left to overlap a forward
+    opt.flush()
+    assert all(w is None for w in opt.strategy._gather)
+    same_on_all_ranks(comm, model)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_different_models_raise_on_every_rank(comm):
+    model = make_model(0, hidden=16 + (comm.rank == comm.size - 1 and comm.size > 1))
+    before = comm.seq
+    with pytest.raises(ValidationError, match="differs between ranks|disagree"):
+        DistributedOptimizer(make_optimizer("sgd", model), model, strategy=DeAR(), comm=comm)
+    assert comm.seq == before + 1       # only the agreement check ran: no collective was left half-called
+
+
+@pytest.mark.mpi
+def test_bad_arguments(comm):
+    model = make_model(0)
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        DistributedOptimizer(make_optimizer("sgd", model), model, comm=comm, backward_passes_per_step=0)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        DistributedOptimizer(object(), model, comm=comm)  # type: ignore[arg-type]
+
+
+@pytest.mark.mpi
+def test_broadcast_helpers(comm):
+    model = make_model(comm.rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 * (comm.rank + 1), momentum=0.9)
+    loss_fn(model, *batch(comm.rank, 1)).backward()
+    opt.step()
+    broadcast_parameters(model.state_dict(), root_rank=0, comm=comm)
+    broadcast_optimizer_state(opt, root_rank=0, comm=comm)
+    same_on_all_ranks(comm, model)
+    bufs = comm.allgather(opt.state[model.fc1.weight]["momentum_buffer"].reshape(-1).numpy())
+    assert all(np.array_equal(bufs[r], bufs[0]) for r in range(comm.size))
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)

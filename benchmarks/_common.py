@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -218,3 +219,43 @@ def size_label(n: int) -> str:
         if n >= 1 << shift and n % (1 << shift) == 0:
             return f"{n >> shift}{unit}"
     return f"{n}B"
+
+
+def init_gloo(world: Any, enabled: bool) -> tuple[Any, str | None]:
+    """``torch.distributed`` on gloo over TCP with MPI's ranks, or ``(None, why not)``.
+
+    Rank 0 picks a free port (on ``COMMLIB_CLUSTER_ADDR`` under the emulated cluster, else
+    127.0.0.1) and broadcasts it.  torch gets one intra-op thread (ranks share the cores).
+    """
+    if not enabled:
+        return None, "left out (--no-torch)"
+    try:
+        import torch
+        import torch.distributed as dist
+        why = None if dist.is_available() and dist.is_gloo_available() else "no gloo in this torch"
+    except ImportError as exc:
+        why = f"torch not importable: {exc}"
+    if world.allreduce(why is not None, op=_lor()):
+        return None, world.bcast(why) or "torch unavailable on some rank"
+    torch.set_num_threads(1)
+    addr, port = None, None
+    if world.rank == 0:
+        addr = os.environ.get("COMMLIB_CLUSTER_ADDR", "127.0.0.1")
+        with socket.socket() as s:
+            s.bind((addr, 0))
+            port = s.getsockname()[1]
+    addr, port = world.bcast((addr, port))
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=world.rank,
+                                world_size=world.size, timeout=datetime.timedelta(seconds=120))
+        why = None
+    except Exception as exc:  # noqa: BLE001 - report, and go on without gloo
+        why = f"init_process_group failed: {exc}"
+    if world.allreduce(why is not None, op=_lor()):
+        return None, why or "init_process_group failed on another rank"
+    return dist, None
+
+
+def _lor() -> Any:
+    from mpi4py import MPI
+    return MPI.LOR

@@ -39,9 +39,7 @@ Example:
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -87,41 +85,6 @@ def ring_bound_s(nbytes: int, n: int, rate_bps: float) -> float:
 def bus_factor(op: str, n: int) -> float:
     """Bus bandwidth over algorithm bandwidth: ``2(n-1)/n`` or ``(n-1)/n``."""
     return _BUS[op] * (n - 1) / n
-
-
-def init_gloo(world: Any, enabled: bool) -> tuple[Any, str | None]:
-    """``torch.distributed`` on gloo over TCP with MPI's ranks, or ``(None, why not)``.
-
-    Rank 0 picks a free port (on ``COMMLIB_CLUSTER_ADDR`` under the emulated cluster, else
-    127.0.0.1) and broadcasts it.  torch gets one intra-op thread (ranks share the cores).
-    """
-    if not enabled:
-        return None, "left out (--no-torch)"
-    try:
-        import torch
-        import torch.distributed as dist
-        why = None if dist.is_available() and dist.is_gloo_available() else "no gloo in this torch"
-    except ImportError as exc:
-        why = f"torch not importable: {exc}"
-    if world.allreduce(why is not None, op=MPI.LOR):
-        return None, world.bcast(why) or "torch unavailable on some rank"
-    torch.set_num_threads(1)
-    addr, port = None, None
-    if world.rank == 0:
-        addr = os.environ.get("COMMLIB_CLUSTER_ADDR", "127.0.0.1")
-        with socket.socket() as s:
-            s.bind((addr, 0))
-            port = s.getsockname()[1]
-    addr, port = world.bcast((addr, port))
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=world.rank,
-                                world_size=world.size, timeout=datetime.timedelta(seconds=120))
-        why = None
-    except Exception as exc:  # noqa: BLE001 - report, and go on without gloo
-        why = f"init_process_group failed: {exc}"
-    if world.allreduce(why is not None, op=MPI.LOR):
-        return None, why or "init_process_group failed on another rank"
-    return dist, None
 
 
 def make_calls(op: str, count: int, world: Any, comm: commlib.Communicator,
@@ -216,7 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     n = world.size
     comm = commlib.init()
     comm0 = commlib.init(comm=world, timeout=0)
-    dist, gloo_why = init_gloo(world, "gloo" in args.contenders)
+    dist, gloo_why = bc.init_gloo(world, "gloo" in args.contenders)
     env = bc.environment(world)
     grid = sorted({element_count(s, n) * 4 for s in sizes(args.min_bytes, args.max_bytes, args.step)})
     from tqdm import tqdm

@@ -160,10 +160,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             broadcast_parameters(rest, 0, self.comm)
         self._install_hooks()
         self.step_times: list[float] = []
+        self._last_step: float | None = None
 
     # ------------------------------------------------------------------ buckets and views
     def _build(self, cap_bytes: int, broadcast: bool) -> None:
         s = self.strategy
+        self._planned_cap = cap_bytes
         specs = [TensorSpec(i, self._params[i].numel(), _dtype_name(self._params[i]),
                             self._params[i].element_size(), str(self._params[i].device), self._group_of[i])
                  for i in self._ready_order]
@@ -306,8 +308,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._counts = [0] * len(self._params)
         self._bucket_need = [len(b.slots) for b in self.buckets]
         self._signaled = [False] * len(self.buckets)
-        self.step_times.append(time.perf_counter() - t0)
+        now = time.perf_counter()
+        self.step_times.append(now - t0)
+        tuner = self.strategy.tuner
+        if tuner is not None and not tuner.done and self._last_step is not None:
+            new_cap = tuner.observe(now - self._last_step)     # whole iterations, step to step
+            if new_cap is not None:
+                self.replan(new_cap)
+                now = time.perf_counter()
+        self._last_step = now
         return loss
+
+    def replan(self, cap_bytes: int) -> None:
+        """Rebuild the buckets with a new cap (a collective: the same call on every rank).
+
+        Parameters keep their values and the optimizer its state (re-sharded for sharded strategies).
+        """
+        self.strategy.flush()
+        full = self._full_state()
+        self.strategy.cap_bytes = int(cap_bytes)
+        self._build(int(cap_bytes), broadcast=False)
+        self._set_full_state(full)
+        self._install_hooks()
 
     def _globally_unused(self) -> set[int]:
         used = np.array([c > 0 for c in self._counts], np.int32)
@@ -414,6 +436,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.state = self._inner.state
         if extra is not None:
             self.strategy.load_state_dict(extra["strategy"])
+            if self.strategy.cap_bytes != self._planned_cap:     # the checkpoint was tuned
+                self.strategy.flush()
+                self._build(self.strategy.cap_bytes, broadcast=False)
+                self._install_hooks()
         if self.strategy.sharded:
             full = {i: self._inner.state[p] for i, p in enumerate(self._params) if p in self._inner.state}
             self._inner.state.clear()

@@ -76,6 +76,7 @@ from typing import Any
 from commlib import Communicator, Work
 
 from .buckets import DEFAULT_CAP, DEFAULT_FIRST_CAP, Bucket, MiB
+from .tuning import CapTuner
 
 
 class Strategy:
@@ -83,7 +84,8 @@ class Strategy:
 
     ``cap_mb`` / ``first_cap_mb``: the bucket caps in MiB (``first_cap_mb=0``:
     no smaller first bucket).  ``tune``: search the cap online
-    (:class:`collectives.tuning.CapTuner`) during the first steps.
+    (:class:`collectives.tuning.CapTuner`) during the first steps; a dict
+    passes its settings (``trials``, ``window``, ``low_mb``, ``high_mb``).
 
     Example (what a binding does each step):
         >>> s = AllReduce()
@@ -96,7 +98,7 @@ class Strategy:
     sharded = False
 
     def __init__(self, cap_mb: float = DEFAULT_CAP / MiB, first_cap_mb: float = DEFAULT_FIRST_CAP / MiB,
-                 tune: bool = False):
+                 tune: bool | dict[str, Any] = False):
         if not cap_mb > 0:
             raise ValueError(f"cap_mb {cap_mb!r}: expected > 0")
         if not first_cap_mb >= 0:
@@ -104,6 +106,7 @@ class Strategy:
         self.cap_bytes = int(cap_mb * MiB)
         self.first_cap_bytes = int(first_cap_mb * MiB) or None
         self.tune = tune
+        self.tuner: CapTuner | None = None
         self.comm: Communicator | None = None
         self.buckets: list[Bucket] = []
         self.params: list[Any] = []
@@ -126,6 +129,8 @@ class Strategy:
         if self.sharded and (shard_grads is None or len(shard_grads) != len(buckets)):
             raise ValueError(f"{self.name} updates shards: it needs one shard gradient buffer per bucket")
         self.comm = comm
+        if self.tune and self.tuner is None:
+            self.tuner = CapTuner(comm, self.cap_bytes, **(self.tune if isinstance(self.tune, dict) else {}))
         self.buckets = list(buckets)
         self.params, self.grads = list(params), list(grads)
         self.shard_grads = list(shard_grads or [])
@@ -187,7 +192,8 @@ class Strategy:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly (the binding adds the optimizer's)."""
         return {"name": self.name, "steps": self.steps, "cap_bytes": self.cap_bytes,
-                "first_cap_bytes": self.first_cap_bytes}
+                "first_cap_bytes": self.first_cap_bytes,
+                "tuner": self.tuner.state_dict() if self.tuner is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("name") != self.name:
@@ -195,6 +201,8 @@ class Strategy:
         self.steps = int(state["steps"])
         self.cap_bytes = int(state["cap_bytes"])
         self.first_cap_bytes = state["first_cap_bytes"]
+        if state.get("tuner") is not None and self.tuner is not None:
+            self.tuner.load_state_dict(state["tuner"])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(cap_mb={self.cap_bytes / MiB:g})"

@@ -140,6 +140,26 @@ def test_matches_single_process(comm, kind, name):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_tuned_cap_replans_mid_training_and_still_matches(comm, kind):
+    """The tuner re-plans buckets (and re-shards DeAR's optimizer state) between steps: same result."""
+    steps = 8
+    tune = {"trials": 3, "window": 1, "skip": 0, "low_mb": 0.0001, "high_mb": 0.002}
+    model, opt = distributed(comm, kind, DeAR(cap_mb=0.0003, first_cap_mb=0.0001, tune=tune), steps)
+    tuner = opt.strategy.tuner
+    assert tuner.done and len(tuner.history) == 3
+    caps = {c for c, _ in tuner.history}
+    assert len(caps) > 1, tuner.history            # it did try other caps (and re-planned)
+    assert opt.strategy.cap_bytes == tuner.best_cap
+    with opt.flush():
+        ref, _ = reference(kind, comm.size, steps)
+        assert_close(model, ref)
+        same_on_all_ranks(comm, model)
+    sd = opt.state_dict()["commlib"]["strategy"]["tuner"]
+    assert sd["history"] == tuner.history and sd["done"]
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("name", ["allreduce", "dear"])
 def test_consolidated_state_equals_reference_state(comm, name):
     model, opt = distributed(comm, "adamw", STRATEGIES[name](), 3)

@@ -531,7 +531,7 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel,
     if _completer is None:
         _completer = _Completer()
 
-    def hook(state: commlib.Communicator, bucket: Any) -> torch.futures.Future:
+    def hook(state, bucket):  # noqa: ANN001, ANN202 - DDP rejects string annotations here
         t = bucket.buffer()
         fut: torch.futures.Future = torch.futures.Future()
         _completer.q.put((state.iallreduce(t, "avg", out=t, tag=f"ddp{bucket.index()}"), fut, t))

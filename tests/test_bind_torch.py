@@ -256,3 +256,39 @@ def test_broadcast_helpers(comm):
     bufs = comm.allgather(opt.state[model.fc1.weight]["momentum_buffer"].reshape(-1).numpy())
     assert all(np.array_equal(bufs[r], bufs[0]) for r in range(comm.size))
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+@pytest.mark.mpi
+def test_ddp_comm_hook_routes_buckets_through_commlib(comm):
+    from mpi4py import MPI
+
+    from benchmarks._common import init_gloo
+    from bindings.torch import register_comm_hook
+
+    dist, why = init_gloo(MPI.COMM_WORLD, True)
+    if dist is None:
+        pytest.skip(f"no gloo process group: {why}")
+    try:
+        model = make_model(comm.rank)
+        del model.unused                                  # DDP insists every parameter gets a gradient
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0002)
+        register_comm_hook(ddp, comm)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        ref = make_model(0)
+        del ref.unused
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        before = comm.seq
+        for step in range(3):
+            x, y = batch(step, comm.size)
+            mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL)
+            opt.zero_grad()
+            loss_fn(ddp, x[mine], y[mine]).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            loss_fn(ref, x, y).backward()
+            ref_opt.step()
+        assert comm.seq - before >= 3                # every step's buckets went through commlib
+        for p, q in zip(model.parameters(), ref.parameters()):
+            np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=2e-5, atol=2e-6)
+    finally:
+        dist.destroy_process_group()

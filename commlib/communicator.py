@@ -145,7 +145,10 @@ class Communicator:
 
         The loop yields the core between polls (ranks may share cores) and
         reads the clock only every few polls, so that polling costs about
-        what a blocking MPI call costs.
+        what a blocking MPI call costs.  After ``poll_spin`` seconds it backs
+        off with sleeps growing to 1 ms: a long transfer then leaves the cores
+        to the computation it overlaps (MPI progresses at each poll, and the
+        kernel's socket buffers carry the link meanwhile).
         """
         test = p._test
         if test():
@@ -153,13 +156,22 @@ class Communicator:
         now = time.monotonic()
         deadline = now + self.timeout if self.timeout > 0 else math.inf
         look = now + _BOARD_EVERY_S
+        relax = now + self.config.poll_spin
+        nap = 0.0
         yield_ = os.sched_yield
         while True:
-            for _ in range(32):
+            if nap:
                 if test():
                     return
-                yield_()
+                time.sleep(nap)
+            else:
+                for _ in range(32):
+                    if test():
+                        return
+                    yield_()
             now = time.monotonic()
+            if now >= relax:
+                nap = min(2 * nap or 2e-5, 1e-3)
             if now < look:
                 continue
             look = now + _BOARD_EVERY_S

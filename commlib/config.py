@@ -5,7 +5,10 @@ The one table of them is in README.md ("Settings"); in short:
 (``timeout``, seconds, 0 = forever, default 300), ``COMMLIB_CHECK`` (``check``:
 all ranks compare each call before entering it), ``COMMLIB_TIMELINE``
 (``timeline``: Chrome-trace path per rank), ``COMMLIB_NVTX`` (``nvtx``) and
-``COMMLIB_MPI_CUDA_AWARE`` (``cuda_aware``: auto, 0, 1).  A keyword given to
+``COMMLIB_MPI_CUDA_AWARE`` (``cuda_aware``: auto, 0, 1), ``COMMLIB_POLL_SPIN``
+(``poll_spin``: seconds a wait polls flat out before it backs off with short
+sleeps, so that ranks sharing cores leave them to computation; default
+0.001, ``inf`` never sleeps).  A keyword given to
 :func:`commlib.init` wins over the variable.
 """
 
@@ -46,6 +49,7 @@ class Config:
     timeline: str | None = None
     nvtx: bool = True
     cuda_aware: bool | None = None  # None: ask MPI
+    poll_spin: float = 1e-3
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "Config":
@@ -58,7 +62,13 @@ class Config:
         except ValueError:
             raise ValidationError(
                 f"COMMLIB_TIMEOUT={os.environ['COMMLIB_TIMEOUT']!r}: expected seconds") from None
+        try:
+            poll_spin = float(os.environ.get("COMMLIB_POLL_SPIN", "0.001"))
+        except ValueError:
+            raise ValidationError(
+                f"COMMLIB_POLL_SPIN={os.environ['COMMLIB_POLL_SPIN']!r}: expected seconds") from None
         cfg = cls(
+            poll_spin=poll_spin,
             backend=os.environ.get("COMMLIB_BACKEND", "auto").lower(),
             timeout=timeout,
             check=_env_bool("COMMLIB_CHECK", False),
@@ -80,6 +90,8 @@ class Config:
             raise ValidationError(f"backend {self.backend!r}: expected one of {_BACKENDS}")
         if not self.timeout >= 0:
             raise ValidationError(f"timeout {self.timeout!r}: expected seconds >= 0")
+        if not self.poll_spin >= 0:
+            raise ValidationError(f"poll_spin {self.poll_spin!r}: expected seconds >= 0 (inf: never sleep)")
 
     def timeline_path(self, rank: int) -> str | None:
         """The timeline file of ``rank``, or ``None`` when the timeline is off."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import math
-import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -19,10 +18,10 @@ from .backends.base import Pending, split_counts
 from .config import Config
 from .errors import CommAbortedError, CommlibError, ValidationError
 from .ops import OPS, Op, check_agreement, check_reduce_op, fingerprint, out_buffer
+from .poll import poll_until
 from .tracing import Tracer
 from .work import ProgressEngine, Work
 
-_BOARD_EVERY_S = 0.002
 #: every communicator made, oldest first: closed in reverse order at exit
 _OPEN: list[weakref.ref] = []
 
@@ -141,40 +140,11 @@ class Communicator:
 
     # -------------------------------------------------------------- machinery
     def _wait_pending(self, p: Pending, name: str, seq: int) -> None:
-        """Poll ``p`` to completion; fail fast on a peer's rejection, raise on timeout.
+        """Poll ``p`` to completion (:func:`commlib.poll.poll_until`); fail fast on a
+        peer's rejection or abort, raise on timeout."""
+        deadline = time.monotonic() + self.timeout if self.timeout > 0 else math.inf
 
-        The loop yields the core between polls (ranks may share cores) and
-        reads the clock only every few polls, so that polling costs about
-        what a blocking MPI call costs.  After ``poll_spin`` seconds it backs
-        off with sleeps growing to 1 ms: a long transfer then leaves the cores
-        to the computation it overlaps (MPI progresses at each poll, and the
-        kernel's socket buffers carry the link meanwhile).
-        """
-        test = p._test
-        if test():
-            return
-        now = time.monotonic()
-        deadline = now + self.timeout if self.timeout > 0 else math.inf
-        look = now + _BOARD_EVERY_S
-        relax = now + self.config.poll_spin
-        nap = 0.0
-        yield_ = os.sched_yield
-        while True:
-            if nap:
-                if test():
-                    return
-                time.sleep(nap)
-            else:
-                for _ in range(32):
-                    if test():
-                        return
-                    yield_()
-            now = time.monotonic()
-            if now >= relax:
-                nap = min(2 * nap or 2e-5, 1e-3)
-            if now < look:
-                continue
-            look = now + _BOARD_EVERY_S
+        def check(now: float) -> None:
             rejected = self._board.rejected(seq)
             if rejected:
                 self._fail(ValidationError(f"{name} #{seq}: " + "; ".join(
@@ -189,6 +159,8 @@ class Communicator:
             if now >= deadline:
                 self._fail(self._board.timeout_error(name, seq, self.timeout, self.rank, self.size),
                            name, seq)
+
+        poll_until(p._test, self.config.poll_spin, check)
 
     def _fail(self, err: CommlibError, name: str, seq: int) -> None:
         """An operation in flight failed: abort this communicator and raise ``err``.

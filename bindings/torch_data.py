@@ -1,0 +1,77 @@
+"""torch samplers over :mod:`collectives.data`: ``SelDPSampler`` and ``DefDPSampler``.
+
+Pass one to a ``DataLoader`` and call ``set_epoch(e)`` at the start of each
+epoch (as with ``DistributedSampler``); every rank must use the same seed.
+
+Example:
+    >>> from bindings.torch_data import SelDPSampler
+    >>> sampler = SelDPSampler(dataset, seed=0)            # rank and size from commlib.world()
+    >>> loader = torch.utils.data.DataLoader(dataset, batch_size=32, sampler=sampler)
+    >>> for epoch in range(epochs):
+    ...     sampler.set_epoch(epoch)
+    ...     for x, y in loader: ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from torch.utils.data import Sampler
+
+from collectives.data import DefDP, IndexPlan, SelDP
+
+
+def _resolve(data: Any, rank: int | None, size: int | None, comm: Any) -> tuple[int, int, int]:
+    n = data if isinstance(data, int) else len(data)
+    if rank is None or size is None:
+        if comm is None:
+            import commlib
+            comm = commlib.world()
+        rank = comm.rank if rank is None else rank
+        size = comm.size if size is None else size
+    return n, rank, size
+
+
+class _PlanSampler(Sampler[int]):
+    plan: IndexPlan
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.plan)
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch (its shuffle); call on every rank with the same value."""
+        self.plan.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.plan.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.plan.load_state_dict(state)
+
+
+class SelDPSampler(_PlanSampler):
+    """SelSync's sampler: every rank walks the whole data set from its own chunk (circular).
+
+    ``data``: a dataset (anything with ``len``) or its length; ``rank``/``size``:
+    default from ``comm`` (default ``commlib.world()``).
+    """
+
+    def __init__(self, data: Any, rank: int | None = None, size: int | None = None, seed: int = 0,
+                 shuffle: bool = True, comm: Any = None):
+        n, rank, size = _resolve(data, rank, size, comm)
+        self.plan = SelDP(n, rank, size, seed=seed, shuffle=shuffle)
+
+
+class DefDPSampler(_PlanSampler):
+    """Disjoint shards (as ``DistributedSampler``), or explicit per-rank ``partition`` (non-IID)."""
+
+    def __init__(self, data: Any, rank: int | None = None, size: int | None = None, seed: int = 0,
+                 shuffle: bool = True, drop_last: bool = False,
+                 partition: Sequence[Sequence[int]] | None = None, comm: Any = None):
+        n, rank, size = _resolve(data, rank, size, comm)
+        self.plan = DefDP(n, rank, size, seed=seed, shuffle=shuffle, drop_last=drop_last,
+                          partition=partition)

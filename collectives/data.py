@@ -1,0 +1,279 @@
+"""Data partitioning for data-parallel training: which samples each rank reads, framework-free.
+
+* :class:`DefDP`: the default, disjoint shards (every sample on one rank per
+  epoch), as torch's ``DistributedSampler``.
+* :class:`SelDP`: SelSync's partitioning (arXiv 2307.07950): every rank walks
+  the *whole* data set each epoch, starting at its own chunk and wrapping
+  around (circular), so that local steps see all of the data.
+* :class:`DataInjector`: for non-IID data, a fraction ``alpha`` of the ranks
+  share a fraction ``beta`` of their batch with every other rank by real
+  point-to-point MPI messages; the local batch is shrunk to
+  ``b' = b / (1 + alpha * beta * N)`` (:func:`injected_batch_size`) so that a
+  rank's batch after the exchange stays about ``b``.
+* :func:`label_shards`: a non-IID partition (sorted by label, cut into shards)
+  for tests and benchmarks.
+
+Both partitionings shuffle per epoch from a seed that every rank shares, and
+give every rank the same number of samples per epoch (so all ranks take the
+same number of steps).  They are plain index iterators: JAX loops use them
+directly; :mod:`bindings.torch_data` wraps them as torch samplers.
+
+Example:
+    >>> plan = SelDP(10, rank=1, size=2, seed=0, shuffle=False)
+    >>> plan.indices(epoch=0).tolist()
+    [5, 6, 7, 8, 9, 0, 1, 2, 3, 4]
+    >>> DefDP(10, rank=1, size=2, shuffle=False).indices(0).tolist()
+    [5, 6, 7, 8, 9]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from commlib import split_counts
+
+
+def _check_rank(rank: int, size: int) -> None:
+    if int(size) != size or size < 1:
+        raise ValueError(f"size {size!r}: expected an integer >= 1")
+    if int(rank) != rank or not 0 <= rank < size:
+        raise ValueError(f"rank {rank!r}: expected 0..{size - 1}")
+
+
+def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([int(seed), int(epoch), 0x5E15]).permutation(n)
+
+
+class IndexPlan:
+    """Base of the partitionings: per-epoch index arrays and batches of them.
+
+    ``set_epoch(e)`` chooses the epoch that iteration uses (as torch's samplers);
+    ``indices(epoch)`` is this rank's order of sample indices for an epoch;
+    ``batches(batch_size)`` cuts it into batches (the last one shorter unless
+    ``drop_last``).
+    """
+
+    def __init__(self, n: int, rank: int, size: int, seed: int = 0, shuffle: bool = True):
+        if int(n) != n or n < 1:
+            raise ValueError(f"n {n!r}: expected a positive number of samples")
+        _check_rank(rank, size)
+        self.n, self.rank, self.size = int(n), int(rank), int(size)
+        self.seed, self.shuffle = int(seed), bool(shuffle)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The shared order of all samples in ``epoch`` (the same on every rank)."""
+        return _permutation(self.n, self.seed, epoch) if self.shuffle else np.arange(self.n)
+
+    def indices(self, epoch: int | None = None) -> np.ndarray:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self.indices(self.epoch))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices(self.epoch).tolist())
+
+    def batches(self, batch_size: int, epoch: int | None = None, drop_last: bool = True) -> list[np.ndarray]:
+        """This rank's batches of ``epoch`` (default: the current one)."""
+        if int(batch_size) != batch_size or batch_size < 1:
+            raise ValueError(f"batch_size {batch_size!r}: expected an integer >= 1")
+        idx = self.indices(epoch)
+        stop = len(idx) - len(idx) % batch_size if drop_last else len(idx)
+        return [idx[i:i + batch_size] for i in range(0, stop, batch_size)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.seed = int(state["epoch"]), int(state["seed"])
+
+
+class DefDP(IndexPlan):
+    """Disjoint shards: rank r reads the r-th contiguous chunk of the epoch's shared order.
+
+    Every rank gets ``ceil(n / size)`` indices (the order wraps around to pad
+    the short chunks, as ``DistributedSampler``), or ``n // size`` with
+    ``drop_last``.  ``partition``: explicit per-rank index sets (e.g.
+    :func:`label_shards` for non-IID data); each rank then walks its own set,
+    shuffled per epoch, padded by wrapping to the largest set's length.
+
+    Example:
+        >>> [DefDP(5, r, 2, shuffle=False).indices(0).tolist() for r in range(2)]
+        [[0, 1, 2], [3, 4, 0]]
+    """
+
+    def __init__(self, n: int, rank: int, size: int, seed: int = 0, shuffle: bool = True,
+                 drop_last: bool = False, partition: Sequence[Sequence[int]] | None = None):
+        super().__init__(n, rank, size, seed, shuffle)
+        self.drop_last = bool(drop_last)
+        self.partition = None
+        if partition is not None:
+            if len(partition) != size:
+                raise ValueError(f"partition has {len(partition)} index sets for {size} ranks")
+            parts = [np.asarray(p, np.int64) for p in partition]
+            for r, p in enumerate(parts):
+                if p.ndim != 1 or len(p) == 0 or p.min() < 0 or p.max() >= n:
+                    raise ValueError(f"partition[{r}]: expected a non-empty set of indices in 0..{n - 1}")
+            self.partition = parts
+
+    def indices(self, epoch: int | None = None) -> np.ndarray:
+        epoch = self.epoch if epoch is None else int(epoch)
+        if self.partition is not None:
+            mine = self.partition[self.rank]
+            if self.shuffle:
+                rng = np.random.default_rng([self.seed, epoch, self.rank, 0xDEF])
+                mine = mine[rng.permutation(len(mine))]
+            longest = max(len(p) for p in self.partition)
+            return np.resize(mine, longest)
+        order = self.order(epoch)
+        per = self.n // self.size if self.drop_last else -(-self.n // self.size)
+        if not self.drop_last and per * self.size > self.n:
+            order = np.resize(order, per * self.size)    # wrap around to pad
+        return order[self.rank * per:(self.rank + 1) * per].copy()
+
+
+class SelDP(IndexPlan):
+    """Every rank walks the whole data set, starting at its own chunk (circular).
+
+    The epoch's shared order is cut into ``size`` chunks
+    (:func:`commlib.split_counts`); rank r reads chunk r, r+1, ... and wraps
+    around to chunk r-1, so every rank sees every sample once per epoch while
+    the ranks read different samples at any moment.
+
+    Example:
+        >>> [SelDP(4, r, 2, shuffle=False).indices(0).tolist() for r in range(2)]
+        [[0, 1, 2, 3], [2, 3, 0, 1]]
+    """
+
+    def start(self) -> int:
+        """Where this rank starts in the epoch's order."""
+        return int(sum(split_counts(self.n, self.size)[:self.rank]))
+
+    def indices(self, epoch: int | None = None) -> np.ndarray:
+        epoch = self.epoch if epoch is None else int(epoch)
+        return np.roll(self.order(epoch), -self.start())
+
+
+def label_shards(labels: Sequence[int], size: int, shards_per_rank: int = 2,
+                 seed: int = 0) -> list[np.ndarray]:
+    """A non-IID partition: indices sorted by label, cut into ``size * shards_per_rank``
+    shards, dealt to the ranks in a seeded random order (each rank sees few labels).
+
+    Example:
+        >>> parts = label_shards([0, 0, 1, 1, 2, 2, 3, 3], size=2, shards_per_rank=2, seed=0)
+        >>> sorted(np.concatenate(parts).tolist()) == list(range(8))
+        True
+    """
+    labels = np.asarray(labels)
+    if labels.ndim != 1 or len(labels) < size * shards_per_rank:
+        raise ValueError(f"need at least {size * shards_per_rank} labels for {size} ranks x "
+                         f"{shards_per_rank} shards, got {len(labels)}")
+    order = np.argsort(labels, kind="stable")
+    shards = np.array_split(order, size * shards_per_rank)
+    deal = np.random.default_rng([int(seed), 0x11D]).permutation(len(shards))
+    return [np.sort(np.concatenate([shards[j] for j in deal[r::size]])) for r in range(size)]
+
+
+def injected_batch_size(batch_size: int, alpha: float, beta: float, size: int) -> int:
+    """The local batch ``b' = b / (1 + alpha * beta * N)``, rounded, at least 1.
+
+    Example:
+        >>> injected_batch_size(64, 0.75, 0.75, 4)
+        20
+    """
+    return max(1, int(round(batch_size / (1.0 + alpha * beta * size))))
+
+
+class DataInjector:
+    """Non-IID data injection: chosen ranks send part of their batch to every other rank.
+
+    Each step ``sharers(step)`` picks ``round(alpha * size)`` ranks (the same on
+    every rank: a seeded draw per step); a sharer sends the first
+    ``round(beta * len(batch))`` samples of its local batch to every other
+    rank (``Isend``), and every rank receives from every other sharer
+    (``Probe`` + ``Recv``, so a shorter last batch works).  A rank's batch
+    after :meth:`exchange` is its own, then the shared samples in rank order.
+    Construct it on every rank (it duplicates ``mpi_comm``, a collective).
+
+    ``comm``: a :class:`commlib.Communicator` (its ``mpi_comm`` is used) or
+    an mpi4py communicator.
+
+    Example:
+        >>> inj = DataInjector(comm, alpha=0.75, beta=0.75, seed=0)
+        >>> b_local = injected_batch_size(64, 0.75, 0.75, comm.size)
+        >>> x, y = inj.exchange(step, x_local, y_local)     # about 64 samples
+    """
+
+    TAG = 0x5E5
+
+    def __init__(self, comm: Any, alpha: float, beta: float, seed: int = 0):
+        if not 0.0 <= alpha <= 1.0 or not 0.0 <= beta <= 1.0:
+            raise ValueError(f"alpha {alpha!r}, beta {beta!r}: expected fractions in [0, 1]")
+        mpi = getattr(comm, "mpi_comm", comm)
+        self._p2p = mpi.Dup()
+        self.rank, self.size = self._p2p.rank, self._p2p.size
+        self.alpha, self.beta, self.seed = float(alpha), float(beta), int(seed)
+        self.count = int(round(self.alpha * self.size))
+        self.stats = {"sent_samples": 0, "received_samples": 0, "bytes_sent": 0}
+
+    def sharers(self, step: int) -> list[int]:
+        """The ranks that share at ``step`` (sorted; the same on every rank)."""
+        rng = np.random.default_rng([self.seed, int(step), 0x1E]).permutation(self.size)
+        return sorted(int(r) for r in rng[:self.count])
+
+    def shared_count(self, batch_len: int) -> int:
+        return int(round(self.beta * batch_len))
+
+    def exchange(self, step: int, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Exchange the shared part of this step's batch; return the grown arrays.
+
+        ``arrays``: the local batch's arrays (e.g. inputs and labels), numpy,
+        all with the same first dimension; received samples are appended.
+        """
+        from mpi4py import MPI
+
+        if not arrays:
+            raise ValueError("exchange: give at least one array")
+        arrays = tuple(np.ascontiguousarray(a) for a in arrays)
+        n = len(arrays[0])
+        if any(len(a) != n for a in arrays):
+            raise ValueError(f"exchange: arrays differ in length: {[len(a) for a in arrays]}")
+        sharers = self.sharers(step)
+        reqs = []
+        if self.rank in sharers:
+            m = self.shared_count(n)
+            for peer in range(self.size):
+                if peer == self.rank:
+                    continue
+                for k, a in enumerate(arrays):
+                    reqs.append(self._p2p.Isend(a[:m], dest=peer, tag=self.TAG + k))
+                    self.stats["bytes_sent"] += a[:m].nbytes
+            self.stats["sent_samples"] += m * (self.size - 1)
+        received: list[list[np.ndarray]] = [[] for _ in arrays]
+        status = MPI.Status()
+        for src in sharers:
+            if src == self.rank:
+                continue
+            for k, a in enumerate(arrays):
+                self._p2p.Probe(source=src, tag=self.TAG + k, status=status)
+                per_sample = int(np.prod(a.shape[1:], dtype=np.int64))
+                count = status.Get_count(MPI.BYTE) // (a.itemsize * max(per_sample, 1))
+                buf = np.empty((count, *a.shape[1:]), a.dtype)
+                self._p2p.Recv(buf, source=src, tag=self.TAG + k)
+                received[k].append(buf)
+            self.stats["received_samples"] += len(received[0][-1])
+        MPI.Request.Waitall(reqs)
+        return tuple(np.concatenate([a, *r]) if r else a for a, r in zip(arrays, received))
+
+    def close(self) -> None:
+        """Free the duplicated communicator (collective)."""
+        if self._p2p is not None:
+            self._p2p.Free()
+            self._p2p = None

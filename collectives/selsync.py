@@ -1,0 +1,509 @@
+"""``SelSync``: a selective-sync gate that communicates only when the update matters (arXiv 2307.07950).
+
+Each step the gate measures how *significant* the local update is: the
+relative change between steps of the gradient's L2 norm, both smoothed by an
+EWMA over ``window`` steps (:class:`SignificanceMeter`)::
+
+    E_i = EWMA(||g_1||, ..., ||g_i||)          (bias-corrected: defined from step 1)
+    significance_i = |E_i - E_{i-1}| / E_{i-1} (0 at step 1)
+
+A rank *wants* to sync when ``significance_i >= delta``; one one-element MAX
+all-reduce of that flag per step (the consensus, traced as ``allreduce``
+with tag ``selsync.flag`` plus a ``selsync`` event on the ``control`` track
+of the timeline) makes every rank sync when any rank wants to.  The first
+``warmup`` steps (default: ``window``, while the EWMA fills) always sync, as
+does every step with ``delta = 0`` (BSP); both are known on every rank, so
+no consensus is needed then.  A huge ``delta`` is local SGD after warm-up.
+
+Two aggregation modes:
+
+* ``mode="params"`` (the paper's preferred mode): every step is a local
+  update; on a sync step the parameter buffers are averaged *after* the
+  update (unlike the prototype, which averaged before it and left replicas a
+  step apart), so replicas are identical after every sync step.  The
+  averaging runs in the background and a bucket is waited for in
+  ``before_forward(b)`` (as DeAR's all-gathers), or in ``flush()`` / the next
+  ``before_update()``.  With a sharded inner strategy (DeAR) the average
+  travels as DeAR's decoupled reduce-scatter + all-gather; else as one
+  all-reduce per bucket.
+* ``mode="grads"``: on a sync step the inner strategy averages the
+  gradients before the update; a local step communicates nothing.  If local
+  steps ran since the last sync (replicas drifted), the parameters are
+  averaged after the update as well, so replicas are identical after every
+  sync step here too.
+
+The inner strategy: the gate forwards the lifecycle to ``inner`` on sync
+steps in grads mode (``AllReduce``, a sparse strategy, ``DeAR``).  Because
+the decision needs the whole local gradient, the inner strategy's
+communication starts after backward on sync steps (``before_update``): the
+backward overlap of WFBP is given up; that is inherent to gating on this
+step's significance.  Local steps need the full optimizer on every rank, so
+the gate always presents ``sharded = False`` to the binding: with
+``inner=DeAR()`` the gradients travel as DeAR's reduce-scatter (into shard
+buffers the gate owns) followed by an all-gather of the averaged shards
+back into the gradient buffers, and the full optimizer runs everywhere
+(ZeRO-1's memory saving is given up under SelSync).
+
+What a binding calls (the usual lifecycle; nothing extra is required):
+
+1. ``setup(comm, buckets, params, grads, shard_grads=None, broadcast=True)``
+   once (``shard_grads`` is not needed: ``sharded`` is False);
+2. per step: ``before_forward(b)`` before bucket ``b``'s first module runs
+   forward (needed in params mode: the parameter averaging of a sync step
+   overlaps the next forward; pass ``overlap=False`` if the binding never
+   calls it), ``bucket_ready(b)`` from backward (recorded; launched on sync
+   steps only);
+3. the optimizer step: ``before_update()`` (observes the local gradient norm
+   from ``grads``, runs the consensus, and in grads mode on a sync step
+   averages the gradients), then the optimizer's update on the full
+   ``params``, then ``after_update()`` (in params mode on a sync step:
+   launches the parameter averaging);
+4. optimizer state in params mode (``sync_optimizer_state=True``): either
+   register flat buffers once with :meth:`register_state_buffers` (averaged
+   together with the parameters), or, after ``after_update()``, check
+   :attr:`synced` and average the optimizer's tensors (e.g. momentum) with
+   ``comm.allreduce(t, "avg", out=t)`` in the binding;
+5. ``flush()`` before evaluation / checkpoint / end: waits for the
+   averaging and, with ``average_on_flush=True`` (default), averages the
+   parameters if replicas drifted, so that every rank holds the same model.
+
+Without a strategy lifecycle (a JAX loop, a benchmark driving flat
+vectors): ``significance = gate.observe(grads)``, ``sync = gate.decide()``,
+then either average yourself or call :meth:`average_params`; finish the
+step with :meth:`end_step`.
+
+Statistics (``gate.stats``): ``syncs``, ``local_steps``, ``lssr`` (local
+steps / all steps), ``bytes`` sent, ``bytes_saved`` (local steps times the
+bytes of a sync), ``consensus_s`` / ``consensus_calls`` (the flag's cost),
+``observe_s`` (the norm's cost); ``gate.trace``: per step ``(step, norm,
+ewma, significance, synced)``, the last ``trace_len`` steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from commlib import Communicator, Work
+from commlib.arrays import as_view
+
+from .allreduce import AllReduce
+from .buckets import Bucket
+from .strategy import Strategy
+
+MODES = ("params", "grads")
+
+
+class SignificanceMeter:
+    """Bias-corrected EWMA of the gradient norm and the relative change of that EWMA.
+
+    ``beta = 1 - 2 / (window + 1)`` (the "span" convention: the last
+    ``window`` steps carry about 86 % of the weight).  The bias correction
+    ``m_i / (1 - beta**i)`` makes the EWMA the plain norm at step 1 and a
+    weighted mean of the norms seen while the window fills, so the
+    significance is defined (and finite) from the first step; it is 0 at
+    step 1, where there is no previous value.
+
+    Example:
+        >>> m = SignificanceMeter(window=3)
+        >>> m.update(2.0), m.update(2.0), round(m.update(4.0), 4)
+        (0.0, 0.0, 0.5714)
+    """
+
+    def __init__(self, window: int = 25):
+        if int(window) != window or window < 1:
+            raise ValueError(f"window {window!r}: expected an integer >= 1")
+        self.window = int(window)
+        self.beta = 1.0 - 2.0 / (self.window + 1)
+        self.m = 0.0
+        self.count = 0
+        self.value: float | None = None
+
+    def update(self, norm: float) -> float:
+        """Add this step's norm; return the significance (relative change of the EWMA)."""
+        prev = self.value
+        self.count += 1
+        self.m = self.beta * self.m + (1.0 - self.beta) * float(norm)
+        corr = 1.0 - self.beta ** self.count
+        self.value = self.m / corr if corr > 0 else float(norm)
+        if prev is None:
+            return 0.0
+        if prev == 0.0:
+            return 0.0 if self.value == 0.0 else math.inf
+        return abs(self.value - prev) / prev
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": self.window, "m": self.m, "count": self.count, "value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["window"]) != self.window:
+            raise ValueError(f"meter state has window {state['window']}, this meter {self.window}")
+        self.m = float(state["m"])
+        self.count = int(state["count"])
+        self.value = None if state["value"] is None else float(state["value"])
+
+
+def l2_norm(buffers: Sequence[Any]) -> float:
+    """L2 norm over all ``buffers`` (numpy, cupy, torch, jax, DLPack), accumulated in float64.
+
+    Example:
+        >>> l2_norm([np.array([3.0], np.float32), np.array([4.0], np.float32)])
+        5.0
+    """
+    total = 0.0
+    for buf in buffers:
+        v = as_view(buf, "selsync: gradient")
+        d = v.data
+        if v.dtype == "bfloat16":            # uint16 storage: the high half of a float32
+            d = (d.astype(v.xp.uint32) << 16).view(v.xp.float32)
+        elif v.dtype in ("float16", "int32", "int64"):
+            d = d.astype(v.xp.float32)
+        total += float(v.xp.dot(d, d))
+    return math.sqrt(total)
+
+
+class SelSync(Strategy):
+    """Selective synchronization: sync only when some rank's update is significant.
+
+    ``inner``: the strategy that averages gradients on sync steps in grads
+    mode (default :class:`AllReduce`); in params mode it chooses the pattern
+    of the parameter average (a sharded ``inner`` such as DeAR: reduce-scatter
+    + all-gather; else all-reduce).  ``delta``: the significance threshold
+    (0: BSP; ``math.inf``: local SGD after warm-up; paper: 0.25-0.5).
+    ``window``: the EWMA window (paper: 25).  ``warmup``: steps that always
+    sync (default ``window``).  ``mode``: ``"params"`` or ``"grads"``.
+    ``sync_optimizer_state``: average the buffers registered with
+    :meth:`register_state_buffers` whenever parameters are averaged (the
+    binding may instead read :attr:`synced`).  ``overlap``: let the parameter
+    average of a sync step overlap the next forward (waited for in
+    ``before_forward``).  ``average_on_flush``: ``flush()`` averages drifted
+    replicas.  ``trace_len``: steps of the metric's trace kept.
+
+    Tuning: raise ``delta`` for fewer syncs (higher LSSR, faster) and lower it
+    for BSP-like accuracy; look at ``gate.trace`` (significance per step) to
+    choose it.  Pair it with :class:`collectives.data.SelDP` so that local
+    steps see the whole data set.
+
+    Example:
+        >>> gate = SelSync(inner=AllReduce(), delta=0.3, window=25, mode="params")
+        >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, strategy=gate)
+        >>> ...                                    # train as usual
+        >>> gate.stats["lssr"], gate.stats["bytes_saved"]
+    """
+
+    name = "selsync"
+    sharded = False
+
+    def __init__(self, inner: Strategy | None = None, delta: float = 0.3, window: int = 25,
+                 mode: str = "params", sync_optimizer_state: bool = False, warmup: int | None = None,
+                 overlap: bool = True, average_on_flush: bool = True, trace_len: int = 100_000):
+        super().__init__()
+        if inner is None:
+            inner = AllReduce()
+        if not isinstance(inner, Strategy):
+            raise TypeError(f"inner {inner!r}: expected a collectives Strategy")
+        if isinstance(inner, SelSync):
+            raise ValueError("SelSync cannot wrap another SelSync")
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+        delta = float(delta)
+        if not delta >= 0:
+            raise ValueError(f"delta {delta!r}: expected >= 0 (0 is BSP, inf is local SGD)")
+        if warmup is not None and (int(warmup) != warmup or warmup < 0):
+            raise ValueError(f"warmup {warmup!r}: expected an integer >= 0")
+        self.inner = inner
+        self.delta = delta
+        self.mode = mode
+        self.meter = SignificanceMeter(window)
+        self.warmup = self.meter.window if warmup is None else int(warmup)
+        self.sync_optimizer_state = bool(sync_optimizer_state)
+        self.overlap = bool(overlap)
+        self.average_on_flush = bool(average_on_flush)
+        self.trace_len = int(trace_len)
+        self.trace: list[tuple[int, float, float, float, bool]] = []
+        self.state_buffers: list[Any] = []
+        #: whether the current (or, after ``after_update``, the last) step synchronizes
+        self.synced = False
+        self.stats.update({"syncs": 0, "local_steps": 0, "lssr": 0.0, "bytes_saved": 0.0,
+                           "sync_bytes": 0.0, "consensus_s": 0.0, "consensus_calls": 0,
+                           "observe_s": 0.0, "flush_syncs": 0})
+        self._want: bool | None = None        # this step's local vote, once observed
+        self._decided: bool | None = None     # this step's consensus, once decided
+        self._drift = False                   # local steps since the replicas were last averaged
+        self._avg_works: list[list[Work]] = []    # per bucket: its parameter average in flight
+        self._avg_other: list[Work] = []
+        self._inner_shards: list[Any] = []
+        self._flag: Any = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(self, comm: Communicator, buckets: Sequence[Bucket], params: Sequence[Any],
+              grads: Sequence[Any], shard_grads: Sequence[Any] | None = None,
+              broadcast: bool = True) -> None:
+        self._wait_average()
+        super().setup(comm, buckets, params, grads, None, broadcast)
+        if self.inner.sharded:
+            self._inner_shards = []
+            for b, g in zip(self.buckets, self.grads):
+                v = as_view(g, "selsync: gradient buffer")
+                self._inner_shards.append(v.wrap(v.empty(b.shard_numel), (b.shard_numel,)))
+        self.inner.setup(comm, buckets, params, grads,
+                         self._inner_shards if self.inner.sharded else None, broadcast=False)
+        self._avg_works = [[] for _ in self.buckets]
+        if comm.backend == "mpi" or not self.grads:
+            self._flag = np.zeros(1, np.float32)
+        else:
+            v = as_view(self.grads[0], "selsync: gradient buffer")
+            with v.xp.cuda.Device(v.device_id):
+                self._flag = v.xp.zeros(1, v.xp.float32)
+
+    def register_state_buffers(self, buffers: Sequence[Any]) -> None:
+        """Flat optimizer-state buffers (e.g. momentum, laid out as the buckets) to
+        average with the parameters when ``sync_optimizer_state`` is on."""
+        for i, buf in enumerate(buffers):
+            v = as_view(buf, f"selsync: state buffer {i}")
+            if v.dtype not in ("float16", "bfloat16", "float32", "float64") or not v.writable:
+                raise ValueError(f"state buffer {i}: expected a writable floating array, got {v.dtype}")
+        self.state_buffers = list(buffers)
+
+    def bucket_ready(self, b: int) -> None:
+        """Recorded only: whether this step syncs is decided after backward."""
+        self._ready[b] = True
+
+    def launch(self, b: int) -> None:   # the gate launches through ``inner``
+        raise RuntimeError("SelSync launches through its inner strategy")
+
+    def before_update(self) -> None:
+        """Observe the local gradient, agree on sync, and in grads mode average the gradients."""
+        self._wait_average()
+        if self._want is None:
+            self.observe()
+        sync = self.decide() if self._decided is None else self._decided
+        if sync and self.mode == "grads":
+            inner = self.inner
+            before = inner.stats["bytes"]
+            for b in range(len(self.buckets)):
+                inner.bucket_ready(b)
+            inner.before_update()
+            nbytes = inner.stats["bytes"] - before
+            if inner.sharded:   # DeAR's reduce-scatter, then the averaged shards back into the gradients
+                works = [self.comm.iallgather(self._inner_shards[b], out=self.grads[b], tag=f"selsync.ag{b}")
+                         for b in range(len(self.buckets))]
+                self._wait(works)
+                n = self.comm.size
+                nbytes += sum(bk.nbytes * (n - 1) / n for bk in self.buckets)
+            self._count_bytes(nbytes)
+
+    def after_update(self) -> None:
+        """In params mode on a sync step (grads mode: after drift), start averaging the parameters."""
+        sync = bool(self._decided)
+        if sync and self.mode == "grads":
+            if self.inner.sharded:
+                Strategy.after_update(self.inner)   # its bookkeeping, not its all-gather of parameters
+            else:
+                self.inner.after_update()
+        if sync and (self.mode == "params" or self._drift):
+            self._count_bytes(self._start_average())
+            if not self.overlap:
+                self._wait_average()
+        self.end_step()
+
+    def before_forward(self, b: int) -> None:
+        if self._avg_works and self._avg_works[b]:
+            t0 = time.perf_counter()
+            for w in self._avg_works[b]:
+                w.wait()
+            self._avg_works[b] = []
+            self.stats["wait_s"] += time.perf_counter() - t0
+        if self.mode == "grads":
+            self.inner.before_forward(b)
+
+    def flush(self) -> None:
+        """Finish the averaging in flight; with ``average_on_flush``, average drifted replicas."""
+        self._wait_average()
+        if self.mode == "grads":
+            self.inner.flush()
+        if self.average_on_flush and self._drift and self.comm is not None and self.comm.size > 1:
+            self.stats["bytes"] += self._start_average()
+            self.stats["flush_syncs"] += 1
+            self._wait_average()
+
+    # ------------------------------------------------------------------ the gate, framework-free
+    def observe(self, grads: Sequence[Any] | None = None) -> float:
+        """Measure this step's local gradient (``grads``, default the setup's buffers):
+        update the EWMA and return the significance.  Call once per step, before any
+        communication touches the gradients."""
+        if self._want is not None:
+            raise RuntimeError("observe() called twice in one step; finish the step with end_step()")
+        t0 = time.perf_counter()
+        norm = l2_norm(self.grads if grads is None else grads)
+        significance = self.meter.update(norm)
+        self.stats["observe_s"] += time.perf_counter() - t0
+        self._want = not significance < self.delta       # NaN or inf: sync
+        self._norm, self._significance = norm, significance
+        return significance
+
+    @property
+    def step_index(self) -> int:
+        """1-based index of the step being decided."""
+        return self.steps + 1
+
+    def decide(self, want: bool | None = None) -> bool:
+        """Agree on whether this step syncs: True when any rank wants to (one flag all-reduce).
+
+        ``want`` overrides this rank's vote (e.g. to force a sync).  During warm-up and
+        with ``delta = 0`` every rank knows the answer: no collective is made.
+        """
+        if self.comm is None:
+            raise RuntimeError("SelSync.decide() before setup()")
+        if want is None:
+            if self._want is None:
+                raise RuntimeError("SelSync.decide() before observe()")
+            want = self._want
+        forced = self.step_index <= self.warmup or self.delta == 0.0
+        t0 = time.perf_counter()
+        start_us = self.comm.tracer.now_us()
+        if forced or self.comm.size == 1:
+            sync = forced or bool(want)
+        else:
+            self._flag[0] = 1.0 if want else 0.0
+            self.comm.allreduce(self._flag, "max", out=self._flag, tag="selsync.flag")
+            sync = bool(float(self._flag[0]) > 0)
+            self.stats["consensus_s"] += time.perf_counter() - t0
+            self.stats["consensus_calls"] += 1
+        tr = self.comm.tracer
+        if tr.recording:
+            tr.add("running", "selsync", "control", start_us, tr.now_us(), step=self.step_index,
+                   sync=sync, want=bool(want), forced=forced,
+                   significance=float(getattr(self, "_significance", float("nan"))))
+        self._decided = sync
+        self.synced = sync
+        return sync
+
+    def average_params(self, params: Sequence[Any] | None = None, wait: bool = True) -> float:
+        """Average ``params`` (default: the setup's buffers, plus the registered state
+        buffers when ``sync_optimizer_state``) over the ranks; return the bytes sent."""
+        nbytes = self._start_average(params)
+        if wait:
+            self._wait_average()
+        return nbytes
+
+    def end_step(self) -> None:
+        """Close the step: count it, record the trace (``after_update`` calls it)."""
+        sync = bool(self._decided)
+        norm = getattr(self, "_norm", float("nan"))
+        self.trace.append((self.step_index, norm, self.meter.value if self.meter.value is not None
+                           else float("nan"), getattr(self, "_significance", float("nan")), sync))
+        if len(self.trace) > self.trace_len:
+            del self.trace[: len(self.trace) - self.trace_len]
+        if sync:
+            self.stats["syncs"] += 1
+        else:
+            self._drift = True
+            self.stats["local_steps"] += 1
+            self.stats["bytes_saved"] += self._sync_cost()
+        total = self.stats["syncs"] + self.stats["local_steps"]
+        self.stats["lssr"] = self.stats["local_steps"] / total if total else 0.0
+        Strategy.after_update(self)
+        self._want = self._decided = None
+
+    # ------------------------------------------------------------------ helpers
+    def _count_bytes(self, nbytes: float) -> None:
+        self.stats["bytes"] += nbytes
+        self.stats["sync_bytes"] += nbytes
+
+    def _sync_cost(self) -> float:
+        """Bytes one sync costs: measured over the sync steps so far, else the dense estimate."""
+        if self.comm is None or self.comm.size == 1:
+            return 0.0
+        if self.stats["syncs"] and self.stats["sync_bytes"]:
+            return self.stats["sync_bytes"] / self.stats["syncs"]
+        return self._dense_bytes(self.params)
+
+    def _dense_bytes(self, buffers: Sequence[Any]) -> float:
+        n = self.comm.size if self.comm is not None else 1
+        total = 0.0
+        for buf in buffers:
+            total += as_view(buf, "selsync: buffer").nbytes
+        return total * (2 * (n - 1) / n if self.inner.sharded else 1.0)
+
+    def _start_average(self, params: Sequence[Any] | None = None) -> float:
+        """Launch the average of the parameter (and state) buffers; return its bytes.
+
+        Works on the setup's buckets are kept per bucket (``before_forward(b)``
+        waits for its own); any others wait in :meth:`_wait_average`.
+        """
+        comm = self.comm
+        if comm is None:
+            raise RuntimeError("SelSync: average before setup()")
+        self._drift = False
+        if comm.size == 1:
+            return 0.0
+        own = params is None
+        bufs = list(self.params if own else params)
+        if self.sync_optimizer_state:
+            bufs += self.state_buffers
+        nbytes = 0.0
+        # forward needs the last bucket first (buckets are numbered in backward order)
+        for i in reversed(range(len(bufs))):
+            works = self._average_one(bufs[i], i)
+            nbytes += self._dense_bytes([bufs[i]])
+            if own and i < len(self._avg_works):
+                self._avg_works[i].extend(works)
+            else:
+                self._avg_other.extend(works)
+        return nbytes
+
+    def _average_one(self, p: Any, i: int) -> list[Work]:
+        """One buffer's average: an all-reduce, or (sharded inner) reduce-scatter + all-gather.
+
+        Both halves are queued at once: the progress engine runs them in order,
+        so the all-gather reads the shard after the reduce-scatter wrote it.
+        """
+        comm = self.comm
+        v = as_view(p, "selsync: parameter buffer")
+        if not self.inner.sharded or v.count % comm.size:
+            return [comm.iallreduce(p, "avg", out=p, tag=f"selsync.avg{i}")]
+        s = v.count // comm.size
+        shard = v.wrap(v.empty(s), (s,))
+        return [comm.ireduce_scatter(p, "avg", out=shard, tag=f"selsync.rs{i}"),
+                comm.iallgather(shard, out=p, tag=f"selsync.ag{i}")]
+
+    def _wait_average(self) -> None:
+        if not self._avg_other and not any(self._avg_works):
+            return
+        t0 = time.perf_counter()
+        for works in [*self._avg_works, self._avg_other]:
+            for w in works:
+                w.wait()
+            works.clear()
+        self.stats["wait_s"] += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        st = super().state_dict()
+        st.update({"delta": self.delta, "mode": self.mode, "warmup": self.warmup,
+                   "meter": self.meter.state_dict(), "drift": self._drift,
+                   "stats": dict(self.stats), "trace": [list(t) for t in self.trace[-self.trace_len:]],
+                   "inner": self.inner.state_dict()})
+        return st
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if state["mode"] != self.mode:
+            raise ValueError(f"state of mode {state['mode']!r} given to a gate of mode {self.mode!r}")
+        self.delta = float(state["delta"])
+        self.warmup = int(state["warmup"])
+        self.meter.load_state_dict(state["meter"])
+        self._drift = bool(state["drift"])
+        self.stats.update(state["stats"])
+        self.trace = [(int(s), float(n), float(e), float(g), bool(y)) for s, n, e, g, y in state["trace"]]
+        self.inner.load_state_dict(state["inner"])
+        self._want = self._decided = None
+
+    def __repr__(self) -> str:
+        return (f"SelSync(inner={self.inner!r}, delta={self.delta:g}, window={self.meter.window}, "
+                f"mode={self.mode!r})")

@@ -1,0 +1,307 @@
+"""bindings.jax: gradient pytrees through fusion buckets, AllReduce and DeAR, against one process.
+
+Every rank trains on its slice of a global batch; the reference is one
+process running the same optax optimizer on the whole batch (the loss is a
+mean, so the average of the ranks' gradients is the full-batch gradient).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+# before jax initializes its backend: CPU only, two host devices for the mixed-device check
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=2").strip()
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+
+from bindings.jax import (  # noqa: E402
+    GradientSync,
+    allreduce_gradients,
+    average_gradients,
+    broadcast_params,
+    sharded_optimizer,
+)
+from collectives import AllReduce, DeAR  # noqa: E402
+from commlib.errors import MismatchError, ValidationError  # noqa: E402
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+LOCAL = 3            # samples per rank per step
+STEPS = 5
+SMALL = 200 / 2**20  # a bucket cap of 200 bytes: the MLP's leaves spread over several buckets
+
+
+def init_params(seed: int) -> dict:
+    k = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return {"hidden": {"w": jax.random.normal(k[0], (6, 16)) * 0.4, "b": jnp.zeros(16)},
+            "out": [jax.random.normal(k[1], (16, 3)) * 0.4, jax.random.normal(k[2], (3,)) * 0.1]}
+
+
+def loss_fn(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
+    h = jnp.tanh(x @ params["hidden"]["w"] + params["hidden"]["b"])
+    w, b = params["out"]
+    return jnp.mean((h @ w + b - y) ** 2)
+
+
+grad_fn = jax.jit(jax.grad(loss_fn))
+apply_updates = jax.jit(optax.apply_updates)
+
+
+def batch(step: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng([1000, step])
+    n = LOCAL * size
+    return rng.standard_normal((n, 6)).astype(np.float32), rng.standard_normal((n, 3)).astype(np.float32)
+
+
+@functools.cache   # one object per kind: jitted updates compile once per process
+def optimizer(kind: str):
+    if kind == "sgd":
+        return optax.sgd(0.1, momentum=0.9, nesterov=True)
+    return optax.adamw(optax.linear_schedule(0.02, 0.005, STEPS), weight_decay=0.05)
+
+
+@functools.cache
+def jitted_update(kind: str):
+    return jax.jit(optimizer(kind).update)
+
+
+@functools.cache
+def reference(kind: str, size: int) -> dict:
+    tx = optimizer(kind)
+
+    @jax.jit
+    def step_fn(params, state, x, y):
+        updates, state = tx.update(jax.grad(loss_fn)(params, x, y), state, params)
+        return optax.apply_updates(params, updates), state
+
+    params = init_params(0)
+    state = tx.init(params)
+    for step in range(STEPS):
+        params, state = step_fn(params, state, *batch(step, size))
+    return params
+
+
+def distributed(comm, kind: str, strategy, mode: str) -> dict:
+    """``jit``: the whole step jitted, averaging inside it (io_callback); ``eager``: the
+    averaging transformation called eagerly between the jitted gradient and update;
+    ``sharded``: DeAR's ZeRO-1 update (eager)."""
+    params = broadcast_params(init_params(comm.rank), comm=comm)   # rank 0's start everywhere
+    opt, average = optimizer(kind), average_gradients(comm=comm, strategy=strategy)
+    if mode == "jit":
+        tx = optax.chain(average, opt)
+
+        @jax.jit
+        def step_fn(params, state, x, y):
+            updates, state = tx.update(jax.grad(loss_fn)(params, x, y), state, params)
+            return optax.apply_updates(params, updates), state
+    elif mode == "eager":
+        tx = optax.chain(average, opt)
+        opt_update = jitted_update(kind)
+
+        def step_fn(params, state, x, y):
+            grads, avg_state = average.update(grad_fn(params, x, y), state[0], params)
+            updates, opt_state = opt_update(grads, state[1], params)
+            return apply_updates(params, updates), (avg_state, opt_state)
+    else:
+        tx = sharded_optimizer(opt, comm=comm, strategy=strategy)
+
+        def step_fn(params, state, x, y):
+            updates, state = tx.update(grad_fn(params, x, y), state, params)
+            return apply_updates(params, updates), state
+    state = tx.init(params)
+    mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL)
+    for step in range(STEPS):
+        x, y = batch(step, comm.size)
+        params, state = step_fn(params, state, x[mine], y[mine])
+    return params
+
+
+def flat(tree) -> np.ndarray:
+    return np.concatenate([np.asarray(x, np.float64).reshape(-1) for x in jax.tree_util.tree_leaves(tree)])
+
+
+def same_on_all_ranks(comm, tree) -> None:
+    table = comm.allgather(flat(tree))
+    for r in range(comm.size):
+        np.testing.assert_array_equal(table[r], table[0], err_msg=f"rank {r} differs from rank 0")
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("name,mode", [("allreduce", "eager"), ("allreduce", "jit"), ("dear", "eager"),
+                                       ("dear", "jit"), ("dear", "sharded")])
+def test_training_matches_single_process(comm, kind, name, mode):
+    strategy = (AllReduce if name == "allreduce" else DeAR)(cap_mb=SMALL, first_cap_mb=SMALL / 2)
+    params = distributed(comm, kind, strategy, mode)
+    ref = reference(kind, comm.size)
+    assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(ref)
+    for p, q in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(ref)):
+        assert p.dtype == q.dtype and p.shape == q.shape
+        np.testing.assert_allclose(np.asarray(p), np.asarray(q), rtol=2e-5, atol=2e-6)
+    same_on_all_ranks(comm, params)
+    assert strategy.steps == STEPS and strategy.comm is comm
+
+
+def mixed_tree(rank: int) -> dict:
+    rng = np.random.default_rng([rank, 7])
+
+    def vals(shape, dt):
+        return jnp.asarray((rng.integers(-8, 9, size=shape) * 0.5).astype(dt))
+
+    bf16 = ml_dtypes.bfloat16
+    return {"a": vals((3, 5), np.float32), "bf": [vals((7,), bf16), vals((2, 2, 2), bf16)],
+            "h": (vals((11,), np.float16), vals((), np.float32)), "empty": jnp.zeros((0, 4)),
+            "big": vals((40,), np.float32), "z": vals((1, 1), np.float16)}
+
+
+def test_fusion_round_trip_is_exact(comm):
+    sync = GradientSync(comm, cap_mb=64 / 2**20, first_cap_mb=32 / 2**20)
+    tree = mixed_tree(comm.rank)
+    buffers = sync.flatten(tree)
+    plan = sync._plans[next(reversed(sync._plans))]
+    assert len(buffers) == len(plan.buckets) >= 4
+    leaves = jax.tree_util.tree_leaves(tree)
+    for buf, bucket in zip(buffers, plan.buckets):
+        assert buf.size == bucket.padded and buf.size % comm.size == 0
+        assert buf.dtype.name == bucket.dtype
+        assert {leaves[s.index].dtype.name for s in bucket.slots} == {bucket.dtype}   # homogeneous
+        assert not buf[bucket.numel:].any()                                          # zero padding
+    for bucket in plan.buckets:                 # filled in reverse leaf order, as backward goes
+        assert [s.index for s in bucket.slots] == sorted((s.index for s in bucket.slots), reverse=True)
+    back = sync.unflatten(buffers, like=tree)
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(tree)
+    for p, q in zip(jax.tree_util.tree_leaves(back), leaves):
+        assert isinstance(p, jax.Array) and p.dtype == q.dtype and p.shape == q.shape
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(q))
+
+
+@pytest.mark.parametrize("name", ["allreduce", "dear"])
+def test_mixed_dtypes_are_averaged(comm, name):
+    strategy = (AllReduce if name == "allreduce" else DeAR)(cap_mb=64 / 2**20, first_cap_mb=32 / 2**20)
+    sync = GradientSync(comm, strategy)
+    trees = [mixed_tree(r) for r in range(comm.size)]
+    for _ in range(2):     # the second call reuses the plan and its buffers
+        got = sync(trees[comm.rank])
+        for i, p in enumerate(jax.tree_util.tree_leaves(got)):
+            stack = np.stack([np.asarray(jax.tree_util.tree_leaves(t)[i], np.float64) for t in trees])
+            assert p.dtype == jax.tree_util.tree_leaves(trees[0])[i].dtype
+            np.testing.assert_allclose(np.asarray(p, np.float64), stack.mean(0), rtol=1e-2, atol=1e-2)
+    assert len(sync.describe()) == len(sync.buckets) >= 4
+    assert len(sync._plans) == 1
+    # same structure and shapes, other dtype: a plan of its own
+    got = sync({"d": jnp.ones(4, jnp.float32)}), sync({"d": jnp.ones(4, jnp.bfloat16)})
+    assert [g["d"].dtype for g in got] == [jnp.float32, jnp.bfloat16] and len(sync._plans) == 3
+    # numpy leaves are accepted; jax arrays come back
+    got = sync({"n": np.full(4, comm.rank, np.float32)})
+    assert isinstance(got["n"], jax.Array)
+    np.testing.assert_array_equal(np.asarray(got["n"]), np.full(4, (comm.size - 1) / 2, np.float32))
+    # the one-shot form
+    got = allreduce_gradients({"g": jnp.full(5, float(comm.rank))}, comm=comm)
+    np.testing.assert_array_equal(np.asarray(got["g"]), np.full(5, (comm.size - 1) / 2, np.float32))
+
+
+def test_tuned_cap_replans_on_every_rank(comm):
+    strategy = AllReduce(cap_mb=64 / 2**20, first_cap_mb=0,
+                         tune={"trials": 3, "window": 1, "skip": 0, "low_mb": 2**-14, "high_mb": 2**-8})
+    sync = GradientSync(comm, strategy)
+    trees = [mixed_tree(r) for r in range(comm.size)]
+    caps = []
+    for _ in range(5):
+        got = sync(trees[comm.rank])
+        caps.append(strategy.cap_bytes)
+        for i, p in enumerate(jax.tree_util.tree_leaves(got)):
+            stack = np.stack([np.asarray(jax.tree_util.tree_leaves(t)[i], np.float64) for t in trees])
+            np.testing.assert_allclose(np.asarray(p, np.float64), stack.mean(0), rtol=1e-2, atol=1e-2)
+    assert strategy.tuner.done and len(strategy.tuner.history) == 3
+    assert len(set(caps)) > 1 and len(sync._plans) > 1          # the tuner moved the cap: re-planned
+    table = comm.allgather(np.array(caps, np.int64))
+    assert (table == table[0]).all()                              # the same caps on every rank
+
+
+def test_broadcast_params_makes_ranks_equal(comm):
+    root = comm.size - 1
+    tree = {"w": jnp.full((3, 4), float(comm.rank)), "bf": jnp.arange(5, dtype=jnp.bfloat16) + comm.rank,
+            "count": jnp.asarray(comm.rank + 10, jnp.int32), "layers": [jnp.ones(2) * comm.rank]}
+    got = broadcast_params(tree, root=root, comm=comm)
+    same_on_all_ranks(comm, got)
+    assert int(got["count"]) == root + 10 and got["count"].dtype == jnp.int32
+    assert got["bf"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.full((3, 4), float(root), np.float32))
+
+
+def test_non_float_leaf_raises_on_every_rank(comm):
+    sync = GradientSync(comm)
+    g = {"w": jnp.ones(3), "n": jnp.ones(2, jnp.int32) if comm.rank == 0 else jnp.ones(2)}
+    with pytest.raises(ValidationError, match=r"rank 0 rejected its pytree: leaf \['n'\] has dtype int32"):
+        sync(g)
+    with pytest.raises(ValidationError, match="must be floating"):
+        sync({"w": jnp.ones(3), "n": jnp.ones(2, jnp.int32)})
+    # the communicator and the GradientSync stay usable
+    np.testing.assert_array_equal(np.asarray(sync({"w": jnp.ones(3)})["w"]), np.ones(3, np.float32))
+
+
+def test_non_float_leaf_raises_inside_jit(comm):
+    tx = average_gradients(comm=comm)
+    step = jax.jit(lambda g: tx.update(g, tx.init(None))[0])
+    with pytest.raises(Exception, match="must be floating"):
+        jax.block_until_ready(step({"w": jnp.ones(3), "n": jnp.ones(2, jnp.int32)}))
+    np.testing.assert_array_equal(np.asarray(step({"w": jnp.ones(3)})["w"]), np.ones(3, np.float32))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_structure_differing_across_ranks_raises_on_every_rank(comm):
+    sync = GradientSync(comm)
+    g = {"w": jnp.ones(3)}
+    if comm.rank == 1:
+        g["extra"] = jnp.ones(2)
+    with pytest.raises(MismatchError, match="differs across ranks"):
+        sync(g)
+    shape = (4,) if comm.rank == 0 else (2, 2)     # same size, other shape
+    with pytest.raises(MismatchError, match="differs across ranks"):
+        sync({"w": jnp.ones(shape)})
+    np.testing.assert_array_equal(np.asarray(sync({"w": jnp.ones(3)})["w"]), np.ones(3, np.float32))
+    # a structure known on some ranks only: check="always" compares on every call
+    sync = GradientSync(comm, check="always")
+    sync({"w": jnp.ones(3)})
+    with pytest.raises(MismatchError, match=r"rank 1: 2 leaves, 5 elements"):
+        sync({"w": jnp.ones(3), **({"extra": jnp.ones(2)} if comm.rank == 1 else {})})
+
+
+def test_mixed_devices_raise_on_every_rank(comm):
+    devs = jax.devices("cpu")
+    if len(devs) < 2:
+        pytest.skip("jax was initialized before this module set two host devices")
+    sync = GradientSync(comm)
+    other = devs[1] if comm.rank == 0 else devs[0]
+    g = {"a": jax.device_put(jnp.ones(3), devs[0]), "b": jax.device_put(jnp.ones(3), other)}
+    with pytest.raises(ValidationError, match="rank 0 rejected its pytree: leaves are on 2 devices"):
+        sync(g)
+    # one device that is not the default: the result stays there
+    g = {"a": jax.device_put(jnp.ones(3), devs[1])}
+    out = sync(g)
+    assert out["a"].devices() == {devs[1]}
+    sharded = jax.device_put(jnp.ones(4), jax.sharding.PositionalSharding(devs[:2])) \
+        if hasattr(jax.sharding, "PositionalSharding") else jax.device_put(
+            jnp.ones(4), jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devs[:2]), ("x",)),
+                                                    jax.sharding.PartitionSpec("x")))
+    with pytest.raises(ValidationError, match="sharded over 2 devices"):
+        sync({"s": sharded})
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="give cap_mb"):
+        GradientSync(strategy=AllReduce(), cap_mb=1)
+    with pytest.raises(ValueError, match="sharded strategy"):
+        sharded_optimizer(optax.sgd(0.1), strategy=AllReduce())
+    with pytest.raises(ValueError, match="re-shard"):
+        sharded_optimizer(optax.sgd(0.1), strategy=DeAR(tune=True))

@@ -1,0 +1,130 @@
+"""Data partitioning: DefDP, SelDP, the non-IID partitioner and data injection (real point-to-point)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import commlib
+from collectives.data import DataInjector, DefDP, SelDP, injected_batch_size, label_shards
+
+from conftest import HAVE_TORCH
+
+NS = [1, 7, 10, 64, 101]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("n", NS)
+def test_seldp_covers_the_whole_dataset_on_every_rank(comm, n):
+    if n < comm.size:
+        pytest.skip("fewer samples than ranks")
+    plan = SelDP(n, comm.rank, comm.size, seed=3)
+    counts = commlib.split_counts(n, comm.size)
+    for epoch in range(3):
+        idx = plan.indices(epoch)
+        assert np.array_equal(np.sort(idx), np.arange(n))               # the whole data set, once
+        # all ranks share the epoch's order and start at their own chunk of it
+        order = np.roll(idx, plan.start())
+        everyone = comm.allgather(order)
+        assert all(np.array_equal(everyone[0], o) for o in everyone)
+        start = sum(counts[:comm.rank])
+        assert np.array_equal(idx[:counts[comm.rank]], order[start:start + counts[comm.rank]])
+        assert len(plan) == n
+    if n >= 10:
+        assert not np.array_equal(plan.indices(0), plan.indices(1))      # reshuffled per epoch
+    firsts = comm.allgather(plan.indices(0)[:1])
+    assert len({int(f[0]) for f in firsts}) == comm.size                # different starts
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_defdp_disjoint_shards(comm, n, drop_last):
+    plan = DefDP(n, comm.rank, comm.size, seed=1, drop_last=drop_last)
+    if drop_last and n < comm.size:
+        assert len(plan.indices(0)) == 0
+        return
+    for epoch in range(2):
+        shards = comm.allgather(plan.indices(epoch))
+        assert len({len(s) for s in shards}) == 1                        # same number of steps
+        allidx = np.concatenate(shards)
+        if drop_last:
+            assert len(np.unique(allidx)) == len(allidx) == (n // comm.size) * comm.size
+        else:
+            assert np.array_equal(np.unique(allidx), np.arange(n))
+            assert len(allidx) == -(-n // comm.size) * comm.size
+
+
+def test_label_shards_and_partition():
+    labels = np.repeat(np.arange(10), 17)
+    parts = label_shards(labels, size=4, shards_per_rank=2, seed=0)
+    assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(len(labels)))
+    for p in parts:
+        assert len(np.unique(labels[p])) <= 6                            # few of the 10 labels per rank
+    plans = [DefDP(len(labels), r, 4, partition=parts, seed=2) for r in range(4)]
+    longest = max(len(p) for p in parts)
+    for r, plan in enumerate(plans):
+        idx = plan.indices(0)
+        assert len(idx) == longest and set(idx.tolist()) == set(parts[r].tolist())
+    with pytest.raises(ValueError):
+        DefDP(len(labels), 0, 3, partition=parts)
+
+
+def test_batches_and_bad_arguments():
+    plan = SelDP(10, 0, 2, shuffle=False)
+    assert [b.tolist() for b in plan.batches(4)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [len(b) for b in plan.batches(4, drop_last=False)] == [4, 4, 2]
+    assert injected_batch_size(64, 0.75, 0.75, 4) == 20          # 64 / 3.25
+    assert injected_batch_size(64, 0.0, 0.75, 4) == 64
+    for bad in [dict(n=0, rank=0, size=1), dict(n=5, rank=2, size=2), dict(n=5, rank=0, size=0)]:
+        with pytest.raises(ValueError):
+            SelDP(**bad)
+    with pytest.raises(ValueError):
+        plan.batches(0)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("alpha,beta", [(0.75, 0.75), (0.5, 0.25), (1.0, 1.0), (0.0, 0.5)])
+def test_injection_moves_the_right_samples(comm, alpha, beta):
+    n, feat, b = 200, 3, 16
+    X = np.arange(n * feat, dtype=np.float32).reshape(n, feat)
+    Y = np.arange(n, dtype=np.int64) % 10
+    local_b = injected_batch_size(b, alpha, beta, comm.size)
+    inj = DataInjector(comm, alpha, beta, seed=4)
+    plans = [DefDP(n, r, comm.size, seed=5) for r in range(comm.size)]   # every rank's batches, known here
+    try:
+        for step in range(4):
+            lens = [local_b - (r % 2 if step == 3 else 0) for r in range(comm.size)]   # last: short batches
+            batch = [plans[r].indices(0)[step * local_b:step * local_b + lens[r]] for r in range(comm.size)]
+            mine = batch[comm.rank]
+            x, y = inj.exchange(step, X[mine], Y[mine])
+            sharers = inj.sharers(step)
+            assert len(sharers) == round(alpha * comm.size)
+            want = [mine] + [batch[s][:round(beta * lens[s])] for s in sharers if s != comm.rank]
+            ref = np.concatenate(want)
+            np.testing.assert_array_equal(x, X[ref])
+            np.testing.assert_array_equal(y, Y[ref])
+            if step < 3 and comm.size > 1:   # the total stays about b
+                assert abs(len(x) - b) <= max(2, round(beta * local_b)) + 1
+        assert comm.mpi_comm.allgather(inj.sharers(7)) == [inj.sharers(7)] * comm.size
+    finally:
+        inj.close()
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+def test_torch_samplers_match_the_plans():
+    import torch
+
+    from bindings.torch_data import DefDPSampler, SelDPSampler
+
+    data = torch.utils.data.TensorDataset(torch.arange(23))
+    s = SelDPSampler(data, rank=1, size=3, seed=2)
+    s.set_epoch(4)
+    assert list(s) == SelDP(23, 1, 3, seed=2).indices(4).tolist() and len(s) == 23
+    d = DefDPSampler(23, rank=2, size=3, seed=2)
+    assert list(d) == DefDP(23, 2, 3, seed=2).indices(0).tolist() and len(d) == 8
+    loader = torch.utils.data.DataLoader(data, batch_size=5, sampler=s)
+    got = torch.cat([x for (x,) in loader]).tolist()
+    assert sorted(got) == list(range(23))
+    d.load_state_dict(s.state_dict())
+    assert d.plan.epoch == 4

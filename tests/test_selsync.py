@@ -1,0 +1,289 @@
+"""SelSync: the significance metric, the consensus, both aggregation modes, state.
+
+A float64 linear regression on flat bucket buffers is the model: each rank
+computes its gradient on its own slice of a global batch, and a
+single-process run on the concatenated batch is the BSP reference.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+import commlib
+from collectives import AllReduce, DeAR, TensorSpec, plan_buckets
+from collectives.selsync import SelSync, SignificanceMeter, l2_norm
+
+from conftest import HAVE_TORCH
+
+DIM = (5, 7)          # two tensors, one bucket each
+BATCH = 4             # per rank
+LR = 0.05
+
+
+def _problem(steps: int, size: int, seed: int = 7, noise: float = 0.5):
+    """Global data: per step, ``size * BATCH`` rows of X and y (the same on every rank)."""
+    rng = np.random.default_rng(seed)
+    d = sum(DIM)
+    w_true = rng.normal(size=d)
+    X = rng.normal(size=(steps, size * BATCH, d))
+    y = X @ w_true + noise * rng.normal(size=(steps, size * BATCH))
+    return X, y
+
+
+def _grad(w: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    return X.T @ (X @ w - y) / len(y)
+
+
+class Model:
+    """Flat bucket buffers for the two tensors of the regression, as a binding would hold them."""
+
+    def __init__(self, size: int, w0: np.ndarray):
+        specs = [TensorSpec(i, n, "float64", 8) for i, n in enumerate(DIM)]
+        self.buckets = plan_buckets(specs, size, cap_bytes=8, first_cap_bytes=None)
+        assert len(self.buckets) == 2
+        self.params = [np.zeros(b.padded) for b in self.buckets]
+        self.grads = [np.zeros(b.padded) for b in self.buckets]
+        self.set_w(w0)
+
+    def w(self) -> np.ndarray:
+        return np.concatenate([p[:b.numel] for p, b in zip(self.params, self.buckets)])
+
+    def set_w(self, w: np.ndarray) -> None:
+        off = 0
+        for p, b in zip(self.params, self.buckets):
+            p[:b.numel] = w[off:off + b.numel]
+            off += b.numel
+
+    def set_grad(self, g: np.ndarray) -> None:
+        off = 0
+        for gb, b in zip(self.grads, self.buckets):
+            gb[:b.numel] = g[off:off + b.numel]
+            off += b.numel
+
+
+def _train(comm, gate: SelSync, X, y, steps: int, votes=None, check_identical: bool = False,
+           data_rank: int | None = None):
+    """Run ``steps`` steps; return per-step (synced, collectives made, w after the step)."""
+    rank = comm.rank if data_rank is None else data_rank
+    m = Model(comm.size, np.zeros(sum(DIM)))
+    gate.setup(comm, m.buckets, m.params, m.grads)
+    out = []
+    for s in range(steps):
+        for b in reversed(range(len(m.buckets))):
+            gate.before_forward(b)
+        rows = slice(rank * BATCH, (rank + 1) * BATCH)
+        seq0 = comm.seq
+        m.set_grad(_grad(m.w(), X[s, rows], y[s, rows]))
+        for b in range(len(m.buckets)):
+            gate.bucket_ready(b)
+        if votes is not None:
+            gate.observe()
+            gate.decide(want=bool(votes[s]))
+        gate.before_update()
+        for p, g in zip(m.params, m.grads):
+            p -= LR * g
+        gate.after_update()
+        synced = gate.synced
+        for b in reversed(range(len(m.buckets))):
+            gate.before_forward(b)          # as the next forward does: the average has landed
+        if check_identical and synced:
+            w = m.w()
+            everyone = comm.allgather(w)
+            assert all(np.array_equal(everyone[0], e) for e in everyone), f"replicas differ after step {s}"
+            seq0 += 1
+        out.append((synced, comm.seq - seq0, m.w()))
+    gate.flush()
+    return out, m
+
+
+def _reference(X, y, steps: int) -> list[np.ndarray]:
+    """Single-process BSP on the concatenated batch."""
+    w = np.zeros(X.shape[2])
+    ws = []
+    for s in range(steps):
+        w = w - LR * _grad(w, X[s], y[s])
+        ws.append(w.copy())
+    return ws
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("mode", ["grads", "params"])
+@pytest.mark.parametrize("inner", ["allreduce", "dear"])
+def test_delta_zero_is_bsp(comm, mode, inner):
+    steps = 12
+    X, y = _problem(steps, comm.size)
+    gate = SelSync(inner=AllReduce() if inner == "allreduce" else DeAR(), delta=0.0, window=3, mode=mode)
+    out, _ = _train(comm, gate, X, y, steps)
+    ref = _reference(X, y, steps)
+    for s, (synced, _, w) in enumerate(out):
+        assert synced
+        np.testing.assert_allclose(w, ref[s], rtol=1e-12, atol=1e-12)
+    assert gate.stats["syncs"] == steps and gate.stats["local_steps"] == 0 and gate.stats["lssr"] == 0
+    assert gate.stats["consensus_calls"] == 0        # known on every rank: no flag exchanged
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("mode", ["grads", "params"])
+def test_huge_delta_never_communicates_after_warmup(comm, mode):
+    steps, warmup = 10, 3
+    X, y = _problem(steps, comm.size)
+    gate = SelSync(delta=math.inf, window=3, warmup=warmup, mode=mode)
+    seq0 = comm.seq
+    out, m = _train(comm, gate, X, y, steps)
+    for s, (synced, ncoll, _) in enumerate(out):
+        assert synced == (s < warmup)
+        if s >= warmup:   # the flag only
+            assert ncoll == (1 if comm.size > 1 else 0), f"step {s}: {ncoll} collectives"
+    assert gate.stats["local_steps"] == steps - warmup
+    assert gate.stats["lssr"] == pytest.approx((steps - warmup) / steps)
+    sync_bytes = sum(b.nbytes for b in m.buckets) if comm.size > 1 else 0
+    assert gate.stats["bytes_saved"] == pytest.approx((steps - warmup) * sync_bytes)
+    # local SGD: each rank followed its own data; flush averaged the replicas
+    w = m.w()
+    everyone = comm.allgather(w)
+    assert all(np.array_equal(everyone[0], e) for e in everyone)
+    assert gate.stats["flush_syncs"] == (1 if comm.size > 1 else 0)
+    assert comm.seq - seq0 > 0
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", ["grads", "params"])
+@pytest.mark.parametrize("inner", ["allreduce", "dear"])
+def test_any_rank_that_wants_sync_makes_all_sync_and_replicas_match(comm, mode, inner):
+    steps, warmup = 14, 2
+    X, y = _problem(steps, comm.size, seed=3)
+    # rank r wants to sync at the steps where a shared draw picks it; nobody at others
+    pick = np.random.default_rng(11).integers(-3, comm.size, size=steps)   # < 0: nobody wants
+    votes = pick == comm.rank
+    gate = SelSync(inner=AllReduce() if inner == "allreduce" else DeAR(), delta=math.inf, window=3,
+                   warmup=warmup, mode=mode, average_on_flush=False)
+    out, _ = _train(comm, gate, X, y, steps, votes=votes, check_identical=True)
+    expected = [s < warmup or pick[s] >= 0 for s in range(steps)]
+    assert [o[0] for o in out] == expected
+    assert 0 < sum(expected[warmup:]) < steps - warmup     # both kinds of step happened
+    # after local steps the replicas differ (each rank saw its own rows)
+    last_local = max(s for s in range(steps) if not expected[s])
+    everyone = comm.allgather(out[last_local][2])
+    assert not all(np.array_equal(everyone[0], e) for e in everyone)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("mode", ["grads", "params"])
+def test_metric_drives_sync_and_replicas_match(comm, mode):
+    steps = 30
+    X, y = _problem(steps, comm.size, seed=5, noise=3.0)
+    gate = SelSync(delta=0.05, window=4, mode=mode)
+    out, _ = _train(comm, gate, X, y, steps, check_identical=True)
+    # the decision equals "any rank's significance >= delta" (every rank's trace, all-gathered)
+    sig = np.array([t[3] for t in gate.trace])
+    table = comm.allgather(sig)
+    want = (np.asarray(table) >= 0.05).any(axis=0)
+    for s, (synced, _, _) in enumerate(out):
+        assert synced == (s < 4 or bool(want[s])), s
+    assert [t[4] for t in gate.trace] == [o[0] for o in out]
+    assert np.isfinite(sig).all() and sig[0] == 0.0
+
+
+@pytest.mark.mpi(min_size=1)
+def test_state_round_trips(comm):
+    steps, cut = 20, 9
+    X, y = _problem(steps, comm.size, seed=9, noise=2.0)
+
+    def make():
+        return SelSync(delta=0.04, window=5, mode="params")
+
+    a = make()
+    full, _ = _train(comm, a, X, y, steps)
+    # first part, then a fresh gate from the state (json round trip), then the rest
+    b = make()
+    first, m = _train(comm, b, X[:cut], y[:cut], cut)
+    state = json.loads(json.dumps(b.state_dict()))
+    c = make()
+    c.load_state_dict(state)
+    assert c.state_dict() == state
+    assert c.meter.value == b.meter.value and c.meter.count == cut and c.steps == cut
+    c.setup(comm, m.buckets, m.params, m.grads, broadcast=False)
+    rank = comm.rank
+    for s in range(cut, steps):
+        rows = slice(rank * BATCH, (rank + 1) * BATCH)
+        m.set_grad(_grad(m.w(), X[s, rows], y[s, rows]))
+        c.before_update()
+        for p, g in zip(m.params, m.grads):
+            p -= LR * g
+        c.after_update()
+        c.flush()
+    assert [t[4] for t in c.trace] == [o[0] for o in full]
+    np.testing.assert_allclose([t[3] for t in c.trace], [t[3] for t in a.trace], rtol=1e-9)
+    assert c.stats["syncs"] == a.stats["syncs"] and c.stats["local_steps"] == a.stats["local_steps"]
+    with pytest.raises(ValueError):
+        SelSync(mode="grads").load_state_dict(state)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_consensus_in_timeline(comm, tmp_path_factory):
+    from mpi4py import MPI
+
+    base = tmp_path_factory.mktemp("tl") if comm.rank == 0 else None
+    base = comm.mpi_comm.bcast(str(base) if base else None, root=0)
+    c2 = commlib.init(comm=MPI.COMM_WORLD, timeline=f"{base}/tl.rank{{rank}}.json", timeout=60)
+    try:
+        steps = 6
+        X, y = _problem(steps, c2.size)
+        gate = SelSync(delta=math.inf, window=2)
+        _train(c2, gate, X, y, steps)
+        path = c2.tracer.write()
+    finally:
+        c2.close()
+    events = json.load(open(path))["traceEvents"]
+    gates = [e for e in events if e.get("args", {}).get("op") == "selsync"]
+    assert len(gates) == steps and [e["args"]["sync"] for e in gates] == [True, True] + [False] * 4
+    flags = [e for e in events if e.get("args", {}).get("tag") == "selsync.flag" and e["cat"] == "running"]
+    assert len(flags) == (steps - 2 if c2.size > 1 else 0)
+    assert gate.stats["consensus_calls"] == len(flags) and gate.stats["consensus_s"] >= 0
+
+
+def test_meter_defined_from_first_step_and_matches_reference():
+    m = SignificanceMeter(window=25)
+    norms = [1.0, 0.0, 3.0, 2.5, 2.0, 2.2, 9.0]
+    beta = 1 - 2 / 26
+    prev = None
+    for i, x in enumerate(norms, 1):
+        sig = m.update(x)
+        ewma = sum((1 - beta) * beta ** (i - j) * norms[j - 1] for j in range(1, i + 1)) / (1 - beta ** i)
+        assert m.value == pytest.approx(ewma, rel=1e-12)
+        assert sig == (0.0 if prev is None else pytest.approx(abs(ewma - prev) / prev, rel=1e-9))
+        prev = ewma
+    z = SignificanceMeter(3)
+    assert z.update(0.0) == 0.0 and z.update(0.0) == 0.0 and z.update(1.0) == math.inf
+
+
+def test_l2_norm_dtypes():
+    import ml_dtypes
+
+    x = np.array([3.0, 4.0, 12.0])
+    for dt in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64):
+        assert l2_norm([x[:2].astype(dt), x[2:].astype(dt)]) == pytest.approx(13.0)
+    big = np.full(1000, 300.0, np.float16)          # the sum of squares overflows float16
+    assert l2_norm([big]) == pytest.approx(300.0 * math.sqrt(1000), rel=1e-6)
+    if HAVE_TORCH:
+        import torch
+        assert l2_norm([torch.tensor([3.0, 4.0], dtype=torch.bfloat16)]) == pytest.approx(5.0)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="mode"):
+        SelSync(mode="weights")
+    with pytest.raises(ValueError, match="delta"):
+        SelSync(delta=-1)
+    with pytest.raises(ValueError, match="window"):
+        SelSync(window=0)
+    with pytest.raises(TypeError):
+        SelSync(inner="allreduce")
+    with pytest.raises(ValueError):
+        SelSync(inner=SelSync())
+    with pytest.raises(RuntimeError):
+        SelSync().decide(want=True)

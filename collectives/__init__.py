@@ -8,6 +8,7 @@ Example:
 from .allreduce import AllReduce
 from .buckets import Bucket, Slot, TensorSpec, plan_buckets
 from .dear import DeAR
+from .selsync import SelSync
 from .strategy import Strategy
 
-__all__ = ["Strategy", "AllReduce", "DeAR", "Bucket", "Slot", "TensorSpec", "plan_buckets"]
+__all__ = ["Strategy", "AllReduce", "DeAR", "SelSync", "Bucket", "Slot", "TensorSpec", "plan_buckets"]

@@ -8,7 +8,12 @@ Example:
 from .allreduce import AllReduce
 from .buckets import Bucket, Slot, TensorSpec, plan_buckets
 from .dear import DeAR
+from .paramstore import ParamStore
+from .policies import OfflinePolicy, SchedulePolicy, StragglerPolicy, find_bsp_fraction
 from .selsync import SelSync
 from .strategy import Strategy
+from .syncswitch import SyncSwitch
 
-__all__ = ["Strategy", "AllReduce", "DeAR", "SelSync", "Bucket", "Slot", "TensorSpec", "plan_buckets"]
+__all__ = ["Strategy", "AllReduce", "DeAR", "SelSync", "SyncSwitch", "ParamStore", "OfflinePolicy",
+           "SchedulePolicy", "StragglerPolicy", "find_bsp_fraction", "Bucket", "Slot", "TensorSpec",
+           "plan_buckets"]

@@ -1,0 +1,366 @@
+"""``SyncSwitch``: BSP, ASP and SSP in one job, switched in place by a policy (arXiv 2104.08364).
+
+BSP steps go through an inner strategy (``bsp=AllReduce()`` by default; any
+non-sharded strategy).  Asynchronous steps go through a
+:class:`~collectives.paramstore.ParamStore` (one per bucket) in MPI one-sided
+windows: after the local update, a rank pushes its change (``params - params
+before the update``) atomically into the store and pulls the store back into
+its parameters; SSP also ticks its clock and waits while it is more than
+``staleness`` steps ahead of the slowest rank, before the pull.
+
+Switching, inside the running job, with nothing lost or applied twice:
+
+* BSP -> ASP/SSP (all ranks at the same step: BSP is lockstep and every
+  policy decides the same on every rank): the inner strategy is flushed, the
+  store is loaded from the replicas (identical; each rank writes its own
+  shard locally, between barriers, no data travels), clocks start at 0, the
+  progress thread (if any) starts.
+* ASP/SSP -> BSP (ranks arrive whenever they finish their step): each rank's
+  last push is complete (pushes flush before returning), a barrier (commlib's,
+  with its timeout) waits for all, then every rank pulls the same store
+  contents: replicas are identical again.  Buffers registered with
+  :meth:`register_state_buffers` (optimizer state such as momentum, which
+  drifts apart while asynchronous) are averaged over ranks so that the
+  replicas' optimizers agree too.
+
+What a binding calls (the usual strategy lifecycle; ``sharded`` is False):
+
+1. ``setup(comm, buckets, params, grads, broadcast=True)`` once (collective:
+   makes the windows);
+2. per step: ``bucket_ready(b)`` from backward; ``before_update()``; the
+   optimizer's update of ``params`` (scale its learning rate by
+   :attr:`lr_scale` and its momentum coefficient by :attr:`momentum_scale`);
+   ``after_update()`` (asynchronous exchange, policy decision, switches);
+3. ``flush()`` before evaluation / checkpoint; ``close()`` at the end
+   (collective);
+4. optional: :meth:`register_state_buffers` (flat optimizer-state arrays:
+   zeroed when the policy asks for a momentum reset, averaged when returning
+   to BSP) or :meth:`on_switch` callbacks ``fn(old, new, changes)`` for state
+   that is not flat (torch optimizers' per-parameter momentum).
+
+Without an optimizer (flat numpy buffers, plain SGD): fill ``grads`` and call
+``step(lr)``: BSP averages the gradients and applies ``-lr * grad``; ASP
+pushes ``-lr * lr_scale * grad`` and pulls; SSP also waits on the clocks.
+
+State (``state_dict()``): steps, phase, this rank's clock, the learning-rate
+and momentum scales, the policy's state and the inner strategy's.
+
+Example:
+    >>> from collectives import AllReduce
+    >>> from collectives.policies import OfflinePolicy
+    >>> ss = SyncSwitch(bsp=AllReduce(), policy=OfflinePolicy(0.25, total_steps=1000, lr_scale=0.5))
+    >>> ss.setup(comm, buckets, params, grads)
+    >>> for step in range(1000):
+    ...     grads[0][:] = compute_gradient(params[0])
+    ...     ss.step(lr=0.1)                  # BSP for 250 steps, then ASP
+    >>> ss.close()
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from commlib import Communicator, ValidationError
+
+from .allreduce import AllReduce
+from .buckets import Bucket
+from .paramstore import ParamStore
+from .policies import PHASES, Policy, SchedulePolicy
+from .strategy import Strategy
+
+
+class SyncSwitch(Strategy):
+    """Hybrid BSP / ASP / SSP training, switched in place by ``policy``.
+
+    ``bsp``: the strategy of BSP steps (non-sharded).  ``policy``: an
+    :class:`~collectives.policies.OfflinePolicy`,
+    :class:`~collectives.policies.StragglerPolicy` or
+    :class:`~collectives.policies.SchedulePolicy` (default: BSP throughout).
+    ``staleness``: SSP's bound s.  ``layout``, ``progress``,
+    ``progress_interval_s``: the parameter store's (see
+    :mod:`collectives.paramstore`).  ``ssp_timeout``: seconds an SSP wait may
+    last (default: the communicator's timeout).
+
+    Tuning: ASP moves the same bytes per link as a ring all-reduce (sharded
+    store), so it is faster per step only when ranks wait for each other
+    (stragglers, uneven steps); switch to it for those, or, offline, after
+    the first fraction of training where BSP matters for accuracy.
+    """
+
+    name = "syncswitch"
+    sharded = False
+
+    def __init__(self, bsp: Strategy | None = None, policy: Policy | None = None, staleness: int = 0,
+                 layout: str = "sharded", progress: str = "auto", progress_interval_s: float = 1e-3,
+                 ssp_timeout: float | None = None):
+        inner = bsp if bsp is not None else AllReduce()
+        if inner.sharded:
+            raise ValueError(f"SyncSwitch(bsp={inner.name}): asynchronous steps update whole "
+                             "parameters on every rank; use a non-sharded BSP strategy")
+        if staleness < 0:
+            raise ValueError(f"staleness {staleness!r}: expected >= 0")
+        super().__init__(cap_mb=inner.cap_bytes / (1 << 20),
+                         first_cap_mb=(inner.first_cap_bytes or 0) / (1 << 20), tune=False)
+        self.bsp = inner
+        self.policy = policy if policy is not None else SchedulePolicy("bsp")
+        self.staleness = int(staleness)
+        self.store_options = {"layout": layout, "progress": progress,
+                              "progress_interval_s": progress_interval_s}
+        self.ssp_timeout = ssp_timeout
+        self.phase = "bsp"
+        self.lr_scale = 1.0
+        self.momentum_scale = 1.0
+        self.stores: list[ParamStore] = []
+        self.switches: list[dict[str, Any]] = []
+        self._state_buffers: list[Any] = []
+        self._callbacks: list[Callable[[str, str, dict[str, Any]], None]] = []
+        self._before: list[np.ndarray] = []
+        self._delta: list[np.ndarray] = []
+        self._compute_start: float | None = None
+        self._progress_base = 0.0
+        self.stats.update({"asp_steps": 0, "ssp_steps": 0, "bsp_steps": 0, "switch_s": 0.0,
+                           "ssp_wait_s": 0.0, "store_s": 0.0, "compute_s": 0.0})
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(self, comm: Communicator, buckets: Sequence[Bucket], params: Sequence[Any],
+              grads: Sequence[Any], shard_grads: Sequence[Any] | None = None,
+              broadcast: bool = True) -> None:
+        self.close_stores()
+        super().setup(comm, buckets, params, grads, None, broadcast)
+        self.bsp.setup(comm, buckets, params, grads, None, broadcast=False)
+        self._np_params = [np.asarray(p).reshape(-1) for p in self.params]
+        self._np_grads = [np.asarray(g).reshape(-1) for g in self.grads]
+        self.stores = [ParamStore(comm, p.size, p.dtype, init=p, timeout=self.ssp_timeout,
+                                  **self.store_options) for p in self._np_params]
+        self._before = [np.empty_like(p) for p in self._np_params]
+        self._delta = [np.empty_like(p) for p in self._np_params]
+        self.policy.bind(comm, self.stores[0] if self.stores else None)
+        self.phase = "bsp"
+        first = self.policy.phase(self.steps)
+        if first != "bsp":
+            self._switch(first)
+        self._compute_start = time.perf_counter()
+
+    def register_state_buffers(self, buffers: Sequence[Any]) -> None:
+        """Flat optimizer-state arrays (momentum): zeroed on a momentum reset, averaged on return to BSP."""
+        self._state_buffers = list(buffers)
+
+    def on_switch(self, fn: Callable[[str, str, dict[str, Any]], None]) -> None:
+        """Call ``fn(old_phase, new_phase, changes)`` after every switch (on every rank, at the same step
+        for switches out of BSP)."""
+        self._callbacks.append(fn)
+
+    def bucket_ready(self, b: int) -> None:
+        self._ready[b] = True
+        if self.phase == "bsp":
+            self.bsp.bucket_ready(b)
+
+    def launch(self, b: int) -> None:  # pragma: no cover - bucket_ready is overridden
+        self.bsp.launch(b)
+
+    def launch_remaining(self) -> None:
+        if self.phase == "bsp":
+            self.bsp.launch_remaining()
+
+    def before_update(self) -> None:
+        now = time.perf_counter()
+        self._compute = now - (self._compute_start or now)
+        self.stats["compute_s"] += self._compute
+        if self.phase == "bsp":
+            self.bsp.before_update()
+        else:
+            for before, p in zip(self._before, self._np_params):
+                np.copyto(before, p)
+
+    def before_forward(self, b: int) -> None:
+        if self.phase == "bsp":
+            self.bsp.before_forward(b)
+
+    def after_update(self) -> None:
+        """The update is applied to ``params``: exchange (asynchronous phases), decide, switch."""
+        if self.phase == "bsp":
+            self.bsp.after_update()
+        else:
+            for b in range(len(self._np_params)):
+                np.subtract(self._np_params[b], self._before[b], out=self._delta[b])
+            self._exchange(self._delta)
+        self._end_step()
+
+    def step(self, lr: float) -> None:
+        """One plain-SGD step on flat numpy buffers: ``params -= lr * grad`` (averaged in BSP).
+
+        The learning rate is multiplied by :attr:`lr_scale` (the policy's
+        change at a switch).  Collective in BSP; in ASP/SSP it touches only
+        the store.
+        """
+        eff = float(lr) * self.lr_scale
+        if self.phase == "bsp":
+            for b in range(len(self.buckets)):
+                if not self._ready[b]:
+                    self.bucket_ready(b)
+            self.before_update()
+            for p, g in zip(self._np_params, self._np_grads):
+                p -= p.dtype.type(eff) * g
+            self.after_update()
+            return
+        now = time.perf_counter()
+        self._compute = now - (self._compute_start or now)
+        self.stats["compute_s"] += self._compute
+        for d, g in zip(self._delta, self._np_grads):
+            np.multiply(g, d.dtype.type(-eff), out=d)
+        self._exchange(self._delta)
+        self._end_step()
+
+    def _exchange(self, deltas: Sequence[np.ndarray]) -> None:
+        t0 = time.perf_counter()
+        if self.phase == "asp":
+            for store, d, p in zip(self.stores, deltas, self._np_params):
+                store.push_pull(d, p)
+            self.stats["asp_steps"] += 1
+            self.stores[0].tick()
+        else:  # ssp
+            for store, d in zip(self.stores, deltas):
+                store.push(d)
+            lead = self.stores[0]
+            lead.tick()
+            self.stats["ssp_wait_s"] += lead.wait_bounded(self.staleness)
+            for store, p in zip(self.stores, self._np_params):
+                store.pull(p)
+            self.stats["ssp_steps"] += 1
+        self.stats["store_s"] += time.perf_counter() - t0
+        self.stats["bytes"] += sum(2 * d.nbytes * (self.comm.size - 1) / self.comm.size for d in deltas)
+
+    def progress(self) -> float:
+        """Training progress in BSP steps (worker steps / ranks), the same on every rank in BSP.
+
+        BSP steps count one each; asynchronous steps count ``1 / size`` each,
+        whichever rank made them (read from the SSP clocks, which ASP ticks
+        too).  Loop on it (``while ss.progress() < total``) so that every rank
+        stops at the same point; ``close()`` then joins them in BSP.
+        """
+        if self.phase == "bsp" or not self.stores:
+            return self._progress_base
+        return self._progress_base + float(self.stores[0].clocks().sum()) / self.comm.size
+
+    def _end_step(self) -> None:
+        if self.phase == "bsp":
+            self.stats["bsp_steps"] += 1
+            self._progress_base += 1.0
+        step = self.steps
+        self.steps += 1
+        self._reset_step()
+        new = self.policy.observe(step, self._compute, self.phase)
+        if new is None:
+            new = self.policy.phase(self.steps)
+        self.momentum_scale = self.policy.momentum_scale(self.steps)
+        if new != self.phase:
+            self._switch(new)
+        self._compute_start = time.perf_counter()
+
+    # ------------------------------------------------------------------ switching
+    def _switch(self, new: str) -> None:
+        if new not in PHASES:
+            raise ValueError(f"policy chose phase {new!r}: expected one of {PHASES}")
+        old = self.phase
+        t0 = time.perf_counter()
+        changes = self.policy.changes(old, new, self.steps)
+        if old == "bsp":
+            self.bsp.flush()
+            for store, p in zip(self.stores, self._np_params):
+                store.load(p)               # replicas are identical: no data travels
+            if self.stores:
+                self.stores[0].set_clocks(0)
+            for store in self.stores:
+                store.activate()
+            if changes.get("momentum") == "reset":
+                for buf in self._state_buffers:
+                    np.asarray(buf)[...] = 0
+        elif new == "bsp":
+            for store in self.stores:
+                store._win.Flush_all()      # this rank's pushes are complete (they flush anyway)
+            self.comm.barrier(tag="syncswitch.to_bsp")
+            if self.stores:                 # every rank reads the same final clocks
+                self._progress_base += float(self.stores[0].clocks().sum()) / self.comm.size
+            for store, p in zip(self.stores, self._np_params):
+                store.pull(p)               # nobody pushes now: the same contents everywhere
+            for store in self.stores:
+                store.deactivate()
+            for buf in self._state_buffers:
+                self.comm.allreduce(buf, "avg", out=buf, tag="syncswitch.state")
+        else:                               # asp <-> ssp: line the clocks up again
+            self.comm.barrier(tag="syncswitch.async")
+            if self.stores:
+                self._progress_base += float(self.stores[0].clocks().sum()) / self.comm.size
+                self.stores[0].set_clocks(0)
+        self.phase = new
+        self.policy.switched(old, new, self.steps)
+        if "lr_scale" in changes:
+            self.lr_scale = float(changes["lr_scale"])
+        self.momentum_scale = float(changes.get("momentum_scale", self.momentum_scale))
+        dt = time.perf_counter() - t0
+        self.stats["switch_s"] += dt
+        rec = {"step": self.steps, "from": old, "to": new, "seconds": dt, **changes}
+        self.switches.append(rec)
+        self.comm.tracer.instant("syncswitch.switch", **rec)
+        for fn in self._callbacks:
+            fn(old, new, changes)
+
+    def switch_to(self, phase: str) -> None:
+        """Switch now (collective when leaving BSP or returning to it), regardless of the policy."""
+        if phase != self.phase:
+            self._switch(phase)
+
+    # ------------------------------------------------------------------ end
+    def flush(self) -> None:
+        """BSP: the inner strategy's flush.  ASP/SSP: pull the latest store contents (local view)."""
+        if self.phase == "bsp":
+            self.bsp.flush()
+        else:
+            for store, p in zip(self.stores, self._np_params):
+                store.pull(p)
+
+    def close_stores(self) -> None:
+        for store in self.stores:
+            store.close()
+        self.stores = []
+
+    def close(self) -> None:
+        """Collective: return to BSP (replicas identical) and free the windows."""
+        if self.stores and self.phase != "bsp":
+            self._switch("bsp")
+        self.close_stores()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd.update({"phase": self.phase, "clock": self.stores[0].clock if self.stores else 0,
+                   "lr_scale": self.lr_scale, "momentum_scale": self.momentum_scale,
+                   "staleness": self.staleness, "policy": self.policy.state_dict(),
+                   "progress_base": self._progress_base,
+                   "bsp": self.bsp.state_dict(), "switches": [dict(s) for s in self.switches]})
+        return sd
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore (collective after ``setup``: the phase is re-entered with the current parameters)."""
+        super().load_state_dict(state)
+        if state["phase"] not in PHASES:
+            raise ValidationError(f"phase {state['phase']!r}: expected one of {PHASES}")
+        self.bsp.load_state_dict(state["bsp"])
+        self.staleness = int(state["staleness"])
+        if self.stores and state["phase"] != self.phase:
+            self._switch(state["phase"])
+        self.policy.load_state_dict(state["policy"])      # after the switch, which tells the policy
+        self._progress_base = float(state["progress_base"])
+        self.switches = [dict(s) for s in state["switches"]]
+        self.phase = state["phase"]
+        self.lr_scale = float(state["lr_scale"])
+        self.momentum_scale = float(state["momentum_scale"])
+        if self.stores and self.phase == "ssp":
+            self.stores[0].set_clocks(int(state["clock"]))
+
+    def __repr__(self) -> str:
+        return f"SyncSwitch(bsp={self.bsp!r}, policy={self.policy.name}, phase={self.phase!r})"

@@ -238,6 +238,9 @@ def init_gloo(world: Any, enabled: bool) -> tuple[Any, str | None]:
     if world.allreduce(why is not None, op=_lor()):
         return None, world.bcast(why) or "torch unavailable on some rank"
     torch.set_num_threads(1)
+    if os.environ.get("COMMLIB_CLUSTER_NETNS"):
+        # gloo binds to the host name's address (loopback in a namespace): use the rank's link
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
     addr, port = None, None
     if world.rank == 0:
         addr = os.environ.get("COMMLIB_CLUSTER_ADDR", "127.0.0.1")
@@ -247,7 +250,7 @@ def init_gloo(world: Any, enabled: bool) -> tuple[Any, str | None]:
     addr, port = world.bcast((addr, port))
     try:
         dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=world.rank,
-                                world_size=world.size, timeout=datetime.timedelta(seconds=120))
+                                world_size=world.size, timeout=datetime.timedelta(seconds=60))
         why = None
     except Exception as exc:  # noqa: BLE001 - report, and go on without gloo
         why = f"init_process_group failed: {exc}"

@@ -169,7 +169,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         specs = [TensorSpec(i, self._params[i].numel(), _dtype_name(self._params[i]),
                             self._params[i].element_size(), str(self._params[i].device), self._group_of[i])
                  for i in self._ready_order]
-        self.buckets = plan_buckets(specs, self.comm.size, cap_bytes, s.first_cap_bytes)
+        self.buckets = plan_buckets(specs, self.comm.size, cap_bytes, s.first_cap_bytes, s.last_cap_bytes)
         self._bucket_of = [0] * len(self._params)
         self._flat_params, self._flat_grads, self._shard_grads = [], [], []
         self._grad_views: list[torch.Tensor] = [None] * len(self._params)   # type: ignore[list-item]

@@ -93,20 +93,43 @@ class Bucket:
 
 
 def plan_buckets(specs: Sequence[TensorSpec], world_size: int, cap_bytes: int = DEFAULT_CAP,
-                 first_cap_bytes: int | None = DEFAULT_FIRST_CAP) -> list[Bucket]:
+                 first_cap_bytes: int | None = DEFAULT_FIRST_CAP,
+                 last_cap_bytes: int | None = None) -> list[Bucket]:
     """Assign tensors, given in gradient-ready order, to buckets.
 
     One bucket is open per (dtype, device, group); a tensor joins the open
     bucket of its kind, and the bucket closes once it holds ``cap_bytes`` (the
-    first bucket to close: ``first_cap_bytes``).  A tensor larger than the cap
-    gets a bucket of its own.  Buckets are numbered in the order they close,
+    first bucket to close: ``first_cap_bytes``, so that communication starts
+    early).  A tensor of at least the cap gets a bucket of its own and the
+    open bucket stays open (no sliver buckets of biases between big layers).
+    ``last_cap_bytes``: the last tensors to become ready (the model's first
+    layers), up to this many bytes of one kind, get a bucket of their own, so
+    that the communication left after backward, and DeAR's first all-gather
+    before forward, are short.  Buckets are numbered in the order they close,
     which is the order they become ready in backward.
 
     Example:
-        >>> specs = [TensorSpec(i, n, "float32", 4) for i, n in enumerate([10, 20, 300_000, 5])]
+        >>> specs = [TensorSpec(i, n, "float32", 4) for i, n in enumerate([10, 300_000, 20, 5])]
         >>> [len(b.slots) for b in plan_buckets(specs, world_size=4, cap_bytes=1 << 20)]
-        [2, 1, 1]
+        [1, 3]
+        >>> [len(b.slots) for b in plan_buckets(specs, 4, 1 << 20, last_cap_bytes=100)]
+        [1, 1, 2]
     """
+    if last_cap_bytes and specs:
+        key = (specs[-1].dtype, specs[-1].device, specs[-1].group)
+        tail, size = 0, 0
+        for s in reversed(specs):
+            if (s.dtype, s.device, s.group) != key or size + s.numel * s.itemsize > last_cap_bytes:
+                break
+            size += s.numel * s.itemsize
+            tail += 1
+        if 0 < tail < len(specs):
+            head = plan_buckets(specs[:-tail], world_size, cap_bytes, first_cap_bytes)
+            last = plan_buckets(specs[-tail:], world_size, cap_bytes, None)
+            for b in last:
+                b.index = len(head)
+                head.append(b)
+            return head
     if world_size < 1:
         raise ValueError(f"world_size {world_size}: expected >= 1")
     if cap_bytes <= 0:
@@ -128,8 +151,11 @@ def plan_buckets(specs: Sequence[TensorSpec], world_size: int, cap_bytes: int = 
             continue
         key = (s.dtype, s.device, s.group)
         cap = first_cap_bytes if (first_cap_bytes and not closed) else cap_bytes
-        if key in open_ and s.numel * s.itemsize >= cap:
-            close(key)                      # a tensor over the cap travels alone
+        if s.numel * s.itemsize >= cap:     # a tensor over the cap travels alone
+            alone = Bucket(len(closed), s.dtype, s.itemsize, s.device, s.group, world_size,
+                           [Slot(s.index, 0, s.numel)], s.numel)
+            closed.append(alone)
+            continue
         b = open_.get(key)
         if b is None:
             b = open_[key] = Bucket(-1, s.dtype, s.itemsize, s.device, s.group, world_size)

@@ -1,42 +1,3 @@
-# TEMPORARY NOTE TO HELPERS (the lead removes this block; these rules bind you):
-# ## Common rules (read carefully)
-# - Repository: /work/main (git, branch main). Python venv: /work/main/.venv (already set up: numpy, mpi4py + mpich wheel,
-#   torch 2.13 CPU, jax 0.10, pytest, pytest-mpi, hypothesis, ruff). Use `.venv/bin/python`, `.venv/bin/mpiexec`.
-#   If you need a new dependency, add it to the right extra in setup.cfg ONLY by telling the lead in your final report
-#   (do not edit setup.cfg yourself); you may `.venv/bin/pip install` it locally (registries are reachable) to work.
-# - Read /work/shared/DESIGN.md (floors: commlib <- collectives/sparsify <- bindings; only bindings/ imports torch or jax;
-#   collectives/ never imports sparsify/) and the relevant section of /work/shared/PAPERS.md.
-# - Core library you build on: `commlib` (read commlib/__init__.py, commlib/communicator.py for the API: `commlib.init()`
-#   returns a Communicator with rank, size, allreduce/iallreduce(x, op="sum"|"avg"|"max"|"min", out=), reduce_scatter,
-#   allgather, allgatherv(x, counts=None), broadcast(x, root, out=), barrier, split, `mpi_comm` (the mpi4py communicator,
-#   for one-sided windows / point-to-point), each i-form returns Work with wait()/test(). Arrays: numpy, cupy, torch, jax.
-#   Errors in commlib/errors.py (ValidationError etc.).
-# - The strategy lifecycle base is in collectives/strategy.py (class Strategy: setup(comm, buckets, params, grads,
-#   shard_grads=None, broadcast=True), bucket_ready(b), launch(b), before_update(), after_update(), before_forward(b),
-#   flush(), state_dict()/load_state_dict()), buckets in collectives/buckets.py (plan_buckets, Bucket with slots,
-#   padded, shard(rank)), strategies collectives/allreduce.py (AllReduce) and collectives/dear.py (DeAR). READ them.
-#   The lead is writing bindings/torch.py (DistributedOptimizer(optimizer, model, strategy=...)) right now: do NOT edit
-#   collectives/strategy.py, buckets.py, allreduce.py, dear.py, bindings/torch.py, commlib/*, Makefile, README.md,
-#   setup.cfg; if you need a change there, describe it in your report.
-# - ONLY create/edit the files assigned to you below. Other helpers work in the same tree at the same time on other
-#   files. Do NOT run `git commit`, `git stash`, `git checkout` or anything that changes other files; the lead commits.
-# - Tests: pytest + pytest-mpi. Mark MPI tests `@pytest.mark.mpi` (optionally `mpi(min_size=2)`); tests must pass
-#   single-process (`.venv/bin/python -m pytest --with-mpi -q tests/your_file.py`) and under
-#   `PYTHON=$PWD/.venv/bin/python .venv/bin/mpiexec -n 2 tests/mpi_pytest.sh -q tests/your_file.py` and `-n 4`.
-#   Use the `comm` fixture of tests/conftest.py (commlib.init(timeout=120)). Every result checked against a reference
-#   (numpy float64, or single-process computation). Keep your tests fast: the whole project suite must stay under 15
-#   minutes on a 2-core machine at -n 4, so aim for well under 60 s for your files at -n 4. No mocks of MPI.
-#   Bad input must raise a clear error on every rank before any rank enters a collective.
-# - The machine has 2 cores and other helpers run tests concurrently: timings you take now are noisy. Make benchmarks
-#   correct and runnable (with a --quick mode); do NOT run benchmarks/cluster (the network-namespace launcher) yourself:
-#   only one cluster run can exist at a time and the lead runs them at the end. Benchmarks follow benchmarks/collectives.py
-#   and benchmarks/_common.py conventions: contenders side by side in one run, a printed table of ratios, `--json PATH`.
-# - Public API: docstrings with an example and type hints; `.venv/bin/ruff check <your files>` must pass (config in
-#   pyproject.toml, line length 110).
-# - Write your own code (you may read public references with the search tools, copy none).
-# - Wall-clock budget: stop and report within 95 minutes of starting, earlier if done. Your final message is your
-#   report to the lead: files, what works (with test commands and their results), figures measured (with commands),
-#   what is missing or doubtful, and any change you need in files you do not own. Keep it under 60 lines.
 """The strategy lifecycle: the moments of a training step at which a strategy communicates.
 
 A binding (``bindings.torch``, ``bindings.jax``) owns the model and the
@@ -82,8 +43,9 @@ from .tuning import CapTuner
 class Strategy:
     """Base of every strategy; subclasses override :meth:`launch` and the moments they need.
 
-    ``cap_mb`` / ``first_cap_mb``: the bucket caps in MiB (``first_cap_mb=0``:
-    no smaller first bucket).  ``tune``: search the cap online
+    ``cap_mb`` / ``first_cap_mb`` / ``last_cap_mb``: the bucket caps in MiB
+    (the first bucket to be ready, the rest, and the model's first layers,
+    which are ready last; 0: no special first or last bucket).  ``tune``: search the cap online
     (:class:`collectives.tuning.CapTuner`) during the first steps; a dict
     passes its settings (``trials``, ``window``, ``low_mb``, ``high_mb``).
 
@@ -98,13 +60,16 @@ class Strategy:
     sharded = False
 
     def __init__(self, cap_mb: float = DEFAULT_CAP / MiB, first_cap_mb: float = DEFAULT_FIRST_CAP / MiB,
-                 tune: bool | dict[str, Any] = False):
+                 tune: bool | dict[str, Any] = False, last_cap_mb: float = DEFAULT_FIRST_CAP / MiB):
         if not cap_mb > 0:
             raise ValueError(f"cap_mb {cap_mb!r}: expected > 0")
         if not first_cap_mb >= 0:
             raise ValueError(f"first_cap_mb {first_cap_mb!r}: expected >= 0")
         self.cap_bytes = int(cap_mb * MiB)
         self.first_cap_bytes = int(first_cap_mb * MiB) or None
+        if not last_cap_mb >= 0:
+            raise ValueError(f"last_cap_mb {last_cap_mb!r}: expected >= 0")
+        self.last_cap_bytes = int(last_cap_mb * MiB) or None
         self.tune = tune
         self.tuner: CapTuner | None = None
         self.comm: Communicator | None = None

@@ -36,6 +36,8 @@ import hashlib
 import queue
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -153,6 +155,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._ready_order = order
         self._counts = [0] * len(self._params)
         self._hooks: list[Any] = []
+        if hasattr(self.strategy, "on_switch"):
+            self.strategy.on_switch(self._on_switch)
         self._build(self.strategy.cap_bytes, broadcast=broadcast)
         if broadcast:      # the rest of the module state (buffers, frozen parameters), as DDP does
             trained = {id(p) for p in self._params}
@@ -301,10 +305,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             for i in unused:
                 self._params[i].grad = None
-            self._inner.step()
+            with self._scaled_hyperparameters():
+                self._inner.step()
             for i in unused:
                 self._params[i].grad = self._grad_views[i]
         self.strategy.after_update()
+        if getattr(self.strategy, "sync_optimizer_state", False) and getattr(self.strategy, "synced", False):
+            self._average_optimizer_state()     # SelSync in parameter mode: momentum agrees too
         self._counts = [0] * len(self._params)
         self._bucket_need = [len(b.slots) for b in self.buckets]
         self._signaled = [False] * len(self.buckets)
@@ -330,6 +337,48 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._build(int(cap_bytes), broadcast=False)
         self._set_full_state(full)
         self._install_hooks()
+
+    @contextmanager
+    def _scaled_hyperparameters(self) -> Iterator[None]:
+        """Strategies that change the learning rate or momentum for a phase
+        (Sync-Switch's ``lr_scale`` / ``momentum_scale``) scale them for this update only."""
+        lr_s = float(getattr(self.strategy, "lr_scale", 1.0))
+        mom_s = float(getattr(self.strategy, "momentum_scale", 1.0))
+        if lr_s == 1.0 and mom_s == 1.0:
+            yield
+            return
+        saved = [(g.get("lr"), g.get("momentum")) for g in self.param_groups]
+        for g in self.param_groups:
+            if isinstance(g.get("lr"), float):
+                g["lr"] *= lr_s
+            if isinstance(g.get("momentum"), float):
+                g["momentum"] *= mom_s
+        try:
+            yield
+        finally:
+            for g, (lr, mom) in zip(self.param_groups, saved):
+                if lr is not None:
+                    g["lr"] = lr
+                if mom is not None:
+                    g["momentum"] = mom
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        return [v for p in self._params for v in self._inner.state.get(p, {}).values()
+                if torch.is_tensor(v) and v.dim() > 0]
+
+    def _average_optimizer_state(self) -> None:
+        for t in self._optimizer_tensors():
+            self.comm.allreduce(t, "avg", out=t, tag="optstate")
+
+    def _on_switch(self, old: str, new: str, changes: dict[str, Any]) -> None:
+        """Sync-Switch: reset momentum when asked, and make optimizers agree on the way back to BSP."""
+        if changes.get("momentum") == "reset":
+            for p in self._params:
+                buf = self._inner.state.get(p, {}).get("momentum_buffer")
+                if buf is not None:
+                    buf.zero_()
+        if new == "bsp":
+            self._average_optimizer_state()
 
     def _globally_unused(self) -> set[int]:
         used = np.array([c > 0 for c in self._counts], np.int32)

@@ -299,3 +299,31 @@ def test_ddp_comm_hook_routes_buckets_through_commlib(comm):
             np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=2e-5, atol=2e-6)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.mpi
+def test_syncswitch_through_distributed_optimizer_keeps_replicas_identical_at_bsp(comm):
+    """BSP -> ASP -> BSP inside one job, driven by the binding: replicas (and momentum) agree at BSP."""
+    from collectives import SchedulePolicy, SyncSwitch
+
+    model = make_model(comm.rank)
+    ss = SyncSwitch(bsp=AllReduce(cap_mb=0.0003), policy=SchedulePolicy([(0, "bsp"), (2, "asp"), (5, "bsp")],
+                                                                       lr_scale=0.5))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                               strategy=ss, comm=comm, find_unused_parameters=True)
+    phases = []
+    for step in range(7):
+        x, y = batch(step + 17 * comm.rank, comm.size)    # ranks see different data
+        opt.zero_grad()
+        loss_fn(model, x[:LOCAL], y[:LOCAL]).backward()
+        opt.step()
+        phases.append(ss.phase)
+        if ss.phase == "bsp":
+            opt.flush()
+            same_on_all_ranks(comm, model)
+            bufs = comm.allgather(torch.cat([opt.state[p]["momentum_buffer"].reshape(-1)
+                                             for p in (model.fc1.weight, model.fc2.weight)]).numpy())
+            assert all(np.array_equal(bufs[r], bufs[0]) for r in range(comm.size))
+    assert "asp" in phases and phases[-1] == "bsp", phases
+    assert [s["to"] for s in ss.switches] == ["asp", "bsp"]
+    ss.close()

@@ -1,0 +1,199 @@
+"""ExDyna (arXiv 2402.13781): exclusive partitions of blocks, dynamic boundaries, one scaled threshold.
+
+Per step ``t`` on rank ``r`` of ``n``:
+
+1. partition ``p = (t + r) % n`` of the flat accumulated gradient (the
+   partitions are contiguous runs of blocks, :class:`~sparsify.partitions.BlockPartitions`);
+2. select ``|acc| >= threshold`` inside it (one pass; :mod:`sparsify.kernels`);
+3. exchange (:mod:`sparsify.exchange`): the counts record (count plus the
+   threshold rule's histogram), the indices by ``allgatherv`` (no padding),
+   then the average over ranks of each rank's own ``acc`` at the union; the
+   partitions are disjoint, so the union has no duplicates and the build-up
+   factor is 1;
+4. from the all-gathered counts, identically on every rank: the next
+   threshold (:class:`~sparsify.threshold.CountCurveThreshold`) and one-block
+   boundary moves toward balanced counts.
+
+:class:`MiCRO` is the same pipeline over ``n`` fixed equal slices with the
+prototype's threshold rule (the baseline ExDyna improves on).
+
+Example (under ``mpiexec -n 4``):
+    >>> sel = ExDyna(density=0.01).setup(comm, grad.size)
+    >>> fb = ErrorFeedback(grad.size)
+    >>> out = sel.reduce(fb.accumulate(grad))      # collective
+    >>> fb.settle(out)                               # residual: acc with the union cleared
+    >>> out.stats.density, out.stats.buildup, out.stats.imbalance
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+from .base import Reduced, Selector
+from .exchange import Traffic, average_at, exchange_records, gather_indices
+from .kernels import take_above, threshold_scan
+from .partitions import DEFAULT_BALANCE, BlockPartitions, EqualPartitions, Partitions, imbalance
+from .threshold import INIT_FRACTIONS, ThresholdPolicy, make_policy, sample_tail, solve_initial
+
+
+class PartitionedThreshold(Selector):
+    """Threshold selection inside one exclusive, rotating partition per rank (ExDyna, MiCRO)."""
+
+    name = "partitioned"
+    rebalance = False
+
+    def __init__(self, density: float = 0.01, threshold: str | float | ThresholdPolicy = "auto"):
+        super().__init__(density)
+        self._threshold_spec = threshold
+        make_policy(threshold)            # reject a bad spec now, on every rank
+        self.policy: ThresholdPolicy | None = None
+        self.partitions: Partitions | None = None
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "threshold": self._threshold_spec}
+
+    def _make_partitions(self) -> Partitions:
+        raise NotImplementedError
+
+    def _setup(self) -> None:
+        self.partitions = self._make_partitions()
+        spec = self._threshold_spec           # a fresh policy per setup, never a shared one
+        self.policy = copy.deepcopy(spec) if isinstance(spec, ThresholdPolicy) else make_policy(spec)
+        self.policy.start(self.k)
+
+    @property
+    def threshold(self) -> float | None:
+        """The threshold the next step uses (identical on every rank)."""
+        return None if self.policy is None else self.policy.threshold
+
+    def partition_of(self, rank: int, step: int | None = None) -> int:
+        """The partition ``rank`` selects from at ``step`` (default: the next step)."""
+        step = self.step if step is None else step
+        return (step + rank) % self.comm.size
+
+    # ------------------------------------------------------------------ the step
+    def _first_threshold(self, acc: Any, problem: str | None, traffic: Traffic) -> None:
+        """Step 0 only: one tiny all-gather of each rank's sampled tail; every rank solves the same."""
+        comm = self.comm
+        length = 1 + 1 + len(INIT_FRACTIONS)
+        fields: list[Any] = []
+        if problem is None:
+            lo, hi = self.partitions.range(self.partition_of(comm.rank))
+            fields = [self.xp.asarray(sample_tail(self.xp, acc[lo:hi], self.density))]
+        table = exchange_records(comm, self.xp, fields, length, problem, f"{self.name}:init",
+                                 traffic, dtype="float64")
+        self.policy.threshold = solve_initial(table[:, 1:], self.density, float(self.k))
+
+    def _reduce(self, acc: Any, problem: str | None, traffic: Traffic) -> Reduced:
+        comm, xp, policy = self.comm, self.xp, self.policy
+        n = comm.size
+        if policy.needs_init:
+            self._first_threshold(acc, problem, traffic)
+            problem = None                     # raised above on every rank otherwise
+        p = self.partition_of(comm.rank)
+        lo, hi = self.partitions.range(p)
+        floor, thr = policy.window()
+        curve = policy.record_len > 0
+        t0 = time.perf_counter()
+        fields: list[Any] = []
+        if problem is None:
+            pos, mags = threshold_scan(xp, acc[lo:hi], floor)
+            if curve:                          # the histogram is the counts record
+                bins = policy.bins(xp, mags, floor)
+                fields = [policy.histogram(xp, bins)]
+            else:
+                fields = [int(pos.size)]
+        select_s = time.perf_counter() - t0
+        table = exchange_records(comm, xp, fields, 1 + max(policy.record_len, 1), problem,
+                                 self.name, traffic)
+        t0 = time.perf_counter()
+        chosen, hist = None, None
+        if curve:                              # every rank: the same boundary, every rank's count
+            hists = table[:, 1:]
+            hist = hists.sum(axis=0)
+            chosen, take = policy.choose(self.k, hists)
+            counts = [int(hists[r, chosen + 1:].sum()) + take[r] for r in range(n)]
+            thr = policy.grid_threshold(chosen)
+            pos = take_above(xp, pos, mags, bins, chosen, take[comm.rank])
+        else:
+            counts = [int(c) for c in table[:, 1]]
+        pos += lo
+        idx = pos.astype(self.index_dtype, copy=False)
+        select_s += time.perf_counter() - t0
+        union = gather_indices(comm, idx, counts, self.name, traffic)
+        values = average_at(comm, acc, union, self.name, traffic)
+
+        total = sum(counts)
+        by_partition = [0] * n
+        for r, c in enumerate(counts):
+            by_partition[(self.step + r) % n] = c
+        policy.update(self.k, total, hist, chosen)
+        moves = self.partitions.rebalance(by_partition) if self.rebalance else 0
+        stats = self._stats(idx.size, total, total, select_s, threshold=thr,
+                            imbalance=imbalance(by_partition),
+                            extra={"partition": p, "moves": moves, "next_threshold": policy.threshold})
+        return Reduced(union, values, idx, stats)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "threshold": self.policy.state_dict(),
+                "partitions": self.partitions.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.policy.load_state_dict(state["threshold"])
+        self.partitions.load_state_dict(state["partitions"])
+
+
+class ExDyna(PartitionedThreshold):
+    """ExDyna: block partitions with dynamic boundaries and our online threshold scaling.
+
+    ``density``: target fraction exchanged per step; ``num_blocks`` (1024)
+    and ``align`` (32): the block layout; ``balance`` (1.05): the
+    over/under factor that moves a boundary; ``rebalance``: move boundaries
+    at all; ``threshold``: ``"auto"`` (:class:`~sparsify.threshold.CountCurveThreshold`),
+    ``"reference"`` (the prototype's rule), a number (fixed) or a policy.
+
+    Tuning: 1024 blocks suit up to a few hundred ranks (the minimum partition
+    is ``num_blocks / (4 n)`` blocks); the threshold rule needs nothing.
+
+    Example:
+        >>> strategy = SparseAllReduce(selector=ExDyna(density=0.01))
+    """
+
+    name = "exdyna"
+    rebalance = True
+
+    def __init__(self, density: float = 0.01, num_blocks: int = 1024, align: int = 32,
+                 balance: float = DEFAULT_BALANCE, rebalance: bool = True,
+                 threshold: str | float | ThresholdPolicy = "auto"):
+        super().__init__(density, threshold)
+        if int(num_blocks) < 1 or int(align) < 1 or not balance > 1:
+            raise ValueError(f"num_blocks {num_blocks!r}, align {align!r} must be >= 1 and "
+                             f"balance {balance!r} > 1")
+        self.num_blocks = int(num_blocks)
+        self.align = int(align)
+        self.balance = float(balance)
+        self.rebalance = bool(rebalance)
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "num_blocks": self.num_blocks, "align": self.align,
+                "balance": self.balance, "rebalance": self.rebalance}
+
+    def _make_partitions(self) -> Partitions:
+        return BlockPartitions(self.numel, self.comm.size, self.num_blocks, self.align, self.balance)
+
+
+class MiCRO(PartitionedThreshold):
+    """MiCRO: ``n`` fixed equal partitions (no blocks, no moves), rotating, with the prototype's
+    threshold rule (``threshold="reference"``; pass ``"auto"`` for ours)."""
+
+    name = "micro"
+
+    def __init__(self, density: float = 0.01, threshold: str | float | ThresholdPolicy = "reference"):
+        super().__init__(density, threshold)
+
+    def _make_partitions(self) -> Partitions:
+        return EqualPartitions(self.numel, self.comm.size)

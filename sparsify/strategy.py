@@ -1,0 +1,181 @@
+"""``SparseAllReduce``: a strategy that exchanges a sparse selection of each bucket instead of all of it.
+
+When a bucket's gradients are ready (``launch``), the strategy adds the
+bucket's residual (error feedback), lets its selector select and exchange
+(a collective), writes the averaged sparse gradient back into the bucket
+densely (zeros off the union) and keeps the rest as the new residual.  The
+optimizer then steps on that gradient (momentum and weight decay apply
+after aggregation, as in the ExDyna prototype).
+
+ExDyna works on one flat vector of the whole model, so the default cap
+puts the whole model in one bucket.  Gradients may be numpy, cupy, torch
+(CPU or CUDA) or any DLPack array: the buckets are reached through
+:func:`commlib.arrays.as_view`, never by importing a framework; 16-bit
+gradients keep a float32 residual.
+
+Example:
+    >>> from bindings.torch import DistributedOptimizer
+    >>> from sparsify import ExDyna, SparseAllReduce
+    >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
+    ...                            strategy=SparseAllReduce(selector=ExDyna(density=0.01)))
+    >>> opt.strategy.last_stats[0].density          # after a step: what was sent
+
+On the GPU the selection runs on cupy's current stream (as every commlib
+operation orders after it): gradients written on another stream must be
+complete before ``bucket_ready``.
+
+Checkpoints: the residual belongs to its rank; save the state of every rank
+(``torch.save(opt.state_dict(), f"ckpt.{rank}")``).  Loading a state saved by
+another rank or world size keeps the step, thresholds (and boundaries, with the
+same world size) and starts from zero residuals, with a warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from collectives.strategy import Strategy
+from commlib import Communicator, ValidationError
+
+from ._arrays import GRAD_DTYPES, acc_dtype_for, flat_view, read_as, write_as
+from .base import Selector, StepStats
+from .exdyna import ExDyna
+from .feedback import ErrorFeedback
+
+#: the default cap: large enough that a whole model is one bucket (ExDyna's one flat vector)
+WHOLE_MODEL_MB = float(1 << 20)
+
+
+class SparseAllReduce(Strategy):
+    """Sparse gradient exchange with error feedback, one selector per bucket.
+
+    ``selector``: a :class:`~sparsify.Selector` used as a template (each
+    bucket gets a fresh clone; default :class:`~sparsify.ExDyna` at density
+    0.01).  ``cap_mb``/``first_cap_mb``: bucket caps as for every strategy
+    (default: the whole model in one bucket).  ``history``: keep every
+    step's :class:`~sparsify.StepStats` in :attr:`history` (off by default;
+    :attr:`last_stats` always holds the last step's).
+
+    Tuning: one bucket gives ExDyna the whole model to balance and one
+    exchange per step; several buckets overlap the exchange with backward
+    but pay three small collectives per bucket.
+    """
+
+    name = "sparse"
+
+    def __init__(self, selector: Selector | None = None, cap_mb: float = WHOLE_MODEL_MB,
+                 first_cap_mb: float = 0.0, history: bool = False):
+        super().__init__(cap_mb=cap_mb, first_cap_mb=first_cap_mb)
+        if selector is not None and not isinstance(selector, Selector):
+            raise TypeError(f"selector: expected a sparsify.Selector, got {type(selector).__name__}")
+        self.selector = selector if selector is not None else ExDyna(density=0.01)
+        self.selectors: list[Selector] = []
+        self.feedback: list[ErrorFeedback] = []
+        self.last_stats: list[StepStats | None] = []
+        self.keep_history = bool(history)
+        self.history: list[list[StepStats]] = []
+        self._views: list[tuple[Any, str, Any]] = []
+        self._layout: list[tuple[int, str, str]] = []
+        self._pending: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(self, comm: Communicator, buckets: Sequence[Any], params: Sequence[Any],
+              grads: Sequence[Any], shard_grads: Sequence[Any] | None = None,
+              broadcast: bool = True) -> None:
+        views, layout = [], []
+        for b, g in enumerate(grads):
+            data, dtype, xp = flat_view(g, f"{self.name}: grads[{b}]")
+            if dtype not in GRAD_DTYPES:
+                raise ValidationError(f"{self.name}: grads[{b}] has dtype {dtype}; sparse exchange "
+                                      f"needs floating gradients ({', '.join(GRAD_DTYPES)})")
+            if data.size < 1:
+                raise ValidationError(f"{self.name}: grads[{b}] is empty")
+            views.append((data, dtype, xp))
+            layout.append((int(data.size), dtype, xp.__name__))
+        super().setup(comm, buckets, params, grads, shard_grads, broadcast)
+        if layout != self._layout or any(s.comm is not comm for s in self.selectors):
+            # a new plan (or communicator): fresh selectors and residuals
+            self.selectors = [self.selector.clone().setup(comm, n, xp)
+                              for (n, _, _), (_, _, xp) in zip(layout, views)]
+            self.feedback = [ErrorFeedback(n, acc_dtype_for(dt), xp)
+                             for (n, dt, _), (_, _, xp) in zip(layout, views)]
+            self.last_stats = [None] * len(views)
+        self._views, self._layout = views, layout
+        if self._pending is not None:
+            state, self._pending = self._pending, None
+            self._load_buckets(state)
+
+    def launch(self, b: int) -> None:
+        data, dtype, xp = self._views[b]
+        fb = self.feedback[b]
+        acc = fb.accumulate(read_as(xp, data, dtype, fb.residual.dtype) if dtype == "bfloat16" else data)
+        out = self.selectors[b].reduce(acc)
+        if out.indices is None:
+            data[...] = write_as(xp, out.values, dtype)
+        else:
+            data[...] = 0
+            data[out.indices] = write_as(xp, out.values, dtype)
+        fb.settle(out)
+        self.stats["bytes"] += out.stats.bytes
+        self.last_stats[b] = out.stats
+        if self.keep_history:
+            while len(self.history) <= b:
+                self.history.append([])
+            self.history[b].append(out.stats)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Steps; per bucket the selector's state (threshold, boundaries, step) and this rank's residual."""
+        state = super().state_dict()
+        state.update({
+            "selector": repr(self.selector),
+            "rank": None if self.comm is None else self.comm.rank,
+            "world_size": None if self.comm is None else self.comm.size,
+            "buckets": [{"numel": n, "dtype": dt, "selector": s.state_dict(), "feedback": f.state_dict()}
+                        for (n, dt, _), s, f in zip(self._layout, self.selectors, self.feedback)],
+        })
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.comm is None:
+            self._pending = state                # applied by setup()
+        else:
+            self._load_buckets(state)
+
+    def _load_buckets(self, state: dict[str, Any]) -> None:
+        saved = state.get("buckets", [])
+        if not saved:
+            return
+        got = [(int(s["numel"]), s["dtype"]) for s in saved]
+        want = [(n, dt) for n, dt, _ in self._layout]
+        if got != want:
+            raise ValueError(f"{self.name}: state of buckets {got} given to buckets {want}")
+        same_world = state.get("world_size") == self.comm.size
+        same_rank = same_world and state.get("rank") == self.comm.rank
+        if not same_rank:
+            warnings.warn(f"{self.name}: state saved by rank {state.get('rank')} of "
+                          f"{state.get('world_size')} loaded on rank {self.comm.rank} of {self.comm.size}: "
+                          "residuals start from zero" + ("" if same_world else
+                                                         ", partition boundaries from the start"),
+                          stacklevel=3)
+        for s, sel, fb in zip(saved, self.selectors, self.feedback):
+            sel_state = dict(s["selector"])
+            if not same_world:
+                sel_state.pop("partitions", None)
+                sel.step = int(sel_state["step"])
+                policy = getattr(sel, "policy", None)
+                if policy is not None and "threshold" in sel_state:
+                    policy.load_state_dict(sel_state["threshold"])
+            else:
+                sel.load_state_dict(sel_state)
+            if same_rank:
+                fb.load_state_dict(s["feedback"])
+            else:
+                fb.residual[...] = 0
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(selector={self.selector!r}, cap_mb={self.cap_bytes / (1 << 20):g}, "
+                f"first_cap_mb={(self.first_cap_bytes or 0) / (1 << 20):g})")

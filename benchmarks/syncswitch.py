@@ -11,8 +11,11 @@ Contenders: ``bsp`` (AllReduce), ``asp``, ``ssp`` (``--staleness``), ``offline``
 (``OfflinePolicy(--bsp-fraction)``, lr x ``--asp-lr-scale`` and momentum ``--momentum`` at the
 switch) and ``online`` (``StragglerPolicy(--theta, --window, --m-windows)``).
 
-``--straggler RANK:FACTOR:FROM:TO``: rank RANK's compute is FACTOR times slower (a sleep of
-``(FACTOR-1) x`` its forward+backward time) while the run's progress is in [FROM, TO) (fractions).
+``--straggler RANK:FACTOR:FROM:TO``: rank RANK is FACTOR times slower while the run's progress
+is in [FROM, TO) (fractions): with ``--straggler-mode step`` (default) each of its steps sleeps
+``(FACTOR-1) x`` its median unslowed step time (the whole step, communication included: a slow
+machine), with ``compute`` ``(FACTOR-1) x`` its forward+backward time of that step (a slow
+processor; on communication-bound steps that changes little).
 
 Reported per contender (slowest rank's wall time): seconds, samples/s, ratio to BSP, time to
 ``--target-acc`` (rank 0's replica, evaluated every ``--eval-every`` of its steps), final test
@@ -53,6 +56,7 @@ def _parser():
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--m-windows", type=int, default=2)
     p.add_argument("--straggler", metavar="RANK:FACTOR:FROM:TO")
+    p.add_argument("--straggler-mode", choices=("step", "compute"), default="step")
     p.add_argument("--target-acc", type=float, default=0.95)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--store-only", action="store_true", help="time the parameter store layouts only")
@@ -153,6 +157,8 @@ def run_one(comm: Any, name: str, args: Any, data: tuple, init: np.ndarray) -> d
     t0 = time.perf_counter()
     local = 0
     slept = 0.0
+    normal: list[float] = []               # this rank's unslowed step times
+    t_step = time.perf_counter()
     while (progress := ss.progress()) < args.steps:
         for g in opt.param_groups:
             g["lr"] = args.lr * ss.lr_scale
@@ -162,13 +168,21 @@ def run_one(comm: Any, name: str, args: Any, data: tuple, init: np.ndarray) -> d
         flat_g.zero_()
         loss_fn(model(torch.from_numpy(xtr[b])), torch.from_numpy(ytr[b])).backward()
         compute = time.perf_counter() - tc
-        if strag and comm.rank == strag[0] and strag[2] <= progress / args.steps < strag[3]:
-            time.sleep((strag[1] - 1) * compute)
-            slept += (strag[1] - 1) * compute
+        slow = strag and comm.rank == strag[0] and strag[2] <= progress / args.steps < strag[3]
+        if slow:
+            base = compute
+            if args.straggler_mode == "step" and normal:
+                base = float(np.median(normal[-50:]))
+            time.sleep((strag[1] - 1) * base)
+            slept += (strag[1] - 1) * base
         ss.bucket_ready(0)
         ss.before_update()
         opt.step()
         ss.after_update()
+        now = time.perf_counter()
+        if not slow:
+            normal.append(now - t_step)
+        t_step = now
         local += 1
         if comm.rank == 0 and local % args.eval_every == 0:
             curve.append((time.perf_counter() - t0, progress, accuracy()))

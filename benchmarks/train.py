@@ -30,7 +30,9 @@ from benchmarks.models import build, count, loss_of
 from bindings.torch import DistributedOptimizer
 from collectives import AllReduce, DeAR
 
-CONTENDERS = ("local", "ddp", "allreduce", "dear")
+CONTENDERS = ("local", "ddp", "allreduce", "dear", "exdyna", "topk")
+#: sparse contenders (issue 5), left out unless asked for: they change what is trained
+SPARSE = ("exdyna", "topk")
 DEFAULTS = {"resnet": {"width": 64, "image": 16}, "transformer": {}, "mlp": {}}
 
 
@@ -38,7 +40,7 @@ class Trainer:
     """One contender: a model copy, its optimizer, and ``step()``."""
 
     def __init__(self, name: str, model_name: str, batch: int, world: Any, comm: commlib.Communicator,
-                 dist: Any, cap_mb: float, lr: float):
+                 dist: Any, cap_mb: float, lr: float, density: float = 0.01):
         torch.manual_seed(0)
         self.name, self.model_name, self.batch = name, model_name, batch
         self.model, self.make_batch, self.unit = build(model_name, **DEFAULTS[model_name])
@@ -51,6 +53,11 @@ class Trainer:
         elif name in ("allreduce", "dear"):
             strategy = AllReduce(cap_mb=cap_mb) if name == "allreduce" else DeAR(cap_mb=cap_mb)
             self.dopt = self.opt = DistributedOptimizer(self.opt_inner, self.model, strategy, comm)
+        elif name in SPARSE:
+            from sparsify import ExDyna, SparseAllReduce, TopK
+            selector = ExDyna(density=density) if name == "exdyna" else TopK(density=density)
+            self.dopt = self.opt = DistributedOptimizer(self.opt_inner, self.model,
+                                                        SparseAllReduce(selector=selector), comm)
         else:
             self.opt = self.opt_inner
         self.seed = 1000 * world.rank
@@ -83,8 +90,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     env = bc.environment(world)
     rows, plans = [], {}
     for model_name in args.models:
-        trainers = {c: Trainer(c, model_name, args.batch, world, comm, dist, args.cap_mb, args.lr)
-                    for c in contenders}
+        trainers = {c: Trainer(c, model_name, args.batch, world, comm, dist, args.cap_mb, args.lr,
+                               args.density) for c in contenders}
         first = next(iter(trainers.values()))
         for t in trainers.values():            # warm-up: allocator, first-step set-up
             for _ in range(args.warmup):
@@ -155,7 +162,9 @@ def report(doc: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = bc.base_parser(__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["resnet", "transformer", "mlp"], choices=list(DEFAULTS))
-    p.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
+    p.add_argument("--contenders", nargs="+", default=[c for c in CONTENDERS if c not in SPARSE],
+                   choices=CONTENDERS, help="exdyna and topk (sparse, --density) only when named")
+    p.add_argument("--density", type=float, default=0.01, help="density of the sparse contenders")
     p.add_argument("--batch", type=int, default=8, help="samples per rank per step")
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=3)

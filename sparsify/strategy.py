@@ -67,7 +67,7 @@ class SparseAllReduce(Strategy):
 
     def __init__(self, selector: Selector | None = None, cap_mb: float = WHOLE_MODEL_MB,
                  first_cap_mb: float = 0.0, history: bool = False):
-        super().__init__(cap_mb=cap_mb, first_cap_mb=first_cap_mb)
+        super().__init__(cap_mb=cap_mb, first_cap_mb=first_cap_mb, last_cap_mb=0.0)
         if selector is not None and not isinstance(selector, Selector):
             raise TypeError(f"selector: expected a sparsify.Selector, got {type(selector).__name__}")
         self.selector = selector if selector is not None else ExDyna(density=0.01)

@@ -13,7 +13,7 @@ CLUSTER ?=
 # a hung MPI test run is killed after this many seconds
 MPI_TEST_TIMEOUT ?= 900
 
-.PHONY: setup test test-serial test-mpi lint bench bench-local bench-cluster clean
+.PHONY: setup test test-serial test-mpi lint bench bench-local bench-cluster bench-train clean
 
 setup: $(STAMP)
 
@@ -36,7 +36,7 @@ test-mpi: $(STAMP)
 test: lint test-serial test-mpi
 
 # the emulated cluster (benchmarks/cluster, issue 3) joins `make bench` once it lands
-bench: bench-local $(if $(wildcard benchmarks/cluster/__main__.py),bench-cluster)
+bench: bench-local $(if $(wildcard benchmarks/cluster/__main__.py),bench-cluster bench-train)
 
 bench-local: $(STAMP)
 	mkdir -p $(RESULTS)
@@ -48,6 +48,13 @@ bench-cluster: $(STAMP)
 	$(PY) -m benchmarks.cluster --ranks $(RANKS) --rate $(RATE) --timeout 1700 $(CLUSTER) -- \
 		$(abspath $(PY)) -m benchmarks.collectives --min-bytes 65536 --rounds 2 --no-torch \
 		--json $(RESULTS)/collectives-cluster.json --plot $(RESULTS)/collectives-cluster.png
+
+# end-to-end training throughput on the emulated cluster: DDP over gloo vs AllReduce vs DeAR (issue 4)
+bench-train: $(STAMP)
+	mkdir -p $(RESULTS)
+	$(PY) -m benchmarks.cluster --ranks $(RANKS) --rate $(RATE) --timeout 1700 $(CLUSTER) -- \
+		$(abspath $(PY)) -m benchmarks.train --models resnet transformer mlp --steps 5 --rounds 3 \
+		--json $(RESULTS)/train-cluster.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .pytest-rank*.log

@@ -42,7 +42,6 @@ import torch
 
 import commlib
 from collectives import AllReduce, Strategy, TensorSpec, plan_buckets
-from commlib.errors import ValidationError
 
 from .torch_comm import (
     _agree,
@@ -132,14 +131,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             problems.append("the optimizer has no parameter that requires a gradient")
         if self.strategy.sharded and isinstance(optimizer, torch.optim.LBFGS):
             problems.append(f"{self.strategy.name} updates shards: LBFGS is not elementwise")
-        desc = ";".join(f"{tuple(p.shape)}/{_dtype_name(p)}/{p.device.type}/{g}"
-                        for p, g in zip(self._params, self._group_of))
-        desc += f"|{self.strategy!r}|{backward_passes_per_step}|{find_unused_parameters}|{problems}"
-        if problems:
-            # every rank learns about every rank's problem before anything else runs
-            _agree(self.comm, "parameter validation", desc)
-            raise ValidationError("DistributedOptimizer: " + "; ".join(problems))
-        _agree(self.comm, "the parameters, their groups or the strategy settings", desc)
+        # every rank learns about every rank's problem, or a difference, before anything else runs
+        _agree(self.comm, "DistributedOptimizer", self._params,
+               f"groups {self._group_of}|{self.strategy!r}|{backward_passes_per_step}|"
+               f"{find_unused_parameters}",
+               "; ".join(problems) or None)
         # gradients become ready in reverse order of the model's parameters (as DDP assumes)
         order = sorted(range(len(self._params)),
                        key=lambda i: -model_ids.get(id(self._params[i]), -1 - i))

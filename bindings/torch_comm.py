@@ -7,30 +7,31 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import queue
 import threading
 from typing import Any
 
-import numpy as np
 import torch
 
 import commlib
-from commlib.errors import ValidationError
+from commlib.errors import MismatchError, ValidationError
+from commlib.ops import agree
 
 
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _agree(comm: commlib.Communicator, what: str, desc: str) -> None:
-    """Raise on every rank unless ``desc`` is the same on all ranks (one small allgather)."""
-    digest = np.frombuffer(hashlib.sha256(desc.encode()).digest()[:8], np.int64).copy()
-    table = comm.allgather(digest).reshape(-1)
-    bad = [r for r in range(comm.size) if table[r] != table[0]]
-    if bad:
-        raise ValidationError(f"{what} differs between ranks: ranks {bad} disagree with rank 0 "
-                              f"(this rank: {desc[:300]})")
+def _agree(comm: commlib.Communicator, what: str, tensors: list[torch.Tensor], extra: str = "",
+           problem: str | None = None) -> None:
+    """Raise the same error on every rank unless all ranks have the same tensors (shapes, dtypes,
+    devices) and ``extra`` settings, and none has a ``problem`` (one small all-gather)."""
+    desc = ";".join(f"{tuple(t.shape)}/{_dtype_name(t)}/{t.device.type}" for t in tensors) + "|" + extra
+    try:
+        agree(comm, what, desc, noun="tensor list",
+              summary=f"{len(tensors)} tensors, {sum(t.numel() for t in tensors)} elements", problem=problem)
+    except MismatchError as exc:     # for a binding, a different model is invalid input
+        raise ValidationError(str(exc)) from exc
 
 
 # ---------------------------------------------------------------------- Horovod-style helpers
@@ -52,8 +53,7 @@ def broadcast_parameters(params: Any, root_rank: int = 0, comm: commlib.Communic
     """
     comm = comm or commlib.init()
     tensors = _tensors(params)
-    _agree(comm, "broadcast_parameters: the tensors",
-           ";".join(f"{tuple(t.shape)}/{_dtype_name(t)}" for t in tensors))
+    _agree(comm, "broadcast_parameters", tensors)
     with torch.no_grad():
         for t in tensors:
             if t.numel():

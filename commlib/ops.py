@@ -94,3 +94,48 @@ def check_agreement(table: np.ndarray, name: str, seq: int) -> None:
         raise MismatchError(
             f"{name} #{seq}: ranks {bad} called a different operation than rank 0, "
             f"which called {describe(ref)}: {calls}", name, seq, bad)
+
+
+_AGREE_TEXT = 48      # int64 words (384 bytes) for a summary and for a reason
+
+
+def _words(text: str) -> np.ndarray:
+    raw = text.encode()[:8 * _AGREE_TEXT]
+    return np.frombuffer(raw.ljust(8 * _AGREE_TEXT, b"\0"), np.int64)
+
+
+def _text(words: np.ndarray) -> str:
+    return words.tobytes().rstrip(b"\0").decode(errors="replace")
+
+
+def agree(comm: Any, what: str, desc: str, *, noun: str = "input", summary: str = "",
+          problem: str | None = None) -> None:
+    """Check, with one small all-gather, that every rank has the same ``desc`` and no ``problem``.
+
+    Every rank raises the same error: :class:`ValidationError` listing each
+    rank's ``problem`` ("rank r rejected its <noun>: ..."), else
+    :class:`MismatchError` when ``desc`` differs ("the <noun> differs across
+    ranks (rank 0: <summary>, rank r: <summary>)").  For checks a binding
+    makes before its first collective on new input (parameters, pytrees).
+
+    Example:
+        >>> agree(comm, "DistributedOptimizer", "(3, 4)/float32;(4,)/float32", noun="parameters",
+        ...       summary="2 tensors, 16 elements")
+    """
+    import hashlib
+
+    row = np.zeros(3 + 2 * _AGREE_TEXT, np.int64)
+    row[0] = problem is None
+    row[1:3] = np.frombuffer(hashlib.sha256(desc.encode()).digest()[:16], np.int64)
+    row[3:3 + _AGREE_TEXT] = _words(summary)
+    row[3 + _AGREE_TEXT:] = _words(problem or "")
+    table = np.asarray(comm.allgather(row, tag=f"{what}-agree")).reshape(comm.size, -1)
+    invalid = [r for r in range(comm.size) if table[r, 0] == 0]
+    if invalid:
+        raise ValidationError(f"{what}: " + "; ".join(
+            f"rank {r} rejected its {noun}: {_text(table[r, 3 + _AGREE_TEXT:])}" for r in invalid))
+    differ = [r for r in range(comm.size) if tuple(table[r, 1:3]) != tuple(table[0, 1:3])]
+    if differ:
+        ranks = ", ".join(f"rank {r}: {_text(table[r, 3:3 + _AGREE_TEXT])}" for r in [0, *differ])
+        raise MismatchError(f"{what}: the {noun} differs across ranks ({ranks}); rank {comm.rank} has "
+                            f"{desc[:300]}{' ...' if len(desc) > 300 else ''}", "allgather", comm.seq, differ)

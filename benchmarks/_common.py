@@ -262,3 +262,16 @@ def init_gloo(world: Any, enabled: bool) -> tuple[Any, str | None]:
 def _lor() -> Any:
     from mpi4py import MPI
     return MPI.LOR
+
+
+def publish(args: argparse.Namespace, doc: dict[str, Any], report: Callable[[dict[str, Any]], str],
+            plot: Callable[[dict[str, Any], str], None] | None = None) -> dict[str, Any]:
+    """On rank 0: print ``report(doc)``, write ``--json`` and, given ``plot``, ``--plot``; return ``doc``."""
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.rank == 0:
+        print(report(doc), flush=True)
+        write_json(args.json, doc)
+        if plot is not None and getattr(args, "plot", None):
+            plot(doc, args.plot)
+    return doc

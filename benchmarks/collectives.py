@@ -346,13 +346,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the sweep; rank 0 prints the Markdown report and writes ``--json`` and ``--plot``."""
     args = parse_args(argv)
-    doc = run(args)
-    if MPI.COMM_WORLD.rank == 0:
-        print(report(doc), flush=True)
-        bc.write_json(args.json, doc)
-        if args.plot:
-            plot(doc, args.plot)
-    return doc
+    return bc.publish(args, run(args), report, plot)
 
 
 if __name__ == "__main__":

@@ -386,13 +386,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    doc = run(args)
-    if MPI.COMM_WORLD.rank == 0:
-        print(report(doc), flush=True)
-        bc.write_json(args.json, doc)
-        if args.plot:
-            plot(doc, args.plot)
-    return doc
+    return bc.publish(args, run(args), report, plot)
 
 
 if __name__ == "__main__":

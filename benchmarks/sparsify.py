@@ -274,11 +274,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run; rank 0 prints the Markdown report and writes ``--json``."""
     args = parse_args(argv)
-    doc = run(args)
-    if commlib.world().rank == 0:
-        print(report(doc), flush=True)
-        bc.write_json(args.json, doc)
-    return doc
+    return bc.publish(args, run(args), report)
 
 
 if __name__ == "__main__":

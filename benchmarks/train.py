@@ -181,11 +181,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    doc = run(args)
-    if MPI.COMM_WORLD.rank == 0:
-        print(report(doc), flush=True)
-        bc.write_json(args.json, doc)
-    return doc
+    return bc.publish(args, run(args), report)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,6 @@ Sharp bits (what a user must know):
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 import weakref
@@ -78,163 +77,17 @@ import jax
 import numpy as np
 
 import commlib
-from collectives import AllReduce, DeAR, Strategy, TensorSpec, plan_buckets
+from collectives import AllReduce, DeAR, Strategy
 from collectives.buckets import Bucket, MiB
 from commlib.arrays import DTYPES, FLOAT_DTYPES, numpy_dtype
-from commlib.errors import MismatchError, ValidationError
+from commlib.errors import ValidationError
+
+from .jax_fusion import _agree, _is_tracer, _make_plan, _Plan
 
 __all__ = ["GradientSync", "average_gradients", "sharded_optimizer", "allreduce_gradients",
            "broadcast_params", "ShardedState"]
 
-_MSG_WORDS = 48            # an error message travels as 48 int64 words (384 bytes)
-_HEAD = 5                  # valid, digest (2 words), leaves, elements
 _MAX_PLANS = 16            # bucket plans kept per GradientSync (least recently used dropped)
-
-
-try:
-    _Tracer = jax.core.Tracer
-except AttributeError:  # pragma: no cover - newer jax
-    from jax._src.core import Tracer as _Tracer
-
-
-def _is_tracer(x: Any) -> bool:
-    return isinstance(x, _Tracer)
-
-
-def _leaf_device(x: Any) -> tuple[Any, bool, str | None]:
-    """(device or None, committed, error) of one concrete leaf."""
-    devices = getattr(x, "devices", None)
-    if devices is None:          # numpy array or scalar: the default device, uncommitted
-        return None, False, None
-    ds = devices()
-    if len(ds) != 1:
-        return None, False, (f"is sharded over {len(ds)} devices; gather it to one device first "
-                             "(commlib's JAX binding takes single-device arrays)")
-    return next(iter(ds)), bool(getattr(x, "committed", True)), None
-
-
-class _Plan:
-    """Bucket plan and host buffers of one tree structure (shapes, dtypes, device)."""
-
-    def __init__(self, treedef: Any, paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
-                 dtypes: Sequence[str], allowed: Sequence[str], world_size: int,
-                 cap_bytes: int, first_cap_bytes: int | None, device: Any, committed: bool,
-                 error: str | None):
-        self.treedef = treedef
-        self.shapes = [tuple(int(d) for d in s) for s in shapes]
-        self.dtypes = list(dtypes)
-        self.numels = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
-        self.device, self.committed = device, committed
-        bad = [f"leaf {p} has dtype {d}" for p, d in zip(paths, self.dtypes) if d not in allowed]
-        if bad and error is None:
-            kinds = "floating" if tuple(allowed) == FLOAT_DTYPES else "supported"
-            error = (f"{'; '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}: leaves must be "
-                     f"{kinds} ({', '.join(allowed)}); take other leaves out of the tree")
-        self.error = error
-        self.agreed = False
-        text = repr((str(treedef), self.shapes, self.dtypes)).encode()
-        h = np.frombuffer(hashlib.sha256(text).digest()[:16], np.int64)
-        self.digest = (int(h[0]), int(h[1]))
-        self.buckets: list[Bucket] = []
-        if error is None:
-            # gradients become ready in reverse leaf order during backward
-            specs = [TensorSpec(i, self.numels[i], self.dtypes[i], numpy_dtype(self.dtypes[i]).itemsize)
-                     for i in reversed(range(len(self.shapes)))]
-            self.buckets = plan_buckets(specs, world_size, cap_bytes, first_cap_bytes)
-        self.buffers: list[np.ndarray] = []
-        self.shards: list[np.ndarray] = []
-        self.extra: list[np.ndarray] = []     # sharded_optimizer: parameter buffers
-
-    def allocate(self, sharded: bool) -> None:
-        if not self.buffers:
-            self.buffers = [np.zeros(b.padded, numpy_dtype(b.dtype)) for b in self.buckets]
-        if sharded and not self.shards:
-            self.shards = [np.zeros(b.shard_numel, numpy_dtype(b.dtype)) for b in self.buckets]
-
-    def pack(self, b: int, leaves: Sequence[Any], into: list[np.ndarray] | None = None) -> None:
-        buf = (into or self.buffers)[b]
-        for s in self.buckets[b].slots:
-            buf[s.offset:s.offset + s.numel] = np.asarray(leaves[s.index]).reshape(-1)
-
-    def pack_shard(self, b: int, leaves: Sequence[Any], rank: int, into: list[np.ndarray]) -> None:
-        """Only this rank's shard of bucket ``b`` (the rest of ``into[b]`` is left alone)."""
-        buf = into[b]
-        for i, flat, piece in self.buckets[b].pieces(rank):
-            buf[piece] = np.asarray(leaves[i]).reshape(-1)[flat]
-
-    def unpack(self) -> list[np.ndarray]:
-        """Fresh numpy leaves (never views of the reused buffers)."""
-        out: list[np.ndarray | None] = [None] * len(self.shapes)
-        for b, bucket in enumerate(self.buckets):
-            copy = self.buffers[b][:bucket.numel].copy()
-            for s in bucket.slots:
-                out[s.index] = copy[s.offset:s.offset + s.numel].reshape(self.shapes[s.index])
-        for i, o in enumerate(out):     # zero-size leaves have no slot
-            if o is None:
-                out[i] = np.zeros(self.shapes[i], numpy_dtype(self.dtypes[i]))
-        return out  # type: ignore[return-value]
-
-    def to_jax(self, arrays: list[np.ndarray]) -> list[Any]:
-        if self.device is not None and self.committed:
-            return jax.device_put(arrays, self.device)
-        return jax.device_put(arrays)
-
-    def row(self) -> np.ndarray:
-        """This rank's line of the agreement table."""
-        r = np.zeros(_HEAD + _MSG_WORDS, np.int64)
-        r[:_HEAD] = [self.error is None, self.digest[0], self.digest[1], len(self.shapes),
-                     sum(self.numels)]
-        if self.error is not None:
-            msg = self.error.encode()[:8 * _MSG_WORDS]
-            r[_HEAD:] = np.frombuffer(msg.ljust(8 * _MSG_WORDS, b"\0"), np.int64)
-        return r
-
-    def describe(self) -> list[dict]:
-        return [b.describe() for b in self.buckets]
-
-
-def _agree(comm: commlib.Communicator, plan: _Plan, who: str) -> None:
-    """Compare ``plan`` over the ranks (one all-gather); raise the same error on every rank."""
-    table = np.asarray(comm.allgather(plan.row(), tag=f"{who}-tree-check")).reshape(comm.size, -1)
-    invalid = [r for r in range(comm.size) if table[r, 0] == 0]
-    if invalid:
-        reasons = [table[r, _HEAD:].tobytes().rstrip(b"\0").decode(errors="replace") for r in invalid]
-        raise ValidationError(f"{who}: " + "; ".join(
-            f"rank {r} rejected its pytree: {m}" for r, m in zip(invalid, reasons)))
-    differ = [r for r in range(comm.size) if tuple(table[r, 1:3]) != tuple(table[0, 1:3])]
-    if differ:
-        ranks = ", ".join(f"rank {r}: {table[r, 3]} leaves, {table[r, 4]} elements"
-                          for r in [0, *differ])
-        raise MismatchError(
-            f"{who}: the pytree (structure, shapes or dtypes) differs across ranks ({ranks}); "
-            f"rank {comm.rank} has {plan.treedef} with shapes {plan.shapes[:8]}"
-            f"{' ...' if len(plan.shapes) > 8 else ''}", "allgather", comm.seq, differ)
-    plan.agreed = True
-
-
-def _make_plan(tree: Any, leaves: Sequence[Any], treedef: Any, allowed: Sequence[str],
-               world_size: int, cap_bytes: int, first_cap_bytes: int | None) -> _Plan:
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    error, device, committed = None, None, False
-    if not any(_is_tracer(x) for x in leaves):
-        seen: dict[Any, str] = {}
-        for p, x in zip(paths, leaves):
-            dev, com, err = _leaf_device(x)
-            if err:
-                error = f"leaf {p} {err}"
-                break
-            if dev is not None:
-                seen.setdefault(dev, p)
-                device, committed = (dev, com) if device is None else (device, committed or com)
-        if error is None and len(seen) > 1:
-            where = ", ".join(f"{p} on {d}" for d, p in seen.items())
-            error = (f"leaves are on {len(seen)} devices ({where}); move them to one device "
-                     "(jax.device_put) before averaging")
-    dtypes = [np.dtype(x.dtype).name if hasattr(x, "dtype") else np.asarray(x).dtype.name
-              for x in leaves]
-    shapes = [tuple(np.shape(x)) for x in leaves]
-    return _Plan(treedef, paths, shapes, dtypes, allowed, world_size, cap_bytes, first_cap_bytes,
-                 device, committed, error)
 
 
 class GradientSync:

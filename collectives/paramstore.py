@@ -83,8 +83,6 @@ Example:
 from __future__ import annotations
 
 import atexit
-import os
-import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -95,9 +93,10 @@ from mpi4py import MPI
 
 from commlib import CommTimeoutError, ValidationError, split_counts
 
+from .rma_progress import _PROGRESS, _Pump, _resolve_progress
+
 _DTYPES = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
 _LAYOUTS = ("sharded", "server")
-_PROGRESS = ("auto", "thread", "mpich", "none")
 #: board slots per rank (float64)
 BOARD_SLOTS = 4
 _OPEN: list[weakref.ref] = []
@@ -111,49 +110,6 @@ def _stop_all_pumps() -> None:
 
 
 atexit.register(_stop_all_pumps)
-
-
-def _truthy(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
-
-
-def _resolve_progress(progress: str, mpi_comm: Any) -> str:
-    if progress not in _PROGRESS:
-        raise ValidationError(f"progress {progress!r}: expected one of {_PROGRESS}")
-    if progress != "auto":
-        return progress
-    if _truthy("MPIR_CVAR_ASYNC_PROGRESS"):
-        return "mpich"
-    local = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
-    all_local = local.size == mpi_comm.size
-    local.Free()
-    # the same answer on every rank: a collective decision
-    all_local = bool(mpi_comm.allreduce(int(all_local and not _truthy("MPIR_CVAR_NOLOCAL")), op=MPI.MIN))
-    return "none" if all_local else "thread"
-
-
-class _Pump(threading.Thread):
-    """Calls ``MPI_Iprobe`` every ``interval`` seconds so that this rank serves one-sided traffic."""
-
-    def __init__(self, mpi_comm: Any, interval: float, name: str):
-        super().__init__(name=name, daemon=True)
-        self._comm = mpi_comm
-        self._interval = interval
-        self._halt = threading.Event()
-        self.polls = 0
-
-    def run(self) -> None:
-        iprobe, src, tag = self._comm.Iprobe, MPI.ANY_SOURCE, MPI.ANY_TAG
-        wait = self._halt.wait
-        while not self._halt.is_set():
-            iprobe(src, tag)
-            self.polls += 1
-            wait(self._interval)
-
-    def stop(self) -> None:
-        self._halt.set()
-        if self.is_alive() and threading.current_thread() is not self:
-            self.join()
 
 
 def _as_host(x: Any, name: str, numel: int, dtype: np.dtype, writable: bool) -> np.ndarray:

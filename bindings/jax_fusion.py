@@ -1,0 +1,140 @@
+"""Pytrees as fused buckets for :mod:`bindings.jax`: the plan of a tree structure, packing and
+unpacking, and the check that every rank has the same tree."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+import commlib
+from collectives import TensorSpec, plan_buckets
+from collectives.buckets import Bucket
+from commlib.arrays import FLOAT_DTYPES, numpy_dtype
+from commlib.ops import agree
+
+try:
+    _Tracer = jax.core.Tracer
+except AttributeError:  # pragma: no cover - newer jax
+    from jax._src.core import Tracer as _Tracer
+
+
+def _is_tracer(x: Any) -> bool:
+    return isinstance(x, _Tracer)
+
+
+def _leaf_device(x: Any) -> tuple[Any, bool, str | None]:
+    """(device or None, committed, error) of one concrete leaf."""
+    devices = getattr(x, "devices", None)
+    if devices is None:          # numpy array or scalar: the default device, uncommitted
+        return None, False, None
+    ds = devices()
+    if len(ds) != 1:
+        return None, False, (f"is sharded over {len(ds)} devices; gather it to one device first "
+                             "(commlib's JAX binding takes single-device arrays)")
+    return next(iter(ds)), bool(getattr(x, "committed", True)), None
+
+
+class _Plan:
+    """Bucket plan and host buffers of one tree structure (shapes, dtypes, device)."""
+
+    def __init__(self, treedef: Any, paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
+                 dtypes: Sequence[str], allowed: Sequence[str], world_size: int,
+                 cap_bytes: int, first_cap_bytes: int | None, device: Any, committed: bool,
+                 error: str | None):
+        self.treedef = treedef
+        self.shapes = [tuple(int(d) for d in s) for s in shapes]
+        self.dtypes = list(dtypes)
+        self.numels = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+        self.device, self.committed = device, committed
+        bad = [f"leaf {p} has dtype {d}" for p, d in zip(paths, self.dtypes) if d not in allowed]
+        if bad and error is None:
+            kinds = "floating" if tuple(allowed) == FLOAT_DTYPES else "supported"
+            error = (f"{'; '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}: leaves must be "
+                     f"{kinds} ({', '.join(allowed)}); take other leaves out of the tree")
+        self.error = error
+        self.agreed = False
+        text = repr((str(treedef), self.shapes, self.dtypes)).encode()
+        h = np.frombuffer(hashlib.sha256(text).digest()[:16], np.int64)
+        self.digest = (int(h[0]), int(h[1]))
+        self.buckets: list[Bucket] = []
+        if error is None:
+            # gradients become ready in reverse leaf order during backward
+            specs = [TensorSpec(i, self.numels[i], self.dtypes[i], numpy_dtype(self.dtypes[i]).itemsize)
+                     for i in reversed(range(len(self.shapes)))]
+            self.buckets = plan_buckets(specs, world_size, cap_bytes, first_cap_bytes)
+        self.buffers: list[np.ndarray] = []
+        self.shards: list[np.ndarray] = []
+        self.extra: list[np.ndarray] = []     # sharded_optimizer: parameter buffers
+
+    def allocate(self, sharded: bool) -> None:
+        if not self.buffers:
+            self.buffers = [np.zeros(b.padded, numpy_dtype(b.dtype)) for b in self.buckets]
+        if sharded and not self.shards:
+            self.shards = [np.zeros(b.shard_numel, numpy_dtype(b.dtype)) for b in self.buckets]
+
+    def pack(self, b: int, leaves: Sequence[Any], into: list[np.ndarray] | None = None) -> None:
+        buf = (into or self.buffers)[b]
+        for s in self.buckets[b].slots:
+            buf[s.offset:s.offset + s.numel] = np.asarray(leaves[s.index]).reshape(-1)
+
+    def pack_shard(self, b: int, leaves: Sequence[Any], rank: int, into: list[np.ndarray]) -> None:
+        """Only this rank's shard of bucket ``b`` (the rest of ``into[b]`` is left alone)."""
+        buf = into[b]
+        for i, flat, piece in self.buckets[b].pieces(rank):
+            buf[piece] = np.asarray(leaves[i]).reshape(-1)[flat]
+
+    def unpack(self) -> list[np.ndarray]:
+        """Fresh numpy leaves (never views of the reused buffers)."""
+        out: list[np.ndarray | None] = [None] * len(self.shapes)
+        for b, bucket in enumerate(self.buckets):
+            copy = self.buffers[b][:bucket.numel].copy()
+            for s in bucket.slots:
+                out[s.index] = copy[s.offset:s.offset + s.numel].reshape(self.shapes[s.index])
+        for i, o in enumerate(out):     # zero-size leaves have no slot
+            if o is None:
+                out[i] = np.zeros(self.shapes[i], numpy_dtype(self.dtypes[i]))
+        return out  # type: ignore[return-value]
+
+    def to_jax(self, arrays: list[np.ndarray]) -> list[Any]:
+        if self.device is not None and self.committed:
+            return jax.device_put(arrays, self.device)
+        return jax.device_put(arrays)
+
+    def describe(self) -> list[dict]:
+        return [b.describe() for b in self.buckets]
+
+
+def _agree(comm: commlib.Communicator, plan: _Plan, who: str) -> None:
+    """Compare ``plan`` over the ranks (one all-gather); raise the same error on every rank."""
+    agree(comm, who, repr((str(plan.treedef), plan.shapes, plan.dtypes)), noun="pytree",
+          summary=f"{len(plan.shapes)} leaves, {sum(plan.numels)} elements", problem=plan.error)
+    plan.agreed = True
+
+
+def _make_plan(tree: Any, leaves: Sequence[Any], treedef: Any, allowed: Sequence[str],
+               world_size: int, cap_bytes: int, first_cap_bytes: int | None) -> _Plan:
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    error, device, committed = None, None, False
+    if not any(_is_tracer(x) for x in leaves):
+        seen: dict[Any, str] = {}
+        for p, x in zip(paths, leaves):
+            dev, com, err = _leaf_device(x)
+            if err:
+                error = f"leaf {p} {err}"
+                break
+            if dev is not None:
+                seen.setdefault(dev, p)
+                device, committed = (dev, com) if device is None else (device, committed or com)
+        if error is None and len(seen) > 1:
+            where = ", ".join(f"{p} on {d}" for d, p in seen.items())
+            error = (f"leaves are on {len(seen)} devices ({where}); move them to one device "
+                     "(jax.device_put) before averaging")
+    dtypes = [np.dtype(x.dtype).name if hasattr(x, "dtype") else np.asarray(x).dtype.name
+              for x in leaves]
+    shapes = [tuple(np.shape(x)) for x in leaves]
+    return _Plan(treedef, paths, shapes, dtypes, allowed, world_size, cap_bytes, first_cap_bytes,
+                 device, committed, error)

@@ -49,9 +49,9 @@ from mpi4py import MPI
 
 import commlib
 from benchmarks import _common as bc
-from collectives import AllReduce, Strategy, TensorSpec, plan_buckets
-from collectives.data import DataInjector, DefDP, IndexPlan, SelDP, injected_batch_size, label_shards
-from collectives.selsync import SelSync
+from commlib.collectives import AllReduce, Strategy, TensorSpec, plan_buckets
+from commlib.collectives.data import DataInjector, DefDP, IndexPlan, SelDP, injected_batch_size, label_shards
+from commlib.collectives.selsync import SelSync
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -40,9 +40,9 @@ from typing import Any
 import numpy as np
 
 import commlib
-import sparsify
 from benchmarks import _common as bc
-from collectives import TensorSpec, plan_buckets
+from commlib import sparsify
+from commlib.collectives import TensorSpec, plan_buckets
 
 SELECTORS = ("exdyna", "exdyna-ref", "topk", "randomk", "threshold", "cltk", "micro", "dense")
 #: density targets of the issue: reach +-10 % within this many steps, then hold the median |error| under HOLD

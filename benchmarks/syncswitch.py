@@ -94,7 +94,7 @@ def _model(torch):
 
 
 def _policy(name: str, args: Any):
-    from collectives.policies import OfflinePolicy, SchedulePolicy, StragglerPolicy
+    from commlib.collectives.policies import OfflinePolicy, SchedulePolicy, StragglerPolicy
 
     if name in ("bsp", "asp", "ssp"):
         return SchedulePolicy(name, lr_scale=args.asp_lr_scale if name != "bsp" else 1.0)
@@ -108,8 +108,8 @@ def run_one(comm: Any, name: str, args: Any, data: tuple, init: np.ndarray) -> d
     """Train one contender; collective; returns rank 0's figures (slowest rank's time)."""
     import torch
 
-    from collectives.buckets import TensorSpec, plan_buckets
-    from collectives.syncswitch import SyncSwitch
+    from commlib.collectives.buckets import TensorSpec, plan_buckets
+    from commlib.collectives.syncswitch import SyncSwitch
 
     xtr, ytr, xte, yte = data
     torch.manual_seed(args.seed)
@@ -203,7 +203,7 @@ def run_one(comm: Any, name: str, args: Any, data: tuple, init: np.ndarray) -> d
 
 def store_only(comm: Any, numel: int, iters: int) -> list[dict[str, Any]]:
     """Push+pull of ``numel`` float32 through each layout; the slowest rank's mean seconds."""
-    from collectives.paramstore import ParamStore
+    from commlib.collectives.paramstore import ParamStore
 
     rows = []
     for layout in ("sharded", "server"):

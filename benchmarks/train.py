@@ -27,8 +27,8 @@ from mpi4py import MPI
 import commlib
 from benchmarks import _common as bc
 from benchmarks.models import build, count, loss_of
-from bindings.torch import DistributedOptimizer
-from collectives import AllReduce, DeAR
+from commlib.bindings.torch import DistributedOptimizer
+from commlib.collectives import AllReduce, DeAR
 
 CONTENDERS = ("local", "ddp", "allreduce", "dear", "exdyna", "topk")
 #: sparse contenders (issue 5), left out unless asked for: they change what is trained
@@ -54,7 +54,7 @@ class Trainer:
             strategy = AllReduce(cap_mb=cap_mb) if name == "allreduce" else DeAR(cap_mb=cap_mb)
             self.dopt = self.opt = DistributedOptimizer(self.opt_inner, self.model, strategy, comm)
         elif name in SPARSE:
-            from sparsify import ExDyna, SparseAllReduce, TopK
+            from commlib.sparsify import ExDyna, SparseAllReduce, TopK
             selector = ExDyna(density=density) if name == "exdyna" else TopK(density=density)
             self.dopt = self.opt = DistributedOptimizer(self.opt_inner, self.model,
                                                         SparseAllReduce(selector=selector), comm)

@@ -21,8 +21,8 @@ with the original shapes, dtypes and devices.
 Example (under ``mpiexec -n 4``):
 
     >>> import optax
-    >>> from bindings.jax import average_gradients, broadcast_params
-    >>> from collectives import DeAR
+    >>> from commlib.bindings.jax import average_gradients, broadcast_params
+    >>> from commlib.collectives import DeAR
     >>> params = broadcast_params(init_params(key))            # same start everywhere
     >>> tx = optax.chain(average_gradients(strategy=DeAR()), optax.adamw(1e-3))
     >>> state = tx.init(params)
@@ -77,9 +77,9 @@ import jax
 import numpy as np
 
 import commlib
-from collectives import AllReduce, DeAR, Strategy
-from collectives.buckets import Bucket, MiB
 from commlib.arrays import DTYPES, FLOAT_DTYPES, numpy_dtype
+from commlib.collectives import AllReduce, DeAR, Strategy
+from commlib.collectives.buckets import Bucket, MiB
 from commlib.errors import ValidationError
 
 from .jax_fusion import _agree, _is_tracer, _make_plan, _Plan

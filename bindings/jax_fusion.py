@@ -11,9 +11,9 @@ import jax
 import numpy as np
 
 import commlib
-from collectives import TensorSpec, plan_buckets
-from collectives.buckets import Bucket
 from commlib.arrays import FLOAT_DTYPES, numpy_dtype
+from commlib.collectives import TensorSpec, plan_buckets
+from commlib.collectives.buckets import Bucket
 from commlib.ops import agree
 
 try:

@@ -5,8 +5,8 @@ The wrapper Horovod users know (``DistributedOptimizer``,
 ``backward_passes_per_step``) over commlib's strategies::
 
     import torch, commlib
-    from bindings.torch import DistributedOptimizer
-    from collectives import DeAR
+    from commlib.bindings.torch import DistributedOptimizer
+    from commlib.collectives import DeAR
 
     comm = commlib.init()                                   # under mpiexec -n N
     opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, strategy=DeAR())
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 import commlib
-from collectives import AllReduce, Strategy, TensorSpec, plan_buckets
+from commlib.collectives import AllReduce, Strategy, TensorSpec, plan_buckets
 
 from .torch_comm import (
     _agree,

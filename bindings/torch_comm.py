@@ -1,7 +1,7 @@
 """Horovod-style helpers for PyTorch and the DDP comm hook (re-exported by :mod:`bindings.torch`).
 
 Example:
-    >>> from bindings.torch import broadcast_parameters, register_comm_hook
+    >>> from commlib.bindings.torch import broadcast_parameters, register_comm_hook
     >>> broadcast_parameters(model.state_dict(), root_rank=0)
 """
 

@@ -4,7 +4,7 @@ Pass one to a ``DataLoader`` and call ``set_epoch(e)`` at the start of each
 epoch (as with ``DistributedSampler``); every rank must use the same seed.
 
 Example:
-    >>> from bindings.torch_data import SelDPSampler
+    >>> from commlib.bindings.torch_data import SelDPSampler
     >>> sampler = SelDPSampler(dataset, seed=0)            # rank and size from commlib.world()
     >>> loader = torch.utils.data.DataLoader(dataset, batch_size=32, sampler=sampler)
     >>> for epoch in range(epochs):
@@ -19,7 +19,7 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
-from collectives.data import DefDP, IndexPlan, SelDP
+from commlib.collectives.data import DefDP, IndexPlan, SelDP
 
 
 def _resolve(data: Any, rank: int | None, size: int | None, comm: Any) -> tuple[int, int, int]:

@@ -1,7 +1,7 @@
 """How gradients travel: tensor fusion and the strategies of the training-step lifecycle.
 
 Example:
-    >>> from collectives import AllReduce, DeAR
+    >>> from commlib.collectives import AllReduce, DeAR
     >>> strategy = DeAR(cap_mb=8)          # hand it to bindings.torch.DistributedOptimizer
 """
 

@@ -19,7 +19,7 @@ class AllReduce(Strategy):
     ``tune=True`` searches it online.
 
     Example:
-        >>> from bindings.torch import DistributedOptimizer
+        >>> from commlib.bindings.torch import DistributedOptimizer
         >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
         ...                            strategy=AllReduce(cap_mb=25))
     """

@@ -46,8 +46,8 @@ State (``state_dict()``): steps, phase, this rank's clock, the learning-rate
 and momentum scales, the policy's state and the inner strategy's.
 
 Example:
-    >>> from collectives import AllReduce
-    >>> from collectives.policies import OfflinePolicy
+    >>> from commlib.collectives import AllReduce
+    >>> from commlib.collectives.policies import OfflinePolicy
     >>> ss = SyncSwitch(bsp=AllReduce(), policy=OfflinePolicy(0.25, total_steps=1000, lr_scale=0.5))
     >>> ss.setup(comm, buckets, params, grads)
     >>> for step in range(1000):

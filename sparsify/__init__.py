@@ -24,7 +24,7 @@ through DLPack.
 
 Example (under ``mpiexec -n 4``):
     >>> import commlib
-    >>> from sparsify import ErrorFeedback, ExDyna
+    >>> from commlib.sparsify import ErrorFeedback, ExDyna
     >>> comm = commlib.init()
     >>> sel = ExDyna(density=0.01).setup(comm, grad.size)
     >>> fb = ErrorFeedback(grad.size)

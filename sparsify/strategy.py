@@ -14,8 +14,8 @@ puts the whole model in one bucket.  Gradients may be numpy, cupy, torch
 gradients keep a float32 residual.
 
 Example:
-    >>> from bindings.torch import DistributedOptimizer
-    >>> from sparsify import ExDyna, SparseAllReduce
+    >>> from commlib.bindings.torch import DistributedOptimizer
+    >>> from commlib.sparsify import ExDyna, SparseAllReduce
     >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
     ...                            strategy=SparseAllReduce(selector=ExDyna(density=0.01)))
     >>> opt.strategy.last_stats[0].density          # after a step: what was sent
@@ -36,8 +36,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from collectives.strategy import Strategy
 from commlib import Communicator, ValidationError
+from commlib.collectives.strategy import Strategy
 
 from ._arrays import GRAD_DTYPES, acc_dtype_for, flat_view, read_as, write_as
 from .base import Selector, StepStats

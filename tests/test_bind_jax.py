@@ -25,14 +25,14 @@ optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 
-from bindings.jax import (  # noqa: E402
+from commlib.bindings.jax import (  # noqa: E402
     GradientSync,
     allreduce_gradients,
     average_gradients,
     broadcast_params,
     sharded_optimizer,
 )
-from collectives import AllReduce, DeAR  # noqa: E402
+from commlib.collectives import AllReduce, DeAR  # noqa: E402
 from commlib.errors import MismatchError, ValidationError  # noqa: E402
 
 pytestmark = pytest.mark.mpi(min_size=1)

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 if HAVE_TORCH:
     import torch
 
-    from bindings.torch import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
-    from collectives import AllReduce, DeAR, SelSync
+    from commlib.bindings.torch import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+    from commlib.collectives import AllReduce, DeAR, SelSync
     from commlib.errors import ValidationError
 
     torch.set_num_threads(1)
@@ -270,7 +270,7 @@ def test_ddp_comm_hook_routes_buckets_through_commlib(comm):
     from mpi4py import MPI
 
     from benchmarks._common import init_gloo
-    from bindings.torch import register_comm_hook
+    from commlib.bindings.torch import register_comm_hook
 
     dist, why = init_gloo(MPI.COMM_WORLD, True)
     if dist is None:
@@ -304,7 +304,7 @@ def test_ddp_comm_hook_routes_buckets_through_commlib(comm):
 @pytest.mark.mpi
 def test_syncswitch_through_distributed_optimizer_keeps_replicas_identical_at_bsp(comm):
     """BSP -> ASP -> BSP inside one job, driven by the binding: replicas (and momentum) agree at BSP."""
-    from collectives import SchedulePolicy, SyncSwitch
+    from commlib.collectives import SchedulePolicy, SyncSwitch
 
     model = make_model(comm.rank)
     ss = SyncSwitch(bsp=AllReduce(cap_mb=0.0003), policy=SchedulePolicy([(0, "bsp"), (2, "asp"), (5, "bsp")],

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import commlib
-from collectives.data import DataInjector, DefDP, SelDP, injected_batch_size, label_shards
+from commlib.collectives.data import DataInjector, DefDP, SelDP, injected_batch_size, label_shards
 
 from conftest import HAVE_TORCH
 
@@ -115,7 +115,7 @@ def test_injection_moves_the_right_samples(comm, alpha, beta):
 def test_torch_samplers_match_the_plans():
     import torch
 
-    from bindings.torch_data import DefDPSampler, SelDPSampler
+    from commlib.bindings.torch_data import DefDPSampler, SelDPSampler
 
     data = torch.utils.data.TensorDataset(torch.arange(23))
     s = SelDPSampler(data, rank=1, size=3, seed=2)

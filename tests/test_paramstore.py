@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import commlib
-from collectives.paramstore import ParamStore
+from commlib.collectives.paramstore import ParamStore
 
 
 def _pushes(seed: int, rank: int, numel: int, dtype: str) -> list[np.ndarray]:

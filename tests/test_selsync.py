@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import commlib
-from collectives import AllReduce, DeAR, TensorSpec, plan_buckets
-from collectives.selsync import SelSync, SignificanceMeter, l2_norm
+from commlib.collectives import AllReduce, DeAR, TensorSpec, plan_buckets
+from commlib.collectives.selsync import SelSync, SignificanceMeter, l2_norm
 
 from conftest import HAVE_TORCH
 

@@ -15,9 +15,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import commlib
-import sparsify
-from collectives import TensorSpec, plan_buckets
-from sparsify import CLTK, Dense, ErrorFeedback, ExDyna, HardThreshold, MiCRO, RandomK, SparseAllReduce, TopK
+from commlib import sparsify
+from commlib.collectives import TensorSpec, plan_buckets
+from commlib.sparsify import (
+    CLTK,
+    Dense,
+    ErrorFeedback,
+    ExDyna,
+    HardThreshold,
+    MiCRO,
+    RandomK,
+    SparseAllReduce,
+    TopK,
+)
 
 from conftest import HAVE_GPU, HAVE_TORCH, NO_GPU_REASON
 
@@ -358,7 +368,7 @@ def test_strategy_on_torch_tensors(comm, dtype):
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 def test_drops_into_the_torch_binding(comm):
     torch = pytest.importorskip("torch")
-    binding = pytest.importorskip("bindings.torch")
+    binding = pytest.importorskip("commlib.bindings.torch")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     strategy = SparseAllReduce(selector=ExDyna(0.05))

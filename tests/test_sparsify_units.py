@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparsify import (
+from commlib.sparsify import (
     BlockPartitions,
     CountCurveThreshold,
     EqualPartitions,
@@ -18,10 +18,10 @@ from sparsify import (
     ReferenceThreshold,
     imbalance,
 )
-from sparsify._arrays import index_dtype, read_as, write_as
-from sparsify.base import check_density
-from sparsify.kernels import take_above, threshold_scan, top_k
-from sparsify.threshold import quantize, sample_tail, solve_initial
+from commlib.sparsify._arrays import index_dtype, read_as, write_as
+from commlib.sparsify.base import check_density
+from commlib.sparsify.kernels import take_above, threshold_scan, top_k
+from commlib.sparsify.threshold import quantize, sample_tail, solve_initial
 
 
 # ---------------------------------------------------------------------- partitions

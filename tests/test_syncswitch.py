@@ -7,15 +7,15 @@ import time
 import numpy as np
 import pytest
 
-from collectives.buckets import TensorSpec, plan_buckets
-from collectives.policies import (
+from commlib.collectives.buckets import TensorSpec, plan_buckets
+from commlib.collectives.policies import (
     OfflinePolicy,
     SchedulePolicy,
     StragglerPolicy,
     find_bsp_fraction,
     judge,
 )
-from collectives.syncswitch import SyncSwitch
+from commlib.collectives.syncswitch import SyncSwitch
 
 
 def _flat(comm, sizes=((0, 37, "float32", 4), (1, 23, "float64", 8))):

@@ -1,16 +1,31 @@
-"""End-to-end data-parallel training throughput: DDP over gloo vs commlib ``AllReduce`` vs ``DeAR``.
+"""Data-parallel training steps against their overlap bounds: DDP/gloo, commlib AllReduce (WFBP), DeAR.
 
 Every contender trains its own copy of the same model (same initial
 parameters, same synthetic batches) in one run; rounds rotate which goes
-first.  ``local`` trains without any communication: the compute-only time
-that tells how much communication each contender leaves exposed
-(``1 - t_local / t``).  Run under ``mpiexec`` (CPU ranks), or on the emulated
-cluster::
+first.  ``local`` trains without communication.  On the emulated cluster,
+``--rates`` sweeps the link rate: before each rate every rank asks the
+launcher to reshape its link (``benchmarks.cluster.request_link``), so one
+cluster and one self-check serve the whole sweep.  At every rate the pieces
+of a step are measured alone, on that link (:mod:`benchmarks.train_pieces`),
+and every contender's step is reported against its own overlap bound:
+WFBP ``t_fwd + max(t_bwd, t_allreduce) + t_update``, DeAR ``max(t_fwd,
+t_allgather) + max(t_bwd, t_reduce_scatter) + t_update_shard``.  Each step is
+also split into forward, backward and optimizer step, each with the time the
+strategy was blocked waiting for communication (``wait``), so that a step
+over its bound shows whether compute ran slower than alone (the cores are
+shared with the communication) or communication did (waits over what the bound
+leaves exposed).
 
-    python -m benchmarks.cluster --ranks 4 --rate 1gbit -- \\
-        python -m benchmarks.train --models resnet --json out.json
+Step time: per round one untimed step (DeAR's all-gathers are then in flight
+as in steady state), then ``--steps`` timed steps, the slowest rank's mean;
+the median over ``--rounds`` rounds.
 
-Example (a quick local smoke run):
+Example (2 ranks, one core each, four link rates; about 4 minutes)::
+
+    python -m benchmarks.cluster --ranks 2 --rate 1gbit --prefix tr- -- \\
+        python -m benchmarks.train --rates 100mbit 250mbit 500mbit 1gbit --json out.json --plot out.png
+
+Example (a quick local smoke run, no link shaping):
     $ mpiexec -n 2 python -m benchmarks.train --quick
 """
 
@@ -26,6 +41,7 @@ from mpi4py import MPI
 
 import commlib
 from benchmarks import _common as bc
+from benchmarks import train_pieces as tp
 from benchmarks.models import build, count, loss_of
 from commlib.bindings.torch import DistributedOptimizer
 from commlib.collectives import AllReduce, DeAR
@@ -33,52 +49,125 @@ from commlib.collectives import AllReduce, DeAR
 CONTENDERS = ("local", "ddp", "allreduce", "dear", "exdyna", "topk")
 #: sparse contenders (issue 5), left out unless asked for: they change what is trained
 SPARSE = ("exdyna", "topk")
-DEFAULTS = {"resnet": {"width": 64, "image": 16}, "transformer": {}, "mlp": {}}
+#: the targets of issue 12 (2 ranks): DeAR's speedups at the rate where they differ most, step/bound
+TARGETS = {"dear/allreduce": 1.10, "dear/ddp": 1.10, "step/bound": 1.15}
+PHASES = ("fwd", "bwd", "opt")
+
+
+def model_kwargs(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    if name == "resnet":
+        return {"width": args.width, "image": args.image}
+    if name == "mlp" and args.quick:
+        return {"wide": 1024}
+    return {}
 
 
 class Trainer:
-    """One contender: a model copy, its optimizer, and ``step()``."""
+    """One contender: a model copy, its optimizer, and ``step()`` timed by phase."""
 
-    def __init__(self, name: str, model_name: str, batch: int, world: Any, comm: commlib.Communicator,
-                 dist: Any, cap_mb: float, lr: float, density: float = 0.01):
+    def __init__(self, name: str, model_name: str, args: argparse.Namespace, world: Any,
+                 comm: commlib.Communicator):
         torch.manual_seed(0)
-        self.name, self.model_name, self.batch = name, model_name, batch
-        self.model, self.make_batch, self.unit = build(model_name, **DEFAULTS[model_name])
-        self.opt_inner = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9)
+        self.name, self.model_name, self.batch = name, model_name, args.batch
+        self.model, self.make_batch, self.unit = build(model_name, **model_kwargs(args, model_name))
+        self.opt_inner = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
         self.dopt: DistributedOptimizer | None = None
         self.net = self.model
+        self.opt: Any = self.opt_inner
         if name == "ddp":
-            self.net = torch.nn.parallel.DistributedDataParallel(self.model, bucket_cap_mb=cap_mb)
-            self.opt = self.opt_inner
+            self.net = torch.nn.parallel.DistributedDataParallel(self.model, bucket_cap_mb=args.cap_mb)
         elif name in ("allreduce", "dear"):
-            strategy = AllReduce(cap_mb=cap_mb) if name == "allreduce" else DeAR(cap_mb=cap_mb)
-            self.dopt = self.opt = DistributedOptimizer(self.opt_inner, self.model, strategy, comm)
+            cls = AllReduce if name == "allreduce" else DeAR
+            self.dopt = self.opt = DistributedOptimizer(self.opt_inner, self.model,
+                                                        cls(cap_mb=args.cap_mb), comm)
         elif name in SPARSE:
             from commlib.sparsify import ExDyna, SparseAllReduce, TopK
-            selector = ExDyna(density=density) if name == "exdyna" else TopK(density=density)
+            selector = ExDyna(density=args.density) if name == "exdyna" else TopK(density=args.density)
             self.dopt = self.opt = DistributedOptimizer(self.opt_inner, self.model,
                                                         SparseAllReduce(selector=selector), comm)
-        else:
-            self.opt = self.opt_inner
         self.seed = 1000 * world.rank
-        self.units_per_sample = 1
         x, _ = self.make_batch(1, 0)
-        if self.unit == "tokens":
-            self.units_per_sample = x.shape[1]
+        self.units_per_sample = x.shape[1] if self.unit == "tokens" else 1
+        self.phase_s = np.zeros(2 * len(PHASES))     # wall fwd, bwd, opt; wait fwd, bwd, opt
+
+    def wait_s(self) -> float:
+        return self.dopt.strategy.stats["wait_s"] if self.dopt is not None else 0.0
 
     def step(self) -> None:
         self.seed += 1
         x, y = self.make_batch(self.batch, self.seed)
+        clock = time.perf_counter
+        t0, w0 = clock(), self.wait_s()
+        loss = loss_of(self.model_name, self.net(x), y)
+        t1, w1 = clock(), self.wait_s()
         self.opt.zero_grad()
-        loss_of(self.model_name, self.net(x), y).backward()
+        loss.backward()
+        t2, w2 = clock(), self.wait_s()
         self.opt.step()
+        t3, w3 = clock(), self.wait_s()
+        self.phase_s += (t1 - t0, t2 - t1, t3 - t2, w1 - w0, w2 - w1, w3 - w2)
 
     def finish(self) -> None:
         if self.dopt is not None:
             self.dopt.flush()
 
-    def wait_s(self) -> float:
-        return self.dopt.strategy.stats["wait_s"] if self.dopt is not None else float("nan")
+
+def time_round(world: Any, t: Trainer, steps: int) -> tuple[float, np.ndarray]:
+    """One untimed step, ``steps`` timed ones: the slowest rank's mean step and mean phases."""
+    world.Barrier()
+    t.step()
+    t.phase_s[:] = 0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        t.step()
+    dt = (time.perf_counter() - t0) / steps
+    phases = t.phase_s / steps
+    t.finish()
+    worst = np.empty_like(phases)
+    world.Allreduce(phases, worst, op=MPI.MAX)
+    return world.allreduce(dt, op=MPI.MAX), worst
+
+
+def measure_point(args: argparse.Namespace, world: Any, comm: Any, dist: Any,
+                  trainers: dict[str, Trainer], plan: list[dict], rate: float | None) -> dict[str, Any]:
+    """Pieces, bounds and every contender's steps at one link rate."""
+    local = trainers.get("local") or next(iter(trainers.values()))
+    m, mb, _ = build(local.model_name, **model_kwargs(args, local.model_name))
+    m.load_state_dict(local.model.state_dict())
+    pieces = tp.compute_pieces(world, m, mb, lambda o, y: loss_of(local.model_name, o, y),
+                               args.batch, args.lr, args.piece_reps)
+    pieces.update(tp.comm_pieces(world, comm, dist if "ddp" in trainers else None, plan,
+                                 args.piece_reps))
+    bound = tp.bounds(pieces)
+    times: dict[str, list[float]] = {c: [] for c in trainers}
+    phases: dict[str, list[np.ndarray]] = {c: [] for c in trainers}
+    names = list(trainers)
+    for r in range(args.rounds):
+        k = r % len(names)
+        for c in names[k:] + names[:k]:
+            dt, ph = time_round(world, trainers[c], args.steps)
+            times[c].append(dt)
+            phases[c].append(ph)
+    samples = args.batch * world.size * local.units_per_sample
+    med = {c: bc.median(v) for c, v in times.items()}
+    rows = {}
+    for c in names:
+        ph = np.median(np.stack(phases[c]), axis=0)
+        row = {"step_s": med[c], "step_s_all": times[c], "throughput": samples / med[c],
+               "unit": f"{local.unit}/s", **{f"{p}_s": float(ph[i]) for i, p in enumerate(PHASES)},
+               **{f"wait_{p}_s": float(ph[3 + i]) for i, p in enumerate(PHASES)}}
+        if c in bound:
+            row["bound_s"] = bound[c]
+            row["vs_bound"] = med[c] / bound[c]
+        for base in ("ddp", "allreduce"):
+            if base in med:
+                row[f"vs_{base}"] = med[base] / med[c]
+        rows[c] = row
+    nbytes = sum(b["bytes"] for b in plan)
+    line = {op: tp.ring_s(nbytes, world.size, rate, op) for op in ("allreduce", "reduce_scatter",
+                                                                    "allgather")} if rate else {}
+    return {"model": local.model_name, "rate_bps": rate, "pieces": pieces, "bounds": bound,
+            "line_rate_s": line, "contenders": rows, "runnable": bc.runnable_tasks()}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -88,100 +177,73 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dist, gloo_why = bc.init_gloo(world, "ddp" in args.contenders)
     contenders = [c for c in args.contenders if c != "ddp" or dist is not None]
     env = bc.environment(world)
-    rows, plans = [], {}
+    shaped = env["cluster_shaped"]
+    rates: list[float | None] = list(args.rate_bps) if shaped and args.rate_bps else [None]
+    points, plans, models = [], {}, {}
     for model_name in args.models:
-        trainers = {c: Trainer(c, model_name, args.batch, world, comm, dist, args.cap_mb, args.lr,
-                               args.density) for c in contenders}
-        first = next(iter(trainers.values()))
+        trainers = {c: Trainer(c, model_name, args, world, comm) for c in contenders}
         for t in trainers.values():            # warm-up: allocator, first-step set-up
             for _ in range(args.warmup):
                 t.step()
             t.finish()
-        times: dict[str, list[float]] = {c: [] for c in trainers}
-        waits: dict[str, list[float]] = {c: [] for c in trainers}
-        names = list(trainers)
-        for r in range(args.rounds):
-            k = r % len(names)
-            for c in names[k:] + names[:k]:
-                t = trainers[c]
-                w0 = t.wait_s()
-                world.Barrier()
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    t.step()
-                t.finish()
-                dt = world.allreduce((time.perf_counter() - t0) / args.steps, op=MPI.MAX)
-                times[c].append(dt)
-                waits[c].append((t.wait_s() - w0) / args.steps)
-        samples = args.batch * world.size * first.units_per_sample
-        med = {c: bc.median(v) for c, v in times.items()}
-        for c in names:
-            row = {"model": model_name, "params": count(first.model), "contender": c,
-                   "step_s": med[c], "step_s_all": times[c], "throughput": samples / med[c],
-                   "unit": f"{first.unit}/s", "wait_s": bc.median(waits[c])}
-            if "local" in med:
-                row["exposed_comm"] = max(0.0, 1 - med["local"] / med[c])
-            for base in ("ddp", "allreduce"):
-                if base in med:
-                    row[f"vs_{base}"] = med[base] / med[c]
-            rows.append(row)
+        first = next(iter(trainers.values()))
+        models[model_name] = {"params": count(first.model), "kwargs": model_kwargs(args, model_name)}
         for c, t in trainers.items():
             if t.dopt is not None:
                 plans[f"{model_name}/{c}"] = t.dopt.plan
+        plan = next((plans[k] for k in (f"{model_name}/allreduce", f"{model_name}/dear")
+                     if k in plans), None)
+        if plan is None:                        # no commlib contender: DDP-like buckets
+            plan = [{"bytes": 4 * count(first.model)}]
+        for rate in rates:
+            if rate is not None and not tp.set_rate(world, rate):
+                rate = None
+            points.append(measure_point(args, world, comm, dist, trainers, plan,
+                                        rate or env["cluster_rate_bps"]))
         del trainers
+    if rates != [None]:
+        tp.set_rate(world, None)               # back to the launcher's rate
     if dist is not None:
         dist.destroy_process_group()
-    return {"benchmark": "train", "args": vars(args), "env": env, "rows": rows, "plans": plans,
+    return {"benchmark": "train", "args": vars(args), "env": env,
+            "models": models, "points": points, "plans": plans, "targets": TARGETS,
             "skipped": {"ddp": gloo_why} if gloo_why else {}}
 
 
-def report(doc: dict[str, Any]) -> str:
-    env = doc["env"]
-    rate = env.get("cluster_rate_bps")
-    lines = [f"# Training throughput, {env['ranks']} ranks"
-             + (f", emulated links {rate / 1e9:g} Gbit/s" if rate else ", no link shaping"), ""]
-    header = ["model", "params", "contender", "step (s)", "throughput", "exposed comm", "wait (s)",
-              "vs ddp", "vs allreduce"]
-    table = []
-    for r in doc["rows"]:
-        table.append([r["model"], f"{r['params'] / 1e6:.1f}M", r["contender"], f"{r['step_s']:.3f}",
-                      f"{r['throughput']:.1f} {r['unit']}",
-                      f"{r['exposed_comm']:.0%}" if "exposed_comm" in r else "-",
-                      f"{r['wait_s']:.3f}" if r["wait_s"] == r["wait_s"] else "-",
-                      bc.fmt(r.get("vs_ddp")), bc.fmt(r.get("vs_allreduce"))])
-    lines.append(bc.markdown_table(header, table))
-    lines.append("")
-    for key, plan in doc["plans"].items():
-        sizes = [bc.size_label(b["bytes"]) for b in plan]
-        lines.append(f"- fusion plan {key}: {len(plan)} buckets: {', '.join(sizes)}")
-    for c, why in doc["skipped"].items():
-        lines.append(f"- {c} skipped: {why}")
-    return "\n".join(lines)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from benchmarks.cluster import parse_rate
+
     p = bc.base_parser(__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", default=["resnet", "transformer", "mlp"], choices=list(DEFAULTS))
+    p.add_argument("--models", nargs="+", default=["resnet"], choices=["resnet", "transformer", "mlp"])
     p.add_argument("--contenders", nargs="+", default=[c for c in CONTENDERS if c not in SPARSE],
                    choices=CONTENDERS, help="exdyna and topk (sparse, --density) only when named")
+    p.add_argument("--rates", nargs="*", default=[],
+                   help="link rates to sweep on the emulated cluster (e.g. 100mbit 1gbit); "
+                        "default: the launcher's rate only")
+    p.add_argument("--width", type=int, default=32, help="resnet: first stage width")
+    p.add_argument("--image", type=int, default=32, help="resnet: image side")
     p.add_argument("--density", type=float, default=0.01, help="density of the sparse contenders")
-    p.add_argument("--batch", type=int, default=8, help="samples per rank per step")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--cap-mb", type=float, default=25.0, help="bucket cap of every contender (DDP too)")
+    p.add_argument("--piece-reps", type=int, default=3, help="repetitions of each measured piece")
+    p.add_argument("--cap-mb", type=float, default=4.0, help="bucket cap of every contender (DDP too)")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--timeout", type=float, default=600.0)
     args = p.parse_args(argv)
     if args.quick:
         args.models, args.steps, args.rounds, args.warmup, args.batch = ["mlp"], 2, 1, 1, 4
-        DEFAULTS["mlp"] = {"wide": 1024}
+        args.piece_reps, args.rates = 1, args.rates[:1]
+    args.rate_bps = sorted(parse_rate(r) for r in args.rates)
     return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from benchmarks.train_report import plot, report
+
     args = parse_args(argv)
-    return bc.publish(args, run(args), report)
+    return bc.publish(args, run(args), report, plot)
 
 
 if __name__ == "__main__":

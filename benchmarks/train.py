@@ -6,7 +6,9 @@ first.  ``local`` trains without communication.  On the emulated cluster,
 ``--rates`` sweeps the link rate: before each rate every rank asks the
 launcher to reshape its link (``benchmarks.cluster.request_link``), so one
 cluster and one self-check serve the whole sweep.  At every rate the pieces
-of a step are measured alone, on that link (:mod:`benchmarks.train_pieces`),
+of a step are measured alone, on that link (:mod:`benchmarks.train_pieces`;
+``t_fwd``, ``t_bwd``, ``t_update`` from the ``local`` contender's own rounds,
+which interleave with the others' and so see the same machine),
 and every contender's step is reported against its own overlap bound:
 WFBP ``t_fwd + max(t_bwd, t_allreduce) + t_update``, DeAR ``max(t_fwd,
 t_allgather) + max(t_bwd, t_reduce_scatter) + t_update_shard``.  Each step is
@@ -138,7 +140,6 @@ def measure_point(args: argparse.Namespace, world: Any, comm: Any, dist: Any,
                                args.batch, args.lr, args.piece_reps)
     pieces.update(tp.comm_pieces(world, comm, dist if "ddp" in trainers else None, plan,
                                  args.piece_reps))
-    bound = tp.bounds(pieces)
     times: dict[str, list[float]] = {c: [] for c in trainers}
     phases: dict[str, list[np.ndarray]] = {c: [] for c in trainers}
     names = list(trainers)
@@ -150,6 +151,12 @@ def measure_point(args: argparse.Namespace, world: Any, comm: Any, dist: Any,
             phases[c].append(ph)
     samples = args.batch * world.size * local.units_per_sample
     med = {c: bc.median(v) for c, v in times.items()}
+    if "local" in phases:     # compute without communication, interleaved with the contenders' rounds
+        ph = np.median(np.stack(phases["local"]), axis=0)
+        for i, k in enumerate(("t_fwd", "t_bwd", "t_update")):
+            pieces[f"{k}_alone"] = pieces[k]
+            pieces[k] = float(ph[i])
+    bound = tp.bounds(pieces)
     rows = {}
     for c in names:
         ph = np.median(np.stack(phases[c]), axis=0)

@@ -49,12 +49,18 @@ bench-cluster: $(STAMP)
 		$(abspath $(PY)) -m benchmarks.collectives --min-bytes 65536 --rounds 2 --no-torch \
 		--json $(RESULTS)/collectives-cluster.json --plot $(RESULTS)/collectives-cluster.png
 
-# end-to-end training throughput on the emulated cluster: DDP over gloo vs AllReduce vs DeAR (issue 4)
+# training steps against their overlap bounds, DDP/gloo vs AllReduce vs DeAR, over a sweep of link
+# rates on one emulated cluster per rank count (2 ranks: one core each; then $(RANKS)); issue 12 item 5
+TRAIN_RATES ?= 100mbit 250mbit 500mbit 1gbit
+TRAIN_RANKS ?= 2 $(RANKS)
+TRAIN   ?=
 bench-train: $(STAMP)
 	mkdir -p $(RESULTS)
-	$(PY) -m benchmarks.cluster --ranks $(RANKS) --rate $(RATE) --timeout 1700 $(CLUSTER) -- \
-		$(abspath $(PY)) -m benchmarks.train --models resnet transformer mlp --steps 5 --rounds 3 \
-		--json $(RESULTS)/train-cluster.json
+	set -e; for n in $(sort $(TRAIN_RANKS)); do \
+		$(PY) -m benchmarks.cluster --ranks $$n --rate 1gbit --prefix tr- --timeout 1200 $(CLUSTER) -- \
+			$(abspath $(PY)) -m benchmarks.train --rates $(TRAIN_RATES) $(TRAIN) \
+			--json $(RESULTS)/train-$${n}ranks-sweep.json --plot $(RESULTS)/train-$${n}ranks-sweep.png; \
+	done
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .pytest-rank*.log

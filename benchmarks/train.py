@@ -91,6 +91,8 @@ class Trainer:
         x, _ = self.make_batch(1, 0)
         self.units_per_sample = x.shape[1] if self.unit == "tokens" else 1
         self.phase_s = np.zeros(2 * len(PHASES))     # wall fwd, bwd, opt; wait fwd, bwd, opt
+        #: with COMMLIB_TIMELINE the phases join commlib's timeline (track 9), beside the collectives
+        self.tracer = comm.tracer if comm.tracer.recording else None
 
     def wait_s(self) -> float:
         return self.dopt.strategy.stats["wait_s"] if self.dopt is not None else 0.0
@@ -108,22 +110,49 @@ class Trainer:
         self.opt.step()
         t3, w3 = clock(), self.wait_s()
         self.phase_s += (t1 - t0, t2 - t1, t3 - t2, w1 - w0, w2 - w1, w3 - w2)
+        if self.tracer is not None:
+            end = self.tracer.now_us()
+            for ph, a, b in zip(PHASES, (t0, t1, t2), (t1, t2, t3)):
+                self.tracer.add(ph, self.name, "model", end - (t3 - a) * 1e6, end - (t3 - b) * 1e6)
 
     def finish(self) -> None:
         if self.dopt is not None:
             self.dopt.flush()
 
 
+def thread_cpu_s() -> tuple[float, float]:
+    """CPU seconds used so far by this process's main thread and by all its other threads
+    (commlib's engine, gloo's, torch's), from ``/proc/self/task``; zeros where unreadable."""
+    import os
+
+    main, other, tick = 0.0, 0.0, os.sysconf("SC_CLK_TCK")
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            cpu = (int(fields[11]) + int(fields[12])) / tick        # utime + stime
+            if int(tid) == os.getpid():
+                main += cpu
+            else:
+                other += cpu
+    except (OSError, ValueError, IndexError):
+        return 0.0, 0.0
+    return main, other
+
+
 def time_round(world: Any, t: Trainer, steps: int) -> tuple[float, np.ndarray]:
-    """One untimed step, ``steps`` timed ones: the slowest rank's mean step and mean phases."""
+    """One untimed step, ``steps`` timed ones: the slowest rank's mean step, mean phases (wall
+    and wait) and CPU seconds per step of the main thread and of the other threads."""
     world.Barrier()
     t.step()
     t.phase_s[:] = 0
+    c0 = thread_cpu_s()
     t0 = time.perf_counter()
     for _ in range(steps):
         t.step()
     dt = (time.perf_counter() - t0) / steps
-    phases = t.phase_s / steps
+    c1 = thread_cpu_s()
+    phases = np.concatenate([t.phase_s / steps, [(c1[0] - c0[0]) / steps, (c1[1] - c0[1]) / steps]])
     t.finish()
     worst = np.empty_like(phases)
     world.Allreduce(phases, worst, op=MPI.MAX)
@@ -162,7 +191,8 @@ def measure_point(args: argparse.Namespace, world: Any, comm: Any, dist: Any,
         ph = np.median(np.stack(phases[c]), axis=0)
         row = {"step_s": med[c], "step_s_all": times[c], "throughput": samples / med[c],
                "unit": f"{local.unit}/s", **{f"{p}_s": float(ph[i]) for i, p in enumerate(PHASES)},
-               **{f"wait_{p}_s": float(ph[3 + i]) for i, p in enumerate(PHASES)}}
+               **{f"wait_{p}_s": float(ph[3 + i]) for i, p in enumerate(PHASES)},
+               "cpu_main_s": float(ph[6]), "cpu_other_s": float(ph[7])}
         if c in bound:
             row["bound_s"] = bound[c]
             row["vs_bound"] = med[c] / bound[c]

@@ -108,7 +108,8 @@ def report(doc: dict[str, Any]) -> str:
                                      "line AR/RS/AG"], table), ""]
         lines += ["Where the step goes (s per step; `w` = blocked waiting on communication; compute = "
                   "wall minus waits, against the same compute alone; waits against what the bound "
-                  "leaves exposed):", ""]
+                  "leaves exposed; CPU: seconds per step of the main thread and of all other threads, "
+                  "commlib's engine and gloo's among them, on the slowest rank):", ""]
         table = []
         for p in pts:
             for n in names:
@@ -120,9 +121,11 @@ def report(doc: dict[str, Any]) -> str:
                               f"{r['bwd_s']:.3f} (w {r['wait_bwd_s']:.3f})",
                               f"{r['opt_s']:.3f} (w {r['wait_opt_s']:.3f})",
                               f"{ci[0]:.3f} / {ci[1]:.3f}" if ci else "-",
-                              f"{waits:.3f} / {ex:.3f}" if ex is not None else "-"])
+                              f"{waits:.3f} / {ex:.3f}" if ex is not None else "-",
+                              f"{r.get('cpu_main_s', 0):.3f} / {r.get('cpu_other_s', 0):.3f}"])
         lines += [bc.markdown_table(["rate", "contender", "forward", "backward", "optimizer step",
-                                     "compute in step / alone", "waits / exposed by bound"], table), ""]
+                                     "compute in step / alone", "waits / exposed by bound",
+                                     "CPU main / other threads"], table), ""]
     for key, plan in doc["plans"].items():
         if key.endswith("/dear") or key.endswith("/allreduce"):
             sizes = [bc.size_label(b["bytes"]) for b in plan]

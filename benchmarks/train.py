@@ -22,7 +22,7 @@ Step time: per round one untimed step (DeAR's all-gathers are then in flight
 as in steady state), then ``--steps`` timed steps, the slowest rank's mean;
 the median over ``--rounds`` rounds.
 
-Example (2 ranks, one core each, four link rates; about 4 minutes)::
+Example (2 ranks, one core each, four link rates; about 2.5 minutes)::
 
     python -m benchmarks.cluster --ranks 2 --rate 1gbit --prefix tr- -- \\
         python -m benchmarks.train --rates 100mbit 250mbit 500mbit 1gbit --json out.json --plot out.png

@@ -82,7 +82,11 @@ def report(doc: dict[str, Any]) -> str:
              f"Batch {args['batch']} per rank, SGD momentum 0.9, bucket cap {args['cap_mb']:g} MiB "
              f"(DDP too), one torch thread per rank; step = median of {args['rounds']} rounds of "
              f"{args['steps']} steps (slowest rank); pieces: median of {args['piece_reps']}, alone, "
-             "same link, same run. Cells: step seconds (step / own overlap bound).", ""]
+             "same link, same run. Cells: step seconds (step / own overlap bound).", "",
+             "Bounds: WFBP (AllReduce, DDP with gloo's allreduce) `t_fwd + max(t_bwd, t_allreduce) + "
+             "t_update`; DeAR `max(t_fwd, t_allgather) + max(t_bwd, t_reduce_scatter) + t_update_shard` "
+             "(its ZeRO-1 update of 1/n of the parameters); local `t_fwd + t_bwd + t_update`, with "
+             "t_fwd, t_bwd, t_update from the local contender's own rounds.", ""]
     for model, info in doc["models"].items():
         pts = [p for p in doc["points"] if p["model"] == model]
         names = [c for c in ORDER if c in pts[0]["contenders"]]

@@ -37,7 +37,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 
 import commlib
@@ -50,6 +49,7 @@ from .torch_comm import (
     broadcast_parameters,
     register_comm_hook,
 )
+from .torch_loop import TrainingLoop
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "register_comm_hook"]
 
@@ -67,7 +67,7 @@ class _Flush:
         return None
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(TrainingLoop, torch.optim.Optimizer):
     """Wrap ``optimizer`` so that ``step()`` trains ``model`` data-parallel over ``comm``.
 
     ``strategy``: a :class:`collectives.Strategy` (default :class:`collectives.AllReduce`).
@@ -140,7 +140,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         order = sorted(range(len(self._params)),
                        key=lambda i: -model_ids.get(id(self._params[i]), -1 - i))
         self._ready_order = order
-        self._counts = [0] * len(self._params)
         self._hooks: list[Any] = []
         if hasattr(self.strategy, "on_switch"):
             self.strategy.on_switch(self._on_switch)
@@ -150,6 +149,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             rest = [p for p in model.parameters() if id(p) not in trained] + list(model.buffers())
             broadcast_parameters(rest, 0, self.comm)
         self._install_hooks()
+        self._init_loop()
         self.step_times: list[float] = []
         self._last_step: float | None = None
 
@@ -196,10 +196,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # (piece, param index, slice of the flat parameter, bucket index, slice of the bucket)
         self._pieces: list[tuple[torch.Tensor, int, slice, int, slice]] = []
         for b in self.buckets:
-            base = b.shard(rank).start
             for idx, pslice, bslice in b.pieces(rank):
                 piece = torch.nn.Parameter(self._flat_params[b.index][bslice], requires_grad=True)
-                piece.grad = self._shard_grads[b.index][bslice.start - base:bslice.stop - base]
+                piece.grad = self._flat_grads[b.index][bslice]     # the reduced shard lands here
                 groups[self._group_of[idx]].append(piece)
                 self._pieces.append((piece, idx, pslice, b.index, bslice))
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -226,6 +225,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 # .grad was set to None (model.zero_grad) and autograd made a new tensor
                 view.copy_(p.grad)
                 p.grad = view
+            if not self._gradient_arrived(i):
+                return
             self._counts[i] += 1
             if self._counts[i] == self.backward_passes_per_step:
                 b = self._bucket_of[i]
@@ -256,6 +257,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buckets (``.grad`` stays a view of its bucket; ``set_to_none`` is ignored)."""
+        if self._synced:         # GradScaler skipped the last step(): close it
+            self._close_skipped_step()
         for g in self._flat_grads:
             g.zero_()
         for i, p in enumerate(self._params):
@@ -270,14 +273,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         t0 = time.perf_counter()
-        for i, c in enumerate(self._counts):
-            if c == 0:              # no gradient here this step: contribute zeros
-                self._grad_views[i].zero_()
-        for b in range(len(self.buckets)):
-            if not self._signaled[b]:
-                self._signal(b)
-        self.strategy.before_update()
-        unused = self._globally_unused() if self.find_unused_parameters else set()
+        self._reduce()          # done when backward returned, unless passes are missing
+        unused = self._unused
         if self.strategy.sharded:
             for sg, g in zip(self._shard_opt.param_groups, self.param_groups):
                 for k, v in g.items():
@@ -287,8 +284,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if idx in unused:
                     piece.grad = None
             self._shard_opt.step()
-            if unused:
-                self._restore_piece_grads()
+            for piece, _, _, bi, bslice in self._pieces:
+                piece.grad = self._flat_grads[bi][bslice]
         else:
             for i in unused:
                 self._params[i].grad = None
@@ -299,9 +296,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.strategy.after_update()
         if getattr(self.strategy, "sync_optimizer_state", False) and getattr(self.strategy, "synced", False):
             self._average_optimizer_state()     # SelSync in parameter mode: momentum agrees too
-        self._counts = [0] * len(self._params)
-        self._bucket_need = [len(b.slots) for b in self.buckets]
-        self._signaled = [False] * len(self.buckets)
+        self._end_step()
         now = time.perf_counter()
         self.step_times.append(now - t0)
         tuner = self.strategy.tuner
@@ -366,16 +361,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     buf.zero_()
         if new == "bsp":
             self._average_optimizer_state()
-
-    def _globally_unused(self) -> set[int]:
-        used = np.array([c > 0 for c in self._counts], np.int32)
-        used = self.comm.allreduce(used, "max", tag="unused")
-        return {i for i, u in enumerate(used) if not u}
-
-    def _restore_piece_grads(self) -> None:
-        for piece, _, _, bi, bslice in self._pieces:
-            base = self.buckets[bi].shard(self.comm.rank).start
-            piece.grad = self._shard_grads[bi][bslice.start - base:bslice.stop - base]
 
     def flush(self) -> _Flush:
         """Make parameters current on every rank now (evaluation, checkpoint, end of training).
@@ -450,6 +435,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         A collective for sharded strategies: call it on every rank.
         """
+        self.strategy.complete()
         full = self._full_state()
         saved = dict(self._inner.state)
         try:

@@ -263,6 +263,12 @@ class SelSync(Strategy):
             self.stats["flush_syncs"] += 1
             self._wait_average()
 
+    def complete(self) -> None:
+        """Finish the averaging in flight (no new collective)."""
+        self._wait_average()
+        if self.mode == "grads":
+            self.inner.complete()
+
     # ------------------------------------------------------------------ the gate, framework-free
     def observe(self, grads: Sequence[Any] | None = None) -> float:
         """Measure this step's local gradient (``grads``, default the setup's buffers):

@@ -1,0 +1,176 @@
+"""The training loops people write, through DistributedOptimizer, against one process on the whole batch.
+
+One body, looped over strategies and patterns: every rank trains on its slice
+of each global batch; the reference is plain torch training the same model on
+the concatenated batch with the same loop (clipping, autocast, GradScaler with
+an inf injected on the last rank, accumulation, a checkpoint resumed without
+``flush()``, evaluation mid-training, an unused head).  Parameters must match
+the reference and be bitwise equal across ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+
+import numpy as np
+import pytest
+
+from conftest import HAVE_TORCH
+
+pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+
+if HAVE_TORCH:
+    import torch
+
+    from commlib.bindings.torch import DistributedOptimizer
+    from commlib.collectives import AllReduce, DeAR, SelSync, SyncSwitch
+    from commlib.sparsify import Dense, SparseAllReduce
+
+    torch.set_num_threads(1)
+
+LOCAL = 4          # samples per rank per step (even: no_sync splits it in two)
+STEPS = 4
+CUT = 2            # checkpoint / evaluation / injected inf after this many steps
+MAX_NORM = 0.05    # small enough that every step clips
+SMALL = {"cap_mb": 0.0002, "first_cap_mb": 0.0001}     # several buckets on the tiny model
+
+STRATEGIES = {
+    "allreduce": lambda: AllReduce(**SMALL),
+    "dear": lambda: DeAR(**SMALL),
+    "selsync0": lambda: SelSync(inner=AllReduce(**SMALL), delta=0.0, mode="grads"),
+    "syncswitch-bsp": lambda: SyncSwitch(bsp=AllReduce(**SMALL)),
+    "sparse-dense": lambda: SparseAllReduce(selector=Dense()),
+} if HAVE_TORCH else {}
+PATTERNS = ["clip-horovod", "clip", "bf16", "fp16-scaler", "no_sync", "checkpoint", "eval", "unused-head"]
+
+# Mixed precision is compared with a single-process run under the same autocast.  The ranks'
+# weight gradients come from low-precision matmuls over their own slice, averaged afterwards,
+# where the reference sums the whole batch in one matmul: each gradient element may differ by a
+# few units in the last place of the 16-bit format (bf16: 2**-8 relative, fp16: 2**-11), and
+# STEPS SGD steps (lr 0.1, momentum) carry that into the parameters as about steps * lr * ulp.
+TOLERANCE = {"bf16": (2e-2, 2e-3), "fp16-scaler": (2e-3, 5e-4)}     # (rtol, atol)
+
+
+class Net(torch.nn.Module if HAVE_TORCH else object):
+    def __init__(self, head: bool):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 8)
+        self.fc2 = torch.nn.Linear(8, 3)
+        if head:                       # a head this run never uses
+            self.aux = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def make(seed: int, pattern: str) -> tuple[Net, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Net(head=pattern == "unused-head")
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+
+
+def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randn(LOCAL * size, 6, generator=g), torch.randn(LOCAL * size, 3, generator=g)
+
+
+def autocast(pattern: str):
+    dtype = {"bf16": torch.bfloat16, "fp16-scaler": torch.float16}.get(pattern)
+    return torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+
+
+def wrap(comm, strategy: str, model: Net, base: torch.optim.Optimizer) -> DistributedOptimizer:
+    return DistributedOptimizer(base, model, strategy=STRATEGIES[strategy](), comm=comm)
+
+
+def train(comm, strategy: str | None, pattern: str) -> dict:
+    """``strategy=None``: the single-process reference on the whole batch."""
+    rank, size = comm.rank, comm.size
+    model, opt = make(rank if strategy else 0, pattern)
+    if strategy:
+        opt = wrap(comm, strategy, model, opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=pattern == "fp16-scaler")
+    out = {"norms": [], "evals": [], "scales": []}
+    for step in range(STEPS):
+        x, y = batch(step, size)
+        if strategy:
+            x, y = x[rank * LOCAL:(rank + 1) * LOCAL], y[rank * LOCAL:(rank + 1) * LOCAL]
+        if strategy and pattern == "checkpoint" and step == CUT:    # save without flush(), resume fresh
+            msd, osd = copy.deepcopy(model.state_dict()), opt.state_dict()
+            if isinstance(opt.strategy, SyncSwitch):
+                opt.strategy.close()
+            model, base = make(rank + 7, pattern)
+            opt = wrap(comm, strategy, model, base)
+            model.load_state_dict(msd)
+            opt.load_state_dict(osd)
+        opt.zero_grad()
+        loss_fn = torch.nn.functional.mse_loss
+        if pattern == "no_sync":
+            half = len(x) // 2
+            with opt.no_sync() if strategy else contextlib.nullcontext():
+                (loss_fn(model(x[:half]), y[:half]) / 2).backward()
+            loss = loss_fn(model(x[half:]), y[half:]) / 2
+        else:
+            with autocast(pattern):
+                loss = loss_fn(model(x), y)
+        if pattern == "fp16-scaler" and step == CUT - 1 and (not strategy or rank == size - 1):
+            loss = loss * float("inf")          # one rank overflows: every rank must skip this step
+        scaler.scale(loss).backward()
+        if pattern == "clip-horovod":
+            if strategy:
+                opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            with opt.skip_synchronize() if strategy else contextlib.nullcontext():
+                opt.step()
+        elif pattern in ("clip", "fp16-scaler"):
+            scaler.unscale_(opt)
+            norm = (opt.clip_grad_norm_(MAX_NORM) if strategy
+                    else torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+            out["norms"].append(float(norm))
+            scaler.step(opt)
+            scaler.update()
+            out["scales"].append(scaler.get_scale())
+        else:
+            opt.step()
+        if pattern == "eval" and step == CUT:
+            model.eval()
+            with torch.no_grad():
+                out["evals"].append(model(batch(99, 1)[0]).numpy().copy())
+            model.train()
+    out["model"] = model
+    out["opt"] = opt
+    return out
+
+
+def params_of(model: Net) -> np.ndarray:
+    """Through ``model.state_dict()``, whose hook completes DeAR's all-gathers (no ``flush()``)."""
+    return torch.cat([v.reshape(-1) for v in model.state_dict().values()]).numpy()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_loop_trains_as_one_process(comm, strategy, pattern):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = train(comm, strategy, pattern)
+    ref = train(comm, None, pattern)
+    opt = got["opt"]
+    vec = params_of(got["model"])
+    for r, other in enumerate(comm.allgather(vec)):
+        np.testing.assert_array_equal(other, vec, err_msg=f"rank {r} differs from rank {comm.rank}")
+    rtol, atol = TOLERANCE.get(pattern, (2e-5, 2e-6))
+    np.testing.assert_allclose(vec, params_of(ref["model"]), rtol=rtol, atol=atol)
+    np.testing.assert_allclose(got["evals"], ref["evals"], rtol=rtol, atol=atol)
+    np.testing.assert_allclose(got["norms"], ref["norms"], rtol=max(rtol, 1e-5))
+    assert got["scales"] == ref["scales"]       # the injected inf halved the scale on every rank
+    unused_warned = [w for w in caught if "no rank gave a gradient" in str(w.message)]
+    assert len(unused_warned) == (pattern == "unused-head"), [str(w.message) for w in caught]
+    if pattern == "unused-head":
+        np.testing.assert_array_equal(got["model"].aux.weight.detach().numpy(),
+                                      make(0, pattern)[0].aux.weight.detach().numpy())
+    if isinstance(opt.strategy, SyncSwitch):
+        assert opt.strategy.phase == "bsp"
+        opt.strategy.close()

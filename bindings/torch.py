@@ -43,10 +43,10 @@ import commlib
 from commlib.collectives import AllReduce, Strategy, TensorSpec, plan_buckets
 
 from .torch_comm import (
-    _agree,
-    _dtype_name,
+    agree_tensors,
     broadcast_optimizer_state,
     broadcast_parameters,
+    dtype_name,
     register_comm_hook,
 )
 from .torch_loop import TrainingLoop
@@ -132,7 +132,7 @@ class DistributedOptimizer(TrainingLoop, torch.optim.Optimizer):
         if self.strategy.sharded and isinstance(optimizer, torch.optim.LBFGS):
             problems.append(f"{self.strategy.name} updates shards: LBFGS is not elementwise")
         # every rank learns about every rank's problem, or a difference, before anything else runs
-        _agree(self.comm, "DistributedOptimizer", self._params,
+        agree_tensors(self.comm, "DistributedOptimizer", self._params,
                f"groups {self._group_of}|{self.strategy!r}|{backward_passes_per_step}|"
                f"{find_unused_parameters}",
                "; ".join(problems) or None)
@@ -157,7 +157,7 @@ class DistributedOptimizer(TrainingLoop, torch.optim.Optimizer):
     def _build(self, cap_bytes: int, broadcast: bool) -> None:
         s = self.strategy
         self._planned_cap = cap_bytes
-        specs = [TensorSpec(i, self._params[i].numel(), _dtype_name(self._params[i]),
+        specs = [TensorSpec(i, self._params[i].numel(), dtype_name(self._params[i]),
                             self._params[i].element_size(), str(self._params[i].device), self._group_of[i])
                  for i in self._ready_order]
         self.buckets = plan_buckets(specs, self.comm.size, cap_bytes, s.first_cap_bytes, s.last_cap_bytes)
@@ -387,7 +387,7 @@ class DistributedOptimizer(TrainingLoop, torch.optim.Optimizer):
                 if torch.is_tensor(v) and v.dim() > 0:
                     keys.add(k)
                 elif torch.is_tensor(v):
-                    d[k] = ("tensor", v.item(), _dtype_name(v))
+                    d[k] = ("tensor", v.item(), dtype_name(v))
                 else:
                     d[k] = ("value", v, None)
         gathered = self.comm.mpi_comm.allgather((sorted(keys), scalars))

@@ -8,7 +8,7 @@ between ``backward()`` and ``step()`` meet:
   reduction; ``opt.synchronize()`` and ``with opt.skip_synchronize():
   opt.step()`` as Horovod users write them;
 * ``opt.clip_grad_norm_(max_norm, norm_type)`` clips by the global norm of
-  the gradient the update uses (sharded strategies: one scalar all-reduce);
+  the gradient the update uses (sharded strategies: one scalar per rank gathered);
 * ``torch.amp.GradScaler``: a non-finite gradient on any rank is non-finite
   on every rank, so every rank skips the same steps and scales alike;
 * ``with opt.no_sync():`` accumulates locally (DDP's name);
@@ -31,6 +31,7 @@ Example (the full loop; ``scaler`` may be ``GradScaler("cpu", enabled=False)``):
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -215,38 +216,42 @@ class TrainingLoop:
         strategies (``AllReduce``, ``SparseAllReduce``: the exchanged gradient;
         ``SelSync`` and ``SyncSwitch`` on synchronous steps) need no
         communication; a sharded strategy (``DeAR``) sums its shards' norms
-        with one scalar all-reduce (as FSDP).  On a gate's local step (SelSync
-        without sync, Sync-Switch's ASP/SSP) each rank clips its own gradient.
-        A bad ``max_norm`` or ``norm_type`` raises on every rank.
+        through one small all-gather (a scalar per rank, as FSDP's all-reduce).
+        On a gate's local step (SelSync without sync, Sync-Switch's ASP/SSP)
+        each rank clips its own gradient.
+        A bad ``max_norm`` or ``norm_type`` raises before any collective
+        (sharded: on every rank, even when only one rank's is bad, through the
+        norm's own small all-gather).
 
         Example:
             >>> scaler.unscale_(opt)                # under a GradScaler: unscale first
             >>> norm = opt.clip_grad_norm_(1.0)
         """
         problem = ""
-        if not (isinstance(max_norm, (int, float)) and max_norm >= 0):
+        if not (isinstance(max_norm, numbers.Real) and max_norm >= 0):
             problem = f"max_norm {max_norm!r}: expected a number >= 0"
-        if not (isinstance(norm_type, (int, float)) and norm_type > 0):
+        if not (isinstance(norm_type, numbers.Real) and norm_type > 0):
             problem = f"norm_type {norm_type!r}: expected a number > 0 or inf"
+        sharded = self.strategy.sharded and not self._gathered and self.comm.size > 1
+        if problem and not sharded:          # no collective here: raise before any
+            raise ValueError(f"clip_grad_norm_: {problem}")
         self._reduce()
         p = float(norm_type) if not problem else 2.0
-        sharded = self.strategy.sharded and not self._gathered and self.comm.size > 1
         if sharded:
             rank = self.comm.rank
             parts = [g[b.shard(rank)] for b, g in zip(self.buckets, self._flat_grads)]
-        elif problem:
-            raise ValueError(f"clip_grad_norm_: {problem}")
         else:
             parts = list(self._flat_grads)
         norms = torch.stack([torch.linalg.vector_norm(g, p) for g in parts]).double()
-        if sharded:     # the norm and any rank's problem in one all-reduce
+        if sharded:     # each rank's part of the norm and its problem, in one small all-gather
             local = norms.max() if p == float("inf") else norms.pow(p).sum()
-            vec = torch.stack([local, torch.tensor(float(bool(problem)), dtype=torch.float64)])
-            self.comm.allreduce(vec, "max" if p == float("inf") else "sum", out=vec, tag="gradnorm")
-            if vec[1].item():
-                raise ValueError("clip_grad_norm_: a rank rejected its arguments" + (f": {problem}" if problem
-                                                                                    else ""))
-            total = vec[0] if p == float("inf") else vec[0].pow(1.0 / p)
+            row = torch.stack([local, torch.tensor(float(bool(problem)), dtype=torch.float64)])
+            table = self.comm.allgather(row, tag="gradnorm")
+            if table[:, 1].any():
+                raise ValueError("clip_grad_norm_: ranks " + ", ".join(
+                    str(r) for r in range(self.comm.size) if table[r, 1]) + " rejected their arguments"
+                    + (f" (here: {problem})" if problem else ""))
+            total = table[:, 0].max() if p == float("inf") else table[:, 0].sum().pow(1.0 / p)
         else:
             total = torch.linalg.vector_norm(norms, p)
         total = total.to(parts[0].dtype)

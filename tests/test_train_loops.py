@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -174,3 +175,91 @@ def test_loop_trains_as_one_process(comm, strategy, pattern):
     if isinstance(opt.strategy, SyncSwitch):
         assert opt.strategy.phase == "bsp"
         opt.strategy.close()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_gradients_are_averaged_when_backward_returns(comm, strategy):
+    """``.grad`` right after ``backward()`` is the whole batch's gradient (DeAR: after ``synchronize()``)."""
+    model, base = make(comm.rank, "plain")
+    opt = wrap(comm, strategy, model, base)
+    ref, _ = make(0, "plain")
+    x, y = batch(0, comm.size)
+    mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL)
+    torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+    if strategy == "dear":
+        opt.synchronize()
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=2e-5, atol=1e-7)
+    opt.step()
+    if isinstance(opt.strategy, SyncSwitch):
+        opt.strategy.close()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
+def test_clip_bad_arguments_raise_on_every_rank(comm, strategy):
+    model, base = make(comm.rank, "plain")
+    opt = wrap(comm, strategy, model, base)
+    x, y = batch(0, comm.size)
+    torch.nn.functional.mse_loss(model(x[:LOCAL]), y[:LOCAL]).backward()
+    before = comm.seq
+    if strategy == "allreduce":      # the same bad argument on every rank: raised before any collective
+        with pytest.raises(ValueError, match="max_norm -1.0"):
+            opt.clip_grad_norm_(-1.0)
+        assert comm.seq == before
+    else:                            # one rank's bad argument: every rank raises after the norm's all-gather
+        with pytest.raises(ValueError, match="rejected their arguments|max_norm nan"):
+            opt.clip_grad_norm_(float("nan") if comm.rank == comm.size - 1 else 1.0)
+    opt.step()
+
+
+def readme_loop() -> str:
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text[text.index("## Training with a strategy (PyTorch)"):]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start:section.index("\n```", start)]
+
+
+@pytest.mark.mpi
+def test_readme_loop_runs_verbatim(comm, tmp_path):
+    """README's torch example, run as it stands, against the same loop in one process on whole batches."""
+    rank, size = comm.rank, comm.size
+
+    def loader(first: int, n: int, ranks: slice) -> list:
+        return [tuple(t[ranks] for t in batch(first + i, size)) for i in range(n)]
+
+    mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
+    model, _ = make(rank, "plain")
+    ns = {"model": model, "loss_fn": torch.nn.functional.mse_loss, "loader": loader(0, 3, mine),
+          "val_loader": loader(50, 2, mine), "epochs": 2, "device": "cpu", "amp_dtype": torch.bfloat16,
+          "path": tmp_path / "ckpt.pt"}
+    exec(compile(readme_loop(), "README.md", "exec"), ns)
+
+    ref, _ = make(0, "plain")
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=6)
+    for _epoch in range(2):
+        for x, y in loader(0, 3, slice(None)):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = torch.nn.functional.mse_loss(ref(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+            sched.step()
+    vec = params_of(model)
+    for r, other in enumerate(comm.allgather(vec)):
+        np.testing.assert_array_equal(other, vec, err_msg=f"rank {r} differs from rank {comm.rank}")
+    moved = np.abs(params_of(ref) - params_of(make(0, "plain")[0])).max()
+    np.testing.assert_allclose(vec, params_of(ref), rtol=0, atol=moved / 20)    # bf16: see TOLERANCE
+    with torch.no_grad():
+        val = sum(torch.nn.functional.mse_loss(ref(x), y).item() for x, y in ns["val_loader"]) / 2
+    assert ns["val_loss"] == pytest.approx(val, rel=2e-2)
+    if rank == 0:
+        saved = torch.load(ns["path"], weights_only=False)
+        saved_params = torch.cat([v.reshape(-1) for v in saved["model"].values()]).numpy()
+        np.testing.assert_array_equal(saved_params, vec)
+        plain = torch.optim.AdamW(make(0, "plain")[0].parameters(), lr=1e-3)
+        plain.load_state_dict({k: v for k, v in saved["opt"].items() if k != "commlib"})

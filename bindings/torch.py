@@ -13,11 +13,16 @@ The wrapper Horovod users know (``DistributedOptimizer``,
     sched = torch.optim.lr_scheduler.StepLR(opt, 10)
     for x, y in loader:                                     # each rank: its own shard of the data
         opt.zero_grad()
-        loss_fn(model(x), y).backward()                     # buckets start communicating here
-        opt.step()                                          # waits, updates, starts DeAR's all-gathers
+        loss_fn(model(x), y).backward()                     # averaged when backward returns
+        opt.clip_grad_norm_(1.0)                            # by the global norm, any strategy
+        opt.step()                                          # updates, starts DeAR's all-gathers
         sched.step()
-    with opt.flush():                                       # parameters current for evaluation
-        evaluate(model)
+    model.eval()                                            # evaluation and model.state_dict()
+    evaluate(model)                                         # see the last update (no flush needed)
+
+The training-loop surface (``synchronize``, ``skip_synchronize``,
+``no_sync``, ``clip_grad_norm_``, GradScaler, checkpoints, unused
+parameters) is documented in :mod:`bindings.torch_loop`.
 
 Sharp bits: parameters and gradients become views of the strategy's fused
 buckets (as DDP's ``gradient_as_bucket_view``), so ``zero_grad`` zeroes the
@@ -25,9 +30,11 @@ buckets instead of setting ``.grad`` to ``None``, and moving the model
 (``.to()``) after wrapping breaks the views.  Gradients are averaged over
 ranks (and over the ``backward_passes_per_step`` passes).  Optimizers must be
 elementwise for sharded strategies (``DeAR``): SGD (momentum, Nesterov),
-Adam, AdamW, RMSprop, Adagrad... but not LBFGS or anything that reads the
-whole gradient (clip by global norm before the step is not seen: DeAR's
-update runs on shards).
+Adam, AdamW, RMSprop, Adagrad... but not LBFGS.  With ``DeAR``, ``.grad``
+after backward holds the averaged gradient on this rank's shard only: clip
+with ``opt.clip_grad_norm_``, or call ``opt.synchronize()`` (one extra
+all-gather) before code that reads every ``.grad`` (torch's
+``clip_grad_norm_``).
 """
 
 from __future__ import annotations
@@ -72,10 +79,13 @@ class DistributedOptimizer(TrainingLoop, torch.optim.Optimizer):
 
     ``strategy``: a :class:`collectives.Strategy` (default :class:`collectives.AllReduce`).
     ``backward_passes_per_step``: backward passes accumulated locally (no
-    communication) per ``step()``; their gradients are averaged.
+    communication) per ``step()``; their gradients are averaged (``no_sync()``
+    is the other way to accumulate).
     ``find_unused_parameters``: agree every step (one small all-reduce) on which
     parameters got no gradient on any rank, and skip them in the update as a
-    single process would (otherwise they count as zero gradients, as in Horovod).
+    single process would.  Without it the first step checks once, and if some
+    parameters got none, warns naming them and turns this on; a parameter that
+    stops getting gradients later counts as a zero gradient (as in Horovod).
     ``broadcast``: start from rank 0's parameters (default ``True``).
 
     The wrapper is a ``torch.optim.Optimizer`` sharing ``optimizer.param_groups``,

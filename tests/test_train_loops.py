@@ -47,11 +47,13 @@ STRATEGIES = {
 PATTERNS = ["clip-horovod", "clip", "bf16", "fp16-scaler", "no_sync", "checkpoint", "eval", "unused-head"]
 
 # Mixed precision is compared with a single-process run under the same autocast.  The ranks'
-# weight gradients come from low-precision matmuls over their own slice, averaged afterwards,
-# where the reference sums the whole batch in one matmul: each gradient element may differ by a
-# few units in the last place of the 16-bit format (bf16: 2**-8 relative, fp16: 2**-11), and
-# STEPS SGD steps (lr 0.1, momentum) carry that into the parameters as about steps * lr * ulp.
-TOLERANCE = {"bf16": (2e-2, 2e-3), "fp16-scaler": (2e-3, 5e-4)}     # (rtol, atol)
+# weight gradients come from 16-bit matmuls over their own slice, averaged afterwards, where the
+# reference sums the whole batch in one matmul, so a gradient element may differ by about one
+# unit in the last place of the format: 2**-8 relative for bf16, 2**-11 for fp16.  bf16 (no
+# clipping, |g| <~ 1, lr 0.1, momentum 0.9, STEPS=4): about 4 * 0.1 * 4e-3 ~ 2e-3 in the
+# parameters (measured: 5e-4 at 4 ranks).  fp16 (clipped to norm 0.05, so each step moves a
+# parameter by <= 5e-3): about 4 * 5e-3 * 5e-4 ~ 1e-5, bounded at 2e-5 (measured: 1.5e-6).
+TOLERANCE = {"bf16": (0.0, 2e-3), "fp16-scaler": (0.0, 2e-5)}     # (rtol, atol)
 
 
 class Net(torch.nn.Module if HAVE_TORCH else object):
@@ -165,7 +167,8 @@ def test_loop_trains_as_one_process(comm, strategy, pattern):
     rtol, atol = TOLERANCE.get(pattern, (2e-5, 2e-6))
     np.testing.assert_allclose(vec, params_of(ref["model"]), rtol=rtol, atol=atol)
     np.testing.assert_allclose(got["evals"], ref["evals"], rtol=rtol, atol=atol)
-    np.testing.assert_allclose(got["norms"], ref["norms"], rtol=max(rtol, 1e-5))
+    # the norm of fp16-made gradients differs as they do (2**-11 relative per element)
+    np.testing.assert_allclose(got["norms"], ref["norms"], rtol=1e-3 if pattern == "fp16-scaler" else 1e-5)
     assert got["scales"] == ref["scales"]       # the injected inf halved the scale on every rank
     unused_warned = [w for w in caught if "no rank gave a gradient" in str(w.message)]
     assert len(unused_warned) == (pattern == "unused-head"), [str(w.message) for w in caught]

@@ -231,11 +231,12 @@ class DistributedOptimizer(TrainingLoop, torch.optim.Optimizer):
     def _make_grad_hook(self, i: int) -> Any:
         def hook(p: torch.Tensor) -> None:
             view = self._grad_views[i]
-            if p.grad is not view:
+            fresh = p.grad is not view
+            if fresh:
                 # .grad was set to None (model.zero_grad) and autograd made a new tensor
                 view.copy_(p.grad)
                 p.grad = view
-            if not self._gradient_arrived(i):
+            if not self._gradient_arrived(i, fresh):
                 return
             self._counts[i] += 1
             if self._counts[i] == self.backward_passes_per_step:

@@ -85,10 +85,16 @@ class TrainingLoop:
         self._gathered = False
 
     # ------------------------------------------------------------------ backward
-    def _gradient_arrived(self, i: int) -> bool:
-        """From parameter ``i``'s gradient hook: True when it counts towards this step's reduction."""
-        if self._synced:         # GradScaler skipped the last step(): close it before this backward
-            self._close_skipped_step()
+    def _gradient_arrived(self, i: int, fresh: bool) -> bool:
+        """From parameter ``i``'s gradient hook: True when it counts towards this step's reduction.
+
+        ``fresh``: ``.grad`` had been set to ``None`` since (``model.zero_grad()``)."""
+        if self._synced:
+            if not fresh:
+                raise RuntimeError("DistributedOptimizer: backward() ran again after this step's gradients "
+                                   "were averaged, before step() or zero_grad(); accumulate with "
+                                   "opt.no_sync() or backward_passes_per_step")
+            self._close_skipped_step()      # GradScaler skipped the last step(), then model.zero_grad()
         self._got[i] = True
         if not self._callback_queued:
             self._callback_queued = True

@@ -223,6 +223,20 @@ def test_clip_bad_arguments_raise_on_every_rank(comm, strategy):
     opt.step()
 
 
+@pytest.mark.mpi
+def test_second_backward_before_step_raises(comm):
+    """Accumulating without saying so would drop a pass: every rank raises, naming the fix."""
+    model, base = make(comm.rank, "plain")
+    opt = wrap(comm, "allreduce", model, base)
+    x, y = batch(0, comm.size)
+    torch.nn.functional.mse_loss(model(x[:LOCAL]), y[:LOCAL]).backward()
+    with pytest.raises(RuntimeError, match="no_sync"):
+        torch.nn.functional.mse_loss(model(x[:LOCAL]), y[:LOCAL]).backward()
+    opt.zero_grad()                # closes the step; training goes on
+    torch.nn.functional.mse_loss(model(x[:LOCAL]), y[:LOCAL]).backward()
+    opt.step()
+
+
 def readme_loop() -> str:
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     section = text[text.index("## Training with a strategy (PyTorch)"):]

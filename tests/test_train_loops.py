@@ -224,6 +224,26 @@ def test_clip_bad_arguments_raise_on_every_rank(comm, strategy):
 
 
 @pytest.mark.mpi
+def test_selsync_gate_survives_an_overflowed_step(comm):
+    """A step GradScaler skips (inf gradient) makes the gate sync and leaves its EWMA finite."""
+    model, base = make(comm.rank, "plain")
+    gate = SelSync(inner=AllReduce(**SMALL), delta=0.5, window=2, warmup=1, mode="grads")
+    opt = DistributedOptimizer(base, model, strategy=gate, comm=comm)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(4):
+        x, y = batch(step, comm.size)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x[:LOCAL]), y[:LOCAL])
+        if step == 2:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert np.isfinite(gate.meter.value) and gate.trace[2][4]      # the overflowed step synced
+    assert scaler.get_scale() == 512.0
+
+
+@pytest.mark.mpi
 def test_second_backward_before_step_raises(comm):
     """Accumulating without saying so would drop a pass: every rank raises, naming the fix."""
     model, base = make(comm.rank, "plain")

@@ -49,6 +49,11 @@ Sharp bits (what a user must know):
   used under ``jax.vmap``, ``pmap`` or ``shard_map``, and an error raised by
   a rank (bad input, timeout) surfaces as JAX's runtime error wrapping
   commlib's message.  :func:`sharded_optimizer` runs eagerly only.
+* The jitted path has a communicator of its own (``comm.split(0)``, made
+  once, collectively, when the first jitted call is traced: trace on every
+  rank, from the thread that drives ``comm``), so that its collectives,
+  which run on whichever thread XLA runs the callback, never interleave with
+  eager commlib calls on ``comm`` (a metrics all-reduce right after a step).
 * Every rank must call in the same order with the same tree structure,
   shapes and dtypes.  The first call with a new structure compares a
   fingerprint of it over the ranks (one small all-gather) and raises
@@ -82,7 +87,7 @@ from commlib.collectives import AllReduce, DeAR, Strategy
 from commlib.collectives.buckets import Bucket, MiB
 from commlib.errors import ValidationError
 
-from .jax_fusion import _agree, _is_tracer, _make_plan, _Plan
+from .jax_fusion import Plan, agree_plan, is_tracer, make_plan
 
 __all__ = ["GradientSync", "average_gradients", "sharded_optimizer", "allreduce_gradients",
            "broadcast_params", "ShardedState"]
@@ -125,22 +130,24 @@ class GradientSync:
         self.comm = comm if comm is not None else commlib.world()
         self.strategy = strategy
         self.check = check
-        self._plans: OrderedDict[Any, _Plan] = OrderedDict()
-        self._active: _Plan | None = None
-        self._last: _Plan | None = None
+        self._plans: OrderedDict[Any, Plan] = OrderedDict()
+        self._active: Plan | None = None
+        self._active_comm: commlib.Communicator | None = None
+        self._jit_comm: commlib.Communicator | None = None
+        self._last: Plan | None = None
         self._last_call: float | None = None
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ plans
-    def _plan(self, tree: Any, allowed: Sequence[str] = FLOAT_DTYPES) -> tuple[_Plan, list[Any]]:
+    def _plan(self, tree: Any, allowed: Sequence[str] = FLOAT_DTYPES) -> tuple[Plan, list[Any]]:
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         s = self.strategy
-        meta = tuple((None if _is_tracer(x) else getattr(x, "sharding", None), np.shape(x),
+        meta = tuple((None if is_tracer(x) else getattr(x, "sharding", None), np.shape(x),
                       x.dtype if hasattr(x, "dtype") else type(x)) for x in leaves)
         key = (treedef, meta, tuple(allowed), s.cap_bytes, s.first_cap_bytes)
         plan = self._plans.get(key)
         if plan is None:
-            plan = _make_plan(tree, leaves, treedef, allowed, self.comm.size, s.cap_bytes,
+            plan = make_plan(tree, leaves, treedef, allowed, self.comm.size, s.cap_bytes,
                               s.first_cap_bytes)
             self._plans[key] = plan
             while len(self._plans) > _MAX_PLANS:
@@ -151,15 +158,20 @@ class GradientSync:
             self._plans.move_to_end(key)
         return plan, leaves
 
-    def _checked(self, plan: _Plan) -> None:
+    @property
+    def jit_comm(self) -> commlib.Communicator | None:
+        """The communicator of the jitted path (``comm.split(0)``), once a jitted call was traced."""
+        return self._jit_comm
+
+    def _checked(self, plan: Plan, comm: commlib.Communicator) -> None:
         if not plan.agreed or self.check == "always":
             try:
-                _agree(self.comm, plan, "GradientSync")
+                agree_plan(comm, plan, "GradientSync")
             except commlib.CommlibError:
                 self._drop(plan)
                 raise
 
-    def _drop(self, plan: _Plan) -> None:
+    def _drop(self, plan: Plan) -> None:
         for k, p in list(self._plans.items()):
             if p is plan:
                 del self._plans[k]
@@ -174,25 +186,28 @@ class GradientSync:
         return self._last.describe() if self._last is not None else []
 
     # ------------------------------------------------------------------ running
-    def _run(self, plan: _Plan, leaves: Sequence[Any],
-             update: Callable[[list[np.ndarray]], None] | None = None) -> list[np.ndarray]:
+    def _run(self, plan: Plan, leaves: Sequence[Any],
+             update: Callable[[list[np.ndarray]], None] | None = None,
+             comm: commlib.Communicator | None = None) -> list[np.ndarray]:
         """Drive the strategy over ``plan``'s buckets filled from ``leaves``.
 
         ``update``: for a sharded strategy, called with the averaged gradient
         shards; it writes this rank's shard of each bucket of the result into
-        ``plan.buffers`` (default: the averaged gradients themselves).
+        ``plan.buffers`` (default: the averaged gradients themselves).  ``comm``:
+        default ``self.comm`` (the jitted path passes its own).
         """
+        comm = comm if comm is not None else self.comm
         with self._lock:
-            self._checked(plan)
+            self._checked(plan, comm)
             s = self.strategy
             plan.allocate(s.sharded)
             self._last = plan
             try:
-                if self._active is not plan:
+                if self._active is not plan or self._active_comm is not comm:
                     self._active = None
-                    s.setup(self.comm, plan.buckets, plan.buffers, plan.buffers,
+                    s.setup(comm, plan.buckets, plan.buffers, plan.buffers,
                             plan.shards if s.sharded else None, broadcast=False)
-                    self._active = plan
+                    self._active, self._active_comm = plan, comm
                 for b in range(len(plan.buckets)):
                     plan.pack(b, leaves)
                     s.bucket_ready(b)        # bucket b travels while later ones are packed
@@ -227,17 +242,20 @@ class GradientSync:
     def __call__(self, grads: Any) -> Any:
         """The average over the ranks of ``grads`` (a pytree), as a pytree of jax arrays."""
         plan, leaves = self._plan(grads)
-        if any(_is_tracer(x) for x in leaves):
+        if any(is_tracer(x) for x in leaves):
             return self._traced(plan, leaves)
         return jax.tree_util.tree_unflatten(plan.treedef, plan.to_jax(self._run(plan, leaves)))
 
-    def _traced(self, plan: _Plan, leaves: Sequence[Any]) -> Any:
+    def _traced(self, plan: Plan, leaves: Sequence[Any]) -> Any:
         from jax.experimental import io_callback
 
         shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+        if self._jit_comm is None:        # tracing: every rank, on the thread that drives comm
+            self._jit_comm = self.comm.split(0)
+        jit_comm = self._jit_comm
 
         def host(*arrays: Any) -> list[np.ndarray]:
-            return self._run(plan, arrays)
+            return self._run(plan, arrays, comm=jit_comm)
 
         out = io_callback(host, shapes, *leaves, ordered=True)
         return jax.tree_util.tree_unflatten(plan.treedef, list(out))
@@ -301,13 +319,13 @@ def broadcast_params(params: Any, root: int = 0, comm: commlib.Communicator | No
     """
     comm = comm if comm is not None else commlib.world()
     leaves, treedef = jax.tree_util.tree_flatten(params)
-    if any(_is_tracer(x) for x in leaves):
+    if any(is_tracer(x) for x in leaves):
         raise TypeError("broadcast_params runs outside jax.jit (call it once before training)")
     if not isinstance(root, (int, np.integer)) or not 0 <= root < comm.size:
         raise ValidationError(f"broadcast_params: root {root!r} is not a rank of 0..{comm.size - 1}")
     cap = int(cap_mb * MiB)
-    plan = _make_plan(params, leaves, treedef, DTYPES, comm.size, cap, None)
-    _agree(comm, plan, "broadcast_params")
+    plan = make_plan(params, leaves, treedef, DTYPES, comm.size, cap, None)
+    agree_plan(comm, plan, "broadcast_params")
     plan.allocate(False)
     works = []
     for b in range(len(plan.buckets)):
@@ -388,7 +406,7 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
     inner_update = jax.jit(inner.update)
     digest: list[tuple[int, int]] = []
 
-    def shard_leaves(plan: _Plan, leaves: Sequence[Any]) -> list[Any]:
+    def shard_leaves(plan: Plan, leaves: Sequence[Any]) -> list[Any]:
         rank = sync.comm.rank
         plan.allocate(True)
         if not plan.extra:
@@ -397,16 +415,16 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
             plan.pack_shard(b, leaves, rank, plan.extra)
         return [jnp.asarray(plan.extra[b][bk.shard(rank)].copy()) for b, bk in enumerate(plan.buckets)]
 
-    def eager(tree: Any, what: str) -> tuple[_Plan, list[Any]]:
+    def eager(tree: Any, what: str) -> tuple[Plan, list[Any]]:
         plan, leaves = sync._plan(tree)
-        if any(_is_tracer(x) for x in leaves):
+        if any(is_tracer(x) for x in leaves):
             raise TypeError(f"sharded_optimizer.{what} runs eagerly: call it outside jax.jit "
                             "(or use average_gradients, which works inside jit)")
         return plan, leaves
 
     def init_fn(params: Any) -> ShardedState:
         plan, leaves = eager(params, "init")
-        sync._checked(plan)
+        sync._checked(plan, sync.comm)
         digest[:] = [plan.digest]
         return ShardedState(inner.init(shard_leaves(plan, leaves)))
 

@@ -22,7 +22,7 @@ except AttributeError:  # pragma: no cover - newer jax
     from jax._src.core import Tracer as _Tracer
 
 
-def _is_tracer(x: Any) -> bool:
+def is_tracer(x: Any) -> bool:
     return isinstance(x, _Tracer)
 
 
@@ -38,7 +38,7 @@ def _leaf_device(x: Any) -> tuple[Any, bool, str | None]:
     return next(iter(ds)), bool(getattr(x, "committed", True)), None
 
 
-class _Plan:
+class Plan:
     """Bucket plan and host buffers of one tree structure (shapes, dtypes, device)."""
 
     def __init__(self, treedef: Any, paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
@@ -108,18 +108,18 @@ class _Plan:
         return [b.describe() for b in self.buckets]
 
 
-def _agree(comm: commlib.Communicator, plan: _Plan, who: str) -> None:
+def agree_plan(comm: commlib.Communicator, plan: Plan, who: str) -> None:
     """Compare ``plan`` over the ranks (one all-gather); raise the same error on every rank."""
     agree(comm, who, repr((str(plan.treedef), plan.shapes, plan.dtypes)), noun="pytree",
           summary=f"{len(plan.shapes)} leaves, {sum(plan.numels)} elements", problem=plan.error)
     plan.agreed = True
 
 
-def _make_plan(tree: Any, leaves: Sequence[Any], treedef: Any, allowed: Sequence[str],
-               world_size: int, cap_bytes: int, first_cap_bytes: int | None) -> _Plan:
+def make_plan(tree: Any, leaves: Sequence[Any], treedef: Any, allowed: Sequence[str],
+               world_size: int, cap_bytes: int, first_cap_bytes: int | None) -> Plan:
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
     error, device, committed = None, None, False
-    if not any(_is_tracer(x) for x in leaves):
+    if not any(is_tracer(x) for x in leaves):
         seen: dict[Any, str] = {}
         for p, x in zip(paths, leaves):
             dev, com, err = _leaf_device(x)
@@ -136,5 +136,5 @@ def _make_plan(tree: Any, leaves: Sequence[Any], treedef: Any, allowed: Sequence
     dtypes = [np.dtype(x.dtype).name if hasattr(x, "dtype") else np.asarray(x).dtype.name
               for x in leaves]
     shapes = [tuple(np.shape(x)) for x in leaves]
-    return _Plan(treedef, paths, shapes, dtypes, allowed, world_size, cap_bytes, first_cap_bytes,
+    return Plan(treedef, paths, shapes, dtypes, allowed, world_size, cap_bytes, first_cap_bytes,
                  device, committed, error)

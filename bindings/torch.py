@@ -13,11 +13,16 @@ The wrapper Horovod users know (``DistributedOptimizer``,
     sched = torch.optim.lr_scheduler.StepLR(opt, 10)
     for x, y in loader:                                     # each rank: its own shard of the data
         opt.zero_grad()
-        loss_fn(model(x), y).backward()                     # buckets start communicating here
-        opt.step()                                          # waits, updates, starts DeAR's all-gathers
+        loss_fn(model(x), y).backward()                     # averaged when backward returns
+        opt.clip_grad_norm_(1.0)                            # by the global norm, any strategy
+        opt.step()                                          # updates, starts DeAR's all-gathers
         sched.step()
-    with opt.flush():                                       # parameters current for evaluation
-        evaluate(model)
+    model.eval()                                            # evaluation and model.state_dict()
+    evaluate(model)                                         # see the last update (no flush needed)
+
+The training-loop surface (``synchronize``, ``skip_synchronize``,
+``no_sync``, ``clip_grad_norm_``, GradScaler, checkpoints, unused
+parameters) is documented in :mod:`bindings.torch_loop`.
 
 Sharp bits: parameters and gradients become views of the strategy's fused
 buckets (as DDP's ``gradient_as_bucket_view``), so ``zero_grad`` zeroes the
@@ -25,9 +30,11 @@ buckets instead of setting ``.grad`` to ``None``, and moving the model
 (``.to()``) after wrapping breaks the views.  Gradients are averaged over
 ranks (and over the ``backward_passes_per_step`` passes).  Optimizers must be
 elementwise for sharded strategies (``DeAR``): SGD (momentum, Nesterov),
-Adam, AdamW, RMSprop, Adagrad... but not LBFGS or anything that reads the
-whole gradient (clip by global norm before the step is not seen: DeAR's
-update runs on shards).
+Adam, AdamW, RMSprop, Adagrad... but not LBFGS.  With ``DeAR``, ``.grad``
+after backward holds the averaged gradient on this rank's shard only: clip
+with ``opt.clip_grad_norm_``, or call ``opt.synchronize()`` (one extra
+all-gather) before code that reads every ``.grad`` (torch's
+``clip_grad_norm_``).
 """
 
 from __future__ import annotations
@@ -37,19 +44,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 
 import commlib
 from commlib.collectives import AllReduce, Strategy, TensorSpec, plan_buckets
 
 from .torch_comm import (
-    _agree,
-    _dtype_name,
+    agree_tensors,
     broadcast_optimizer_state,
     broadcast_parameters,
+    dtype_name,
     register_comm_hook,
 )
+from .torch_loop import TrainingLoop
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "register_comm_hook"]
 
@@ -67,15 +74,18 @@ class _Flush:
         return None
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(TrainingLoop, torch.optim.Optimizer):
     """Wrap ``optimizer`` so that ``step()`` trains ``model`` data-parallel over ``comm``.
 
     ``strategy``: a :class:`collectives.Strategy` (default :class:`collectives.AllReduce`).
     ``backward_passes_per_step``: backward passes accumulated locally (no
-    communication) per ``step()``; their gradients are averaged.
+    communication) per ``step()``; their gradients are averaged (``no_sync()``
+    is the other way to accumulate).
     ``find_unused_parameters``: agree every step (one small all-reduce) on which
     parameters got no gradient on any rank, and skip them in the update as a
-    single process would (otherwise they count as zero gradients, as in Horovod).
+    single process would.  Without it the first step checks once, and if some
+    parameters got none, warns naming them and turns this on; a parameter that
+    stops getting gradients later counts as a zero gradient (as in Horovod).
     ``broadcast``: start from rank 0's parameters (default ``True``).
 
     The wrapper is a ``torch.optim.Optimizer`` sharing ``optimizer.param_groups``,
@@ -132,7 +142,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.strategy.sharded and isinstance(optimizer, torch.optim.LBFGS):
             problems.append(f"{self.strategy.name} updates shards: LBFGS is not elementwise")
         # every rank learns about every rank's problem, or a difference, before anything else runs
-        _agree(self.comm, "DistributedOptimizer", self._params,
+        agree_tensors(self.comm, "DistributedOptimizer", self._params,
                f"groups {self._group_of}|{self.strategy!r}|{backward_passes_per_step}|"
                f"{find_unused_parameters}",
                "; ".join(problems) or None)
@@ -140,7 +150,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         order = sorted(range(len(self._params)),
                        key=lambda i: -model_ids.get(id(self._params[i]), -1 - i))
         self._ready_order = order
-        self._counts = [0] * len(self._params)
         self._hooks: list[Any] = []
         if hasattr(self.strategy, "on_switch"):
             self.strategy.on_switch(self._on_switch)
@@ -150,6 +159,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             rest = [p for p in model.parameters() if id(p) not in trained] + list(model.buffers())
             broadcast_parameters(rest, 0, self.comm)
         self._install_hooks()
+        self._init_loop()
         self.step_times: list[float] = []
         self._last_step: float | None = None
 
@@ -157,7 +167,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _build(self, cap_bytes: int, broadcast: bool) -> None:
         s = self.strategy
         self._planned_cap = cap_bytes
-        specs = [TensorSpec(i, self._params[i].numel(), _dtype_name(self._params[i]),
+        specs = [TensorSpec(i, self._params[i].numel(), dtype_name(self._params[i]),
                             self._params[i].element_size(), str(self._params[i].device), self._group_of[i])
                  for i in self._ready_order]
         self.buckets = plan_buckets(specs, self.comm.size, cap_bytes, s.first_cap_bytes, s.last_cap_bytes)
@@ -196,10 +206,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # (piece, param index, slice of the flat parameter, bucket index, slice of the bucket)
         self._pieces: list[tuple[torch.Tensor, int, slice, int, slice]] = []
         for b in self.buckets:
-            base = b.shard(rank).start
             for idx, pslice, bslice in b.pieces(rank):
                 piece = torch.nn.Parameter(self._flat_params[b.index][bslice], requires_grad=True)
-                piece.grad = self._shard_grads[b.index][bslice.start - base:bslice.stop - base]
+                piece.grad = self._flat_grads[b.index][bslice]     # the reduced shard lands here
                 groups[self._group_of[idx]].append(piece)
                 self._pieces.append((piece, idx, pslice, b.index, bslice))
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -222,10 +231,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _make_grad_hook(self, i: int) -> Any:
         def hook(p: torch.Tensor) -> None:
             view = self._grad_views[i]
-            if p.grad is not view:
+            fresh = p.grad is not view
+            if fresh:
                 # .grad was set to None (model.zero_grad) and autograd made a new tensor
                 view.copy_(p.grad)
                 p.grad = view
+            if not self._gradient_arrived(i, fresh):
+                return
             self._counts[i] += 1
             if self._counts[i] == self.backward_passes_per_step:
                 b = self._bucket_of[i]
@@ -256,6 +268,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buckets (``.grad`` stays a view of its bucket; ``set_to_none`` is ignored)."""
+        if self._synced:         # GradScaler skipped the last step(): close it
+            self._close_skipped_step()
         for g in self._flat_grads:
             g.zero_()
         for i, p in enumerate(self._params):
@@ -270,14 +284,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         t0 = time.perf_counter()
-        for i, c in enumerate(self._counts):
-            if c == 0:              # no gradient here this step: contribute zeros
-                self._grad_views[i].zero_()
-        for b in range(len(self.buckets)):
-            if not self._signaled[b]:
-                self._signal(b)
-        self.strategy.before_update()
-        unused = self._globally_unused() if self.find_unused_parameters else set()
+        self._reduce()          # done when backward returned, unless passes are missing
+        unused = self._unused
         if self.strategy.sharded:
             for sg, g in zip(self._shard_opt.param_groups, self.param_groups):
                 for k, v in g.items():
@@ -287,8 +295,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if idx in unused:
                     piece.grad = None
             self._shard_opt.step()
-            if unused:
-                self._restore_piece_grads()
+            for piece, _, _, bi, bslice in self._pieces:
+                piece.grad = self._flat_grads[bi][bslice]
         else:
             for i in unused:
                 self._params[i].grad = None
@@ -299,9 +307,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.strategy.after_update()
         if getattr(self.strategy, "sync_optimizer_state", False) and getattr(self.strategy, "synced", False):
             self._average_optimizer_state()     # SelSync in parameter mode: momentum agrees too
-        self._counts = [0] * len(self._params)
-        self._bucket_need = [len(b.slots) for b in self.buckets]
-        self._signaled = [False] * len(self.buckets)
+        self._end_step()
         now = time.perf_counter()
         self.step_times.append(now - t0)
         tuner = self.strategy.tuner
@@ -367,16 +373,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if new == "bsp":
             self._average_optimizer_state()
 
-    def _globally_unused(self) -> set[int]:
-        used = np.array([c > 0 for c in self._counts], np.int32)
-        used = self.comm.allreduce(used, "max", tag="unused")
-        return {i for i, u in enumerate(used) if not u}
-
-    def _restore_piece_grads(self) -> None:
-        for piece, _, _, bi, bslice in self._pieces:
-            base = self.buckets[bi].shard(self.comm.rank).start
-            piece.grad = self._shard_grads[bi][bslice.start - base:bslice.stop - base]
-
     def flush(self) -> _Flush:
         """Make parameters current on every rank now (evaluation, checkpoint, end of training).
 
@@ -402,7 +398,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if torch.is_tensor(v) and v.dim() > 0:
                     keys.add(k)
                 elif torch.is_tensor(v):
-                    d[k] = ("tensor", v.item(), _dtype_name(v))
+                    d[k] = ("tensor", v.item(), dtype_name(v))
                 else:
                     d[k] = ("value", v, None)
         gathered = self.comm.mpi_comm.allgather((sorted(keys), scalars))
@@ -450,6 +446,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         A collective for sharded strategies: call it on every rank.
         """
+        self.strategy.complete()
         full = self._full_state()
         saved = dict(self._inner.state)
         try:

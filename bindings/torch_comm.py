@@ -18,15 +18,15 @@ from commlib.errors import MismatchError, ValidationError
 from commlib.ops import agree
 
 
-def _dtype_name(t: torch.Tensor) -> str:
+def dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _agree(comm: commlib.Communicator, what: str, tensors: list[torch.Tensor], extra: str = "",
+def agree_tensors(comm: commlib.Communicator, what: str, tensors: list[torch.Tensor], extra: str = "",
            problem: str | None = None) -> None:
     """Raise the same error on every rank unless all ranks have the same tensors (shapes, dtypes,
     devices) and ``extra`` settings, and none has a ``problem`` (one small all-gather)."""
-    desc = ";".join(f"{tuple(t.shape)}/{_dtype_name(t)}/{t.device.type}" for t in tensors) + "|" + extra
+    desc = ";".join(f"{tuple(t.shape)}/{dtype_name(t)}/{t.device.type}" for t in tensors) + "|" + extra
     try:
         agree(comm, what, desc, noun="tensor list",
               summary=f"{len(tensors)} tensors, {sum(t.numel() for t in tensors)} elements", problem=problem)
@@ -53,7 +53,7 @@ def broadcast_parameters(params: Any, root_rank: int = 0, comm: commlib.Communic
     """
     comm = comm or commlib.init()
     tensors = _tensors(params)
-    _agree(comm, "broadcast_parameters", tensors)
+    agree_tensors(comm, "broadcast_parameters", tensors)
     with torch.no_grad():
         for t in tensors:
             if t.numel():

@@ -77,3 +77,6 @@ class DeAR(Strategy):
 
     def flush(self) -> None:
         self._wait(self._gather)
+
+    def complete(self) -> None:
+        self.flush_pending()

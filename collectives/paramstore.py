@@ -93,7 +93,7 @@ from mpi4py import MPI
 
 from commlib import CommTimeoutError, ValidationError, split_counts
 
-from .rma_progress import _PROGRESS, _Pump, _resolve_progress
+from .rma_progress import PROGRESS_MODES, Pump, resolve_progress
 
 _DTYPES = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
 _LAYOUTS = ("sharded", "server")
@@ -163,8 +163,8 @@ class ParamStore:
                 raise ValidationError(f"server {server!r}: not a rank of 0..{self.size - 1}")
             if not progress_interval_s > 0:
                 raise ValidationError(f"progress_interval_s {progress_interval_s!r}: expected > 0")
-            if progress not in _PROGRESS:
-                raise ValidationError(f"progress {progress!r}: expected one of {_PROGRESS}")
+            if progress not in PROGRESS_MODES:
+                raise ValidationError(f"progress {progress!r}: expected one of {PROGRESS_MODES}")
             init_a = None if init is None else _as_host(init, "init", int(numel), _DTYPES[name], False)
         except (ValidationError, TypeError) as exc:
             err = str(exc)
@@ -179,7 +179,7 @@ class ParamStore:
             timeout = float(getattr(comm, "timeout", 0.0) or 0.0)
         self.timeout = float(timeout)
         self._mpi = base.Dup()
-        self.progress = _resolve_progress(progress, self._mpi)
+        self.progress = resolve_progress(progress, self._mpi)
         self._interval = float(progress_interval_s)
         if layout == "sharded":
             self.counts = split_counts(self.numel, self.size)
@@ -215,7 +215,7 @@ class ParamStore:
         self._clock_buf = np.zeros(self.size, np.int64)
         self._clock_scratch = np.zeros(1, np.int64)
         self._order = [(self.rank + 1 + i) % self.size for i in range(self.size)]
-        self._pump: _Pump | None = None
+        self._pump: Pump | None = None
         self._my_clock = 0
         self._closed = False
         self.stats = {"pushes": 0, "pulls": 0, "bytes_pushed": 0, "bytes_pulled": 0,
@@ -227,7 +227,7 @@ class ParamStore:
         """Serve one-sided traffic without the caller (starts the thread if ``progress="thread"``)."""
         self._check()
         if self.progress == "thread" and self._pump is None and self.size > 1:
-            self._pump = _Pump(self._mpi, self._interval, f"commlib-paramstore-r{self.rank}")
+            self._pump = Pump(self._mpi, self._interval, f"commlib-paramstore-r{self.rank}")
             self._pump.start()
 
     def deactivate(self) -> None:

@@ -1,9 +1,9 @@
 """Progress for passive-target one-sided traffic: who makes MPI move bytes when the target computes.
 
 MPICH over ofi/tcp completes a passive-target accumulate only when the
-target calls into MPI; :class:`_Pump` is a daemon thread that pokes MPI
+target calls into MPI; :class:`Pump` is a daemon thread that pokes MPI
 (``Iprobe``) every ``interval_s`` while a store is asynchronous, and
-:func:`_resolve_progress` picks the mechanism (``auto``: MPICH's own
+:func:`resolve_progress` picks the mechanism (``auto``: MPICH's own
 progress thread when ``MPIR_CVAR_ASYNC_PROGRESS`` is set, none when all ranks
 share memory, else the pump).
 """
@@ -18,16 +18,16 @@ from mpi4py import MPI
 
 from commlib import ValidationError
 
-_PROGRESS = ("auto", "thread", "mpich", "none")
+PROGRESS_MODES = ("auto", "thread", "mpich", "none")
 
 
 def _truthy(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def _resolve_progress(progress: str, mpi_comm: Any) -> str:
-    if progress not in _PROGRESS:
-        raise ValidationError(f"progress {progress!r}: expected one of {_PROGRESS}")
+def resolve_progress(progress: str, mpi_comm: Any) -> str:
+    if progress not in PROGRESS_MODES:
+        raise ValidationError(f"progress {progress!r}: expected one of {PROGRESS_MODES}")
     if progress != "auto":
         return progress
     if _truthy("MPIR_CVAR_ASYNC_PROGRESS"):
@@ -40,7 +40,7 @@ def _resolve_progress(progress: str, mpi_comm: Any) -> str:
     return "none" if all_local else "thread"
 
 
-class _Pump(threading.Thread):
+class Pump(threading.Thread):
     """Calls ``MPI_Iprobe`` every ``interval`` seconds so that this rank serves one-sided traffic."""
 
     def __init__(self, mpi_comm: Any, interval: float, name: str):

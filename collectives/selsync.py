@@ -81,6 +81,7 @@ ewma, significance, synced)``, the last ``trace_len`` steps.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -263,16 +264,24 @@ class SelSync(Strategy):
             self.stats["flush_syncs"] += 1
             self._wait_average()
 
+    def complete(self) -> None:
+        """Finish the averaging in flight (no new collective)."""
+        self._wait_average()
+        if self.mode == "grads":
+            self.inner.complete()
+
     # ------------------------------------------------------------------ the gate, framework-free
     def observe(self, grads: Sequence[Any] | None = None) -> float:
         """Measure this step's local gradient (``grads``, default the setup's buffers):
         update the EWMA and return the significance.  Call once per step, before any
-        communication touches the gradients."""
+        communication touches the gradients.  A non-finite norm (an overflowed
+        mixed-precision step, which a GradScaler skips) votes to sync and leaves
+        the EWMA as it was."""
         if self._want is not None:
             raise RuntimeError("observe() called twice in one step; finish the step with end_step()")
         t0 = time.perf_counter()
         norm = l2_norm(self.grads if grads is None else grads)
-        significance = self.meter.update(norm)
+        significance = self.meter.update(norm) if math.isfinite(norm) else math.inf
         self.stats["observe_s"] += time.perf_counter() - t0
         self._want = not significance < self.delta       # NaN or inf: sync
         self._norm, self._significance = norm, significance

@@ -141,6 +141,13 @@ class Strategy:
     def flush(self) -> None:
         """Make parameters current on every rank (evaluation, checkpoint, end of training)."""
 
+    def complete(self) -> None:
+        """Wait for the communication in flight and start none (safe from a module hook).
+
+        Unlike :meth:`flush`, never a new collective: after it, parameters are
+        what the last step made them (DeAR's all-gathers, SelSync's average done).
+        """
+
     # ------------------------------------------------------------------ helpers
     def _wait(self, works: list[Work | None], b: int | None = None) -> None:
         """Wait for ``works[b]`` (or all), counting the time blocked."""

@@ -323,6 +323,11 @@ class SyncSwitch(Strategy):
             for store, p in zip(self.stores, self._np_params):
                 store.pull(p)
 
+    def complete(self) -> None:
+        """BSP: the inner strategy's; asynchronous phases have nothing in flight after a step."""
+        if self.phase == "bsp":
+            self.bsp.complete()
+
     def close_stores(self) -> None:
         for store in self.stores:
             store.close()

@@ -1,0 +1,267 @@
+"""The training loop around :class:`bindings.torch.DistributedOptimizer`, written as for one process.
+
+:class:`TrainingLoop` is the part of ``DistributedOptimizer`` that the lines
+between ``backward()`` and ``step()`` meet:
+
+* gradients are final when ``backward()`` returns: an autograd final
+  callback (as DDP's) launches what is left and waits for the strategy's
+  reduction; ``opt.synchronize()`` and ``with opt.skip_synchronize():
+  opt.step()`` as Horovod users write them;
+* ``opt.clip_grad_norm_(max_norm, norm_type)`` clips by the global norm of
+  the gradient the update uses (sharded strategies: one scalar per rank gathered);
+* ``torch.amp.GradScaler``: a non-finite gradient on any rank is non-finite
+  on every rank, so every rank skips the same steps and scales alike;
+* ``with opt.no_sync():`` accumulates locally (DDP's name);
+* ``model.state_dict()``, ``model.load_state_dict()``, ``opt.state_dict()``
+  and evaluation forwards (``model.eval()`` or ``torch.no_grad()``) wait
+  for the communication in flight (DeAR's all-gathers) first;
+* parameters no rank gave a gradient at the first step are found (one small
+  all-reduce, once) and left out of the update, as one process would.
+
+Example (the full loop; ``scaler`` may be ``GradScaler("cpu", enabled=False)``):
+    >>> for x, y in loader:
+    ...     opt.zero_grad()
+    ...     with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...         loss = loss_fn(model(x), y)
+    ...     scaler.scale(loss).backward()          # gradients averaged when this returns
+    ...     scaler.unscale_(opt)
+    ...     opt.clip_grad_norm_(1.0)               # the global norm, any strategy
+    ...     scaler.step(opt); scaler.update(); sched.step()
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["TrainingLoop"]
+
+
+class TrainingLoop:
+    """Mixin of :class:`bindings.torch.DistributedOptimizer` (uses its buckets, views and strategy)."""
+
+    comm: Any
+    strategy: Any
+    model: torch.nn.Module
+    buckets: list[Any]
+    backward_passes_per_step: int
+    find_unused_parameters: bool
+    _params: list[torch.nn.Parameter]
+    _flat_grads: list[torch.Tensor]
+    _shard_grads: list[torch.Tensor]
+    _grad_views: list[torch.Tensor]
+    _signaled: list[bool]
+
+    def _init_loop(self) -> None:
+        self._no_sync_depth = 0
+        self._unused: set[int] = set()
+        self._unused_checked = False
+        self._end_step()
+        model = self.model
+        for m in model.modules():
+            m.register_state_dict_pre_hook(lambda *_: self.strategy.complete())
+            m.register_load_state_dict_pre_hook(lambda *_: self.strategy.complete())
+        model.register_forward_pre_hook(self._evaluation_forward)
+
+    def _evaluation_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if not module.training or not torch.is_grad_enabled():
+            self.strategy.complete()
+
+    def _end_step(self) -> None:
+        n = len(self._params)
+        self._counts = [0] * n
+        self._got = [False] * n
+        self._bucket_need = [len(b.slots) for b in self.buckets]
+        self._signaled = [False] * len(self.buckets)
+        self._passes = 0
+        self._callback_queued = False
+        self._synced = False
+        self._gathered = False
+
+    # ------------------------------------------------------------------ backward
+    def _gradient_arrived(self, i: int, fresh: bool) -> bool:
+        """From parameter ``i``'s gradient hook: True when it counts towards this step's reduction.
+
+        ``fresh``: ``.grad`` had been set to ``None`` since (``model.zero_grad()``)."""
+        if self._synced:
+            if not fresh:
+                raise RuntimeError("DistributedOptimizer: backward() ran again after this step's gradients "
+                                   "were averaged, before step() or zero_grad(); accumulate with "
+                                   "opt.no_sync() or backward_passes_per_step")
+            self._close_skipped_step()      # GradScaler skipped the last step(), then model.zero_grad()
+        self._got[i] = True
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        return self._no_sync_depth == 0
+
+    def _backward_done(self) -> None:
+        self._callback_queued = False
+        if self._no_sync_depth:
+            return
+        self._passes += 1
+        if self._passes >= self.backward_passes_per_step:
+            self._reduce()
+
+    def _reduce(self) -> None:
+        """Launch what is left, wait for the strategy's reduction, agree on unused parameters."""
+        if self._synced:
+            return
+        for i, got in enumerate(self._got):
+            if not got:          # no gradient this step (.grad may hold a stale value): zeros
+                self._grad_views[i].zero_()
+        for b in range(len(self.buckets)):
+            if not self._signaled[b]:
+                self._signal(b)
+        self.strategy.before_update()
+        if self.find_unused_parameters or not self._unused_checked:
+            self._detect_unused()
+        if self.strategy.sharded:
+            self._settle_shards()
+        self._synced = True
+
+    def _settle_shards(self) -> None:
+        """Sharded strategies: the reduced shard into ``.grad``'s positions (the update reads
+        them there), and a non-finite gradient on any rank made non-finite everywhere."""
+        if self.comm.size > 1:
+            bad = torch.tensor([float(any(not bool(torch.isfinite(g).all()) for g in self._flat_grads))])
+            self.comm.allreduce(bad, "max", out=bad, tag="nonfinite")
+            if bad.item():
+                for g in self._flat_grads:
+                    g.fill_(float("nan"))
+                return
+        rank = self.comm.rank
+        for b, g, sg in zip(self.buckets, self._flat_grads, self._shard_grads):
+            g[b.shard(rank)].copy_(sg)
+
+    def _detect_unused(self) -> None:
+        used = self.comm.allreduce(np.array(self._got, np.int32), "max", tag="unused")
+        self._unused = {i for i, u in enumerate(used) if not u}
+        if self._unused and not self.find_unused_parameters:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            listed = ", ".join(names.get(id(self._params[i]), f"#{i}") for i in sorted(self._unused))
+            warnings.warn(f"DistributedOptimizer: no rank gave a gradient to {listed} in the first step; "
+                          "they are left out of the update as single-process training leaves them, "
+                          "checked by one small all-reduce per step from now on (pass "
+                          "find_unused_parameters=True to say so, or leave them out of the optimizer)",
+                          stacklevel=2)
+            self.find_unused_parameters = True
+        self._unused_checked = True
+
+    def _close_skipped_step(self) -> None:
+        """A step whose update was skipped (GradScaler found inf): the strategy's step ends all the same."""
+        self.strategy.after_update()
+        self._end_step()
+
+    # ------------------------------------------------------------------ the Horovod and DDP names
+    def synchronize(self) -> None:
+        """Make ``.grad`` hold the gradient averaged over ranks now (Horovod's name).
+
+        Gradients are already averaged when ``backward()`` returns; a sharded
+        strategy (``DeAR``) then has only its shard, and ``synchronize()``
+        all-gathers the rest (one extra all-gather, the cost of an all-reduce's
+        second half), so that code reading every ``.grad`` (torch's
+        ``clip_grad_norm_``) sees the global gradient.  Collective: call it on
+        every rank.  ``step()`` then updates from ``.grad`` as modified.
+
+        Example:
+            >>> opt.synchronize()
+            >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            >>> with opt.skip_synchronize():
+            ...     opt.step()
+        """
+        self._reduce()
+        if self.strategy.sharded and not self._gathered and self.comm.size > 1:
+            rank = self.comm.rank
+            works = [self.comm.iallgather(g[b.shard(rank)], out=g, tag=f"grad.ag{b.index}")
+                     for b, g in zip(self.buckets, self._flat_grads)]
+            for w in works:
+                w.wait()
+        self._gathered = True
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[Any]:
+        """``with opt.skip_synchronize(): opt.step()`` after :meth:`synchronize` (Horovod's spelling).
+
+        ``step()`` never reduces twice, so this only states the intent; it is
+        here so that Horovod code runs unchanged.
+        """
+        yield self
+
+    @contextmanager
+    def no_sync(self) -> Iterator[Any]:
+        """Backward passes inside accumulate into ``.grad`` locally, without communicating (DDP's name).
+
+        The first backward outside (or ``step()``) reduces the sum; scale the
+        loss by the number of passes as with DDP.  ``backward_passes_per_step``
+        is the other spelling (it averages the passes for you).
+
+        Example:
+            >>> with opt.no_sync():
+            ...     (loss_fn(model(x1), y1) / 2).backward()
+            >>> (loss_fn(model(x2), y2) / 2).backward(); opt.step()
+        """
+        self._no_sync_depth += 1
+        try:
+            yield self
+        finally:
+            self._no_sync_depth -= 1
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients the update will use by their global norm; return that norm (as torch's).
+
+        The norm is the one single-process training computes on the
+        concatenated batch: that of the averaged gradient.  Full-gradient
+        strategies (``AllReduce``, ``SparseAllReduce``: the exchanged gradient;
+        ``SelSync`` and ``SyncSwitch`` on synchronous steps) need no
+        communication; a sharded strategy (``DeAR``) sums its shards' norms
+        through one small all-gather (a scalar per rank, as FSDP's all-reduce).
+        On a gate's local step (SelSync without sync, Sync-Switch's ASP/SSP)
+        each rank clips its own gradient.
+        A bad ``max_norm`` or ``norm_type`` raises before any collective
+        (sharded: on every rank, even when only one rank's is bad, through the
+        norm's own small all-gather).
+
+        Example:
+            >>> scaler.unscale_(opt)                # under a GradScaler: unscale first
+            >>> norm = opt.clip_grad_norm_(1.0)
+        """
+        problem = ""
+        if not (isinstance(max_norm, numbers.Real) and max_norm >= 0):
+            problem = f"max_norm {max_norm!r}: expected a number >= 0"
+        if not (isinstance(norm_type, numbers.Real) and norm_type > 0):
+            problem = f"norm_type {norm_type!r}: expected a number > 0 or inf"
+        sharded = self.strategy.sharded and not self._gathered and self.comm.size > 1
+        if problem and not sharded:          # no collective here: raise before any
+            raise ValueError(f"clip_grad_norm_: {problem}")
+        self._reduce()
+        p = float(norm_type) if not problem else 2.0
+        if sharded:
+            rank = self.comm.rank
+            parts = [g[b.shard(rank)] for b, g in zip(self.buckets, self._flat_grads)]
+        else:
+            parts = list(self._flat_grads)
+        norms = torch.stack([torch.linalg.vector_norm(g, p) for g in parts]).double()
+        if sharded:     # each rank's part of the norm and its problem, in one small all-gather
+            local = norms.max() if p == float("inf") else norms.pow(p).sum()
+            row = torch.stack([local, torch.tensor(float(bool(problem)), dtype=torch.float64)])
+            table = self.comm.allgather(row, tag="gradnorm")
+            if table[:, 1].any():
+                raise ValueError("clip_grad_norm_: ranks " + ", ".join(
+                    str(r) for r in range(self.comm.size) if table[r, 1]) + " rejected their arguments"
+                    + (f" (here: {problem})" if problem else ""))
+            total = table[:, 0].max() if p == float("inf") else table[:, 0].sum().pow(1.0 / p)
+        else:
+            total = torch.linalg.vector_norm(norms, p)
+        total = total.to(parts[0].dtype)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in self._flat_grads:
+            g.mul_(coef.to(g.dtype))
+        return total

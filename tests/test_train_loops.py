@@ -1,0 +1,307 @@
+"""The training loops people write, through DistributedOptimizer, against one process on the whole batch.
+
+One body, looped over strategies and patterns: every rank trains on its slice
+of each global batch; the reference is plain torch training the same model on
+the concatenated batch with the same loop (clipping, autocast, GradScaler with
+an inf injected on the last rank, accumulation, a checkpoint resumed without
+``flush()``, evaluation mid-training, an unused head).  Parameters must match
+the reference and be bitwise equal across ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import HAVE_TORCH
+
+pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+
+if HAVE_TORCH:
+    import torch
+
+    from commlib.bindings.torch import DistributedOptimizer
+    from commlib.collectives import AllReduce, DeAR, SelSync, SyncSwitch
+    from commlib.sparsify import Dense, SparseAllReduce
+
+    torch.set_num_threads(1)
+
+LOCAL = 4          # samples per rank per step (even: no_sync splits it in two)
+STEPS = 4
+CUT = 2            # checkpoint / evaluation / injected inf after this many steps
+MAX_NORM = 0.05    # small enough that every step clips
+SMALL = {"cap_mb": 0.0002, "first_cap_mb": 0.0001}     # several buckets on the tiny model
+
+STRATEGIES = {
+    "allreduce": lambda: AllReduce(**SMALL),
+    "dear": lambda: DeAR(**SMALL),
+    "selsync0": lambda: SelSync(inner=AllReduce(**SMALL), delta=0.0, mode="grads"),
+    "syncswitch-bsp": lambda: SyncSwitch(bsp=AllReduce(**SMALL)),
+    "sparse-dense": lambda: SparseAllReduce(selector=Dense()),
+} if HAVE_TORCH else {}
+PATTERNS = ["clip-horovod", "clip", "bf16", "fp16-scaler", "no_sync", "checkpoint", "eval", "unused-head"]
+
+# Mixed precision is compared with a single-process run under the same autocast.  The ranks'
+# weight gradients come from 16-bit matmuls over their own slice, averaged afterwards, where the
+# reference sums the whole batch in one matmul, so a gradient element may differ by about one
+# unit in the last place of the format: 2**-8 relative for bf16, 2**-11 for fp16.  bf16 (no
+# clipping, |g| <~ 1, lr 0.1, momentum 0.9, STEPS=4): about 4 * 0.1 * 4e-3 ~ 2e-3 in the
+# parameters (measured: 5e-4 at 4 ranks).  fp16 (clipped to norm 0.05, so each step moves a
+# parameter by <= 5e-3): about 4 * 5e-3 * 5e-4 ~ 1e-5, bounded at 2e-5 (measured: 1.5e-6).
+TOLERANCE = {"bf16": (0.0, 2e-3), "fp16-scaler": (0.0, 2e-5)}     # (rtol, atol)
+
+
+class Net(torch.nn.Module if HAVE_TORCH else object):
+    def __init__(self, head: bool):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 8)
+        self.fc2 = torch.nn.Linear(8, 3)
+        if head:                       # a head this run never uses
+            self.aux = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def make(seed: int, pattern: str) -> tuple[Net, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Net(head=pattern == "unused-head")
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+
+
+def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randn(LOCAL * size, 6, generator=g), torch.randn(LOCAL * size, 3, generator=g)
+
+
+def autocast(pattern: str):
+    dtype = {"bf16": torch.bfloat16, "fp16-scaler": torch.float16}.get(pattern)
+    return torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+
+
+def wrap(comm, strategy: str, model: Net, base: torch.optim.Optimizer) -> DistributedOptimizer:
+    return DistributedOptimizer(base, model, strategy=STRATEGIES[strategy](), comm=comm)
+
+
+def train(comm, strategy: str | None, pattern: str) -> dict:
+    """``strategy=None``: the single-process reference on the whole batch."""
+    rank, size = comm.rank, comm.size
+    model, opt = make(rank if strategy else 0, pattern)
+    if strategy:
+        opt = wrap(comm, strategy, model, opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=pattern == "fp16-scaler")
+    out = {"norms": [], "evals": [], "scales": []}
+    for step in range(STEPS):
+        x, y = batch(step, size)
+        if strategy:
+            x, y = x[rank * LOCAL:(rank + 1) * LOCAL], y[rank * LOCAL:(rank + 1) * LOCAL]
+        if strategy and pattern == "checkpoint" and step == CUT:    # save without flush(), resume fresh
+            msd, osd = copy.deepcopy(model.state_dict()), opt.state_dict()
+            if isinstance(opt.strategy, SyncSwitch):
+                opt.strategy.close()
+            model, base = make(rank + 7, pattern)
+            opt = wrap(comm, strategy, model, base)
+            model.load_state_dict(msd)
+            opt.load_state_dict(osd)
+        opt.zero_grad()
+        loss_fn = torch.nn.functional.mse_loss
+        if pattern == "no_sync":
+            half = len(x) // 2
+            with opt.no_sync() if strategy else contextlib.nullcontext():
+                (loss_fn(model(x[:half]), y[:half]) / 2).backward()
+            loss = loss_fn(model(x[half:]), y[half:]) / 2
+        else:
+            with autocast(pattern):
+                loss = loss_fn(model(x), y)
+        if pattern == "fp16-scaler" and step == CUT - 1 and (not strategy or rank == size - 1):
+            # one rank overflows in one gradient element: every rank must skip this step
+            loss = loss + model.fc1.bias[0] * float("inf")
+        scaler.scale(loss).backward()
+        if pattern == "clip-horovod":
+            if strategy:
+                opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            with opt.skip_synchronize() if strategy else contextlib.nullcontext():
+                opt.step()
+        elif pattern in ("clip", "fp16-scaler"):
+            scaler.unscale_(opt)
+            norm = (opt.clip_grad_norm_(MAX_NORM) if strategy
+                    else torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+            out["norms"].append(float(norm))
+            scaler.step(opt)
+            scaler.update()
+            out["scales"].append(scaler.get_scale())
+        else:
+            opt.step()
+        if pattern == "eval" and step == CUT:
+            model.eval()
+            with torch.no_grad():
+                out["evals"].append(model(batch(99, 1)[0]).numpy().copy())
+            model.train()
+    out["model"] = model
+    out["opt"] = opt
+    return out
+
+
+def params_of(model: Net) -> np.ndarray:
+    """Through ``model.state_dict()``, whose hook completes DeAR's all-gathers (no ``flush()``)."""
+    return torch.cat([v.reshape(-1) for v in model.state_dict().values()]).numpy()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_loop_trains_as_one_process(comm, strategy, pattern):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = train(comm, strategy, pattern)
+    ref = train(comm, None, pattern)
+    opt = got["opt"]
+    vec = params_of(got["model"])
+    for r, other in enumerate(comm.allgather(vec)):
+        np.testing.assert_array_equal(other, vec, err_msg=f"rank {r} differs from rank {comm.rank}")
+    rtol, atol = TOLERANCE.get(pattern, (2e-5, 2e-6))
+    np.testing.assert_allclose(vec, params_of(ref["model"]), rtol=rtol, atol=atol)
+    np.testing.assert_allclose(got["evals"], ref["evals"], rtol=rtol, atol=atol)
+    # the norm of fp16-made gradients differs as they do (2**-11 relative per element); at the
+    # skipped step it is inf or nan, on every rank as in the reference
+    finite = np.isfinite(ref["norms"])
+    np.testing.assert_array_equal(np.isfinite(got["norms"]), finite)
+    np.testing.assert_allclose(np.array(got["norms"])[finite], np.array(ref["norms"])[finite],
+                               rtol=1e-3 if pattern == "fp16-scaler" else 1e-5)
+    assert got["scales"] == ref["scales"]       # the injected inf halved the scale on every rank
+    unused_warned = [w for w in caught if "no rank gave a gradient" in str(w.message)]
+    assert len(unused_warned) == (pattern == "unused-head"), [str(w.message) for w in caught]
+    if pattern == "unused-head":
+        np.testing.assert_array_equal(got["model"].aux.weight.detach().numpy(),
+                                      make(0, pattern)[0].aux.weight.detach().numpy())
+    if isinstance(opt.strategy, SyncSwitch):
+        assert opt.strategy.phase == "bsp"
+        opt.strategy.close()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_gradients_are_averaged_when_backward_returns(comm, strategy):
+    """``.grad`` right after ``backward()`` is the whole batch's gradient (DeAR: after ``synchronize()``)."""
+    model, base = make(comm.rank, "plain")
+    opt = wrap(comm, strategy, model, base)
+    ref, _ = make(0, "plain")
+    x, y = batch(0, comm.size)
+    mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL)
+    torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+    if strategy == "dear":
+        opt.synchronize()
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=2e-5, atol=1e-7)
+    opt.step()
+    if isinstance(opt.strategy, SyncSwitch):
+        opt.strategy.close()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
+def test_clip_bad_arguments_raise_on_every_rank(comm, strategy):
+    model, base = make(comm.rank, "plain")
+    opt = wrap(comm, strategy, model, base)
+    x, y = batch(0, comm.size)
+    torch.nn.functional.mse_loss(model(x[:LOCAL]), y[:LOCAL]).backward()
+    before = comm.seq
+    if strategy == "allreduce":      # the same bad argument on every rank: raised before any collective
+        with pytest.raises(ValueError, match="max_norm -1.0"):
+            opt.clip_grad_norm_(-1.0)
+        assert comm.seq == before
+    else:                            # one rank's bad argument: every rank raises after the norm's all-gather
+        with pytest.raises(ValueError, match="rejected their arguments|max_norm nan"):
+            opt.clip_grad_norm_(float("nan") if comm.rank == comm.size - 1 else 1.0)
+    opt.step()
+
+
+@pytest.mark.mpi
+def test_selsync_gate_survives_an_overflowed_step(comm):
+    """A step GradScaler skips (inf gradient) makes the gate sync and leaves its EWMA finite."""
+    model, base = make(comm.rank, "plain")
+    gate = SelSync(inner=AllReduce(**SMALL), delta=0.5, window=2, warmup=1, mode="grads")
+    opt = DistributedOptimizer(base, model, strategy=gate, comm=comm)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(4):
+        x, y = batch(step, comm.size)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x[:LOCAL]), y[:LOCAL])
+        if step == 2:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert np.isfinite(gate.meter.value) and gate.trace[2][4]      # the overflowed step synced
+    assert scaler.get_scale() == 512.0
+
+
+@pytest.mark.mpi
+def test_second_backward_before_step_raises(comm):
+    """Accumulating without saying so would drop a pass: every rank raises, naming the fix."""
+    model, base = make(comm.rank, "plain")
+    opt = wrap(comm, "allreduce", model, base)
+    x, y = batch(0, comm.size)
+    torch.nn.functional.mse_loss(model(x[:LOCAL]), y[:LOCAL]).backward()
+    with pytest.raises(RuntimeError, match="no_sync"):
+        torch.nn.functional.mse_loss(model(x[:LOCAL]), y[:LOCAL]).backward()
+    opt.zero_grad()                # closes the step; training goes on
+    torch.nn.functional.mse_loss(model(x[:LOCAL]), y[:LOCAL]).backward()
+    opt.step()
+
+
+def readme_loop() -> str:
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text[text.index("## Training with a strategy (PyTorch)"):]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start:section.index("\n```", start)]
+
+
+@pytest.mark.mpi
+def test_readme_loop_runs_verbatim(comm, tmp_path):
+    """README's torch example, run as it stands, against the same loop in one process on whole batches."""
+    rank, size = comm.rank, comm.size
+
+    def loader(first: int, n: int, ranks: slice) -> list:
+        return [tuple(t[ranks] for t in batch(first + i, size)) for i in range(n)]
+
+    mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
+    model, _ = make(rank, "plain")
+    ns = {"model": model, "loss_fn": torch.nn.functional.mse_loss, "loader": loader(0, 3, mine),
+          "val_loader": loader(50, 2, mine), "epochs": 2, "device": "cpu", "amp_dtype": torch.bfloat16,
+          "path": tmp_path / "ckpt.pt"}
+    exec(compile(readme_loop(), "README.md", "exec"), ns)
+
+    ref, _ = make(0, "plain")
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=6)
+    for _epoch in range(2):
+        for x, y in loader(0, 3, slice(None)):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = torch.nn.functional.mse_loss(ref(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+            sched.step()
+    vec = params_of(model)
+    for r, other in enumerate(comm.allgather(vec)):
+        np.testing.assert_array_equal(other, vec, err_msg=f"rank {r} differs from rank {comm.rank}")
+    moved = np.abs(params_of(ref) - params_of(make(0, "plain")[0])).max()
+    np.testing.assert_allclose(vec, params_of(ref), rtol=0, atol=moved / 20)    # bf16: see TOLERANCE
+    with torch.no_grad():
+        val = sum(torch.nn.functional.mse_loss(ref(x), y).item() for x, y in ns["val_loader"]) / 2
+    assert ns["val_loss"] == pytest.approx(val, rel=2e-2)
+    if rank == 0:
+        saved = torch.load(ns["path"], weights_only=False)
+        saved_params = torch.cat([v.reshape(-1) for v in saved["model"].values()]).numpy()
+        np.testing.assert_array_equal(saved_params, vec)
+        plain = torch.optim.AdamW(make(0, "plain")[0].parameters(), lr=1e-3)
+        plain.load_state_dict({k: v for k, v in saved["opt"].items() if k != "commlib"})

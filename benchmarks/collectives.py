@@ -49,6 +49,7 @@ from mpi4py import MPI
 
 import commlib
 from benchmarks import _common as bc
+from benchmarks import engine_figures
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "rs+ag")
 CONTENDERS = ("mpi4py", "commlib", "commlib-nb", "commlib-t0", "gloo")
@@ -209,13 +210,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows[-1]["runnable"] = busy
             bar.update(1)
     bar.close()
+    engine = {}
+    if not args.no_engine_figures:
+        engine = {"overhead": engine_figures.overhead(world),
+                  "overlap": None if args.no_torch else engine_figures.overlap(world)}
     if dist is not None:
         dist.destroy_process_group()
     comm0.close()
     env["loadavg_end"] = list(os.getloadavg())
     argv = sys.argv[1:] if args.argv is None else args.argv
     return {"benchmark": "collectives", "command": " ".join(["python -m benchmarks.collectives", *argv]),
-            "env": env, "args": vars(args), "results": rows, "checks": checks(rows)}
+            "env": env, "args": vars(args), "results": rows, "checks": checks(rows),
+            "engine": engine, "engine_checks": engine_checks(engine)}
 
 
 def checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -230,6 +236,22 @@ def checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 out.append({"op": op, "ratio": name, "sizes": where, "worst_size": worst["bytes"],
                             "value": worst["ratio"][name], "paired": worst["ratio_paired"].get(name, {}),
                             "limit": limit, "ok": worst["ratio"][name] <= limit})
+    return out
+
+
+def engine_checks(engine: dict[str, Any]) -> list[dict[str, Any]]:
+    """The engine's targets: per-call overhead on one rank, overlap slowdowns on two."""
+    out = []
+    oh, ov = engine.get("overhead"), engine.get("overlap")
+    if oh:
+        out += [{"figure": "overhead, blocking (us)", "value": oh["blocking_overhead_us"], "limit": 5.0},
+                {"figure": "overhead, i-form + wait (us)", "value": oh["nonblocking_overhead_us"],
+                 "limit": 15.0}]
+    if ov:
+        out += [{"figure": "overlap: allreduce slowdown", "value": ov["allreduce_slowdown"], "limit": 0.15},
+                {"figure": "overlap: matmul slowdown", "value": ov["matmul_slowdown"], "limit": 0.15}]
+    for c in out:
+        c["ok"] = c["value"] <= c["limit"]
     return out
 
 
@@ -278,6 +300,26 @@ def report(doc: dict[str, Any]) -> str:
                 "over rounds of the same-round ratio, with its 95 % confidence interval)", "",
                 bc.markdown_table(["op", "ratio", "sizes", "worst at", "value", "paired", "paired 95% CI",
                                    "limit", ""], ck)]
+    eng = doc.get("engine") or {}
+    if eng.get("overhead"):
+        oh = eng["overhead"]
+        out += ["", "Per-call cost on one rank, 16 float32 (us): commlib against raw mpi4py", "",
+                bc.markdown_table(["form", "mpi4py", "commlib", "overhead"], [
+                    ["blocking", oh["mpi4py_us"], oh["commlib_us"], oh["blocking_overhead_us"]],
+                    ["i-form + wait()", oh["mpi4py-nb_us"], oh["commlib-nb_us"],
+                     oh["nonblocking_overhead_us"]]])]
+    if eng.get("overlap"):
+        ov = eng["overlap"]
+        out += ["", f"Overlap on 2 ranks: {bc.size_label(ov['bytes'])} iallreduce while the caller runs "
+                f"{ov['matmul_steps']} torch matmuls (256x256, one thread) (s)", "",
+                bc.markdown_table(["", "alone", "together", "slowdown"], [
+                    ["iallreduce", ov["allreduce_alone_s"], ov["allreduce_together_s"],
+                     ov["allreduce_slowdown"]],
+                    ["matmul loop", ov["matmul_alone_s"], ov["matmul_together_s"], ov["matmul_slowdown"]]])]
+    if doc.get("engine_checks"):
+        out += ["", "Engine targets", "", bc.markdown_table(["figure", "value", "limit", ""], [
+            [c["figure"], c["value"], c["limit"], "ok" if c["ok"] else "MISSED"]
+            for c in doc["engine_checks"]])]
     return "\n".join(out)
 
 
@@ -321,7 +363,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step", type=int, default=4, help="size ratio of the sweep (2, 4, ...)")
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     p.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS + OPTIONAL)
-    p.add_argument("--no-torch", action="store_true", help="leave torch.distributed/gloo out")
+    p.add_argument("--no-torch", action="store_true",
+                   help="leave torch.distributed/gloo (and the overlap figure) out")
+    p.add_argument("--no-engine-figures", action="store_true",
+                   help="skip the per-call overhead and overlap figures (benchmarks.engine_figures)")
     p.add_argument("--rounds", type=int, default=9, help="round-robin rounds per size (median kept)")
     p.add_argument("--timing", choices=("batch", "iter"), default="batch")
     p.add_argument("--iters", type=int, default=200, help="most calls per timed batch")

@@ -71,6 +71,14 @@ def init(backend: str | None = None, comm: Any = None, **settings: Any) -> Commu
     from mpi4py import MPI
 
     cfg = Config.from_env(backend=backend, **settings)
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        levels = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED",
+                  MPI.THREAD_SERIALIZED: "SERIALIZED"}
+        raise CommlibError(
+            f"MPI was initialized with MPI_THREAD_{levels.get(MPI.Query_thread(), '?')}; commlib "
+            "needs MPI_THREAD_MULTIPLE (its progress engine calls MPI from a thread of its own). "
+            "Let commlib or mpi4py initialize MPI (mpi4py.rc.thread_level = 'multiple', the "
+            "default), or call MPI_Init_thread with MPI_THREAD_MULTIPLE")
     base = MPI.COMM_WORLD if comm is None else comm
     name = cfg.backend
     if name == "auto":

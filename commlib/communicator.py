@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import atexit
-import math
-import time
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,25 +15,40 @@ from . import board as _board
 from .arrays import as_view
 from .backends.base import Pending, split_counts
 from .config import Config
-from .errors import CommAbortedError, CommlibError, ValidationError
+from .errors import CommAbortedError, ValidationError
 from .ops import OPS, Op, check_agreement, check_reduce_op, fingerprint, out_buffer
-from .poll import poll_until
+from .runner import Runner
 from .tracing import Tracer
-from .work import ProgressEngine, Work
+from .work import Work
 
-#: every communicator made, oldest first: closed in reverse order at exit
-_OPEN: list[weakref.ref] = []
+#: every communicator made, oldest first, with its runner (which outlives a communicator
+#: dropped unclosed while its engine thread still waits): closed in reverse order at exit
+_OPEN: list[tuple[weakref.ref, Runner]] = []
 
 
 def _close_all() -> None:
-    for ref in reversed(_OPEN):
+    """At exit: close every communicator; end the job if an operation is left dangling.
+
+    An operation given up after a timeout or a peer's failure stays posted in
+    MPI (collectives cannot be cancelled), and finalizing over it hangs: the
+    job is ended with ``MPI_Abort`` instead, so every rank exits (non-zero).
+    """
+    dangling = []
+    for ref, run in reversed(_OPEN):
         comm = ref()
-        if comm is not None:
-            try:
+        try:
+            if comm is not None:
                 comm.close()
-            except Exception:  # noqa: BLE001 - best effort at exit
-                pass
+            else:   # dropped without close(): only its engine can still hold an operation
+                run.close_engine()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+        dangling += run.unfinished()
     _OPEN.clear()
+    if dangling:
+        print(f"commlib: rank {MPI.COMM_WORLD.rank}: ending the job (MPI_Abort): operations left "
+              f"unfinished after an error: {', '.join(dangling)}", file=sys.stderr, flush=True)
+        MPI.COMM_WORLD.Abort(1)
 
 
 # registered after mpi4py's own exit hook (imported above us), so it runs before MPI_Finalize
@@ -69,8 +83,8 @@ class Communicator:
     def __init__(self, mpi_comm: Any, config: Config, backend: str = "mpi",
                  tracer: Tracer | None = None):
         self.config = config
-        self._timeout = config.timeout
         self._ctl = mpi_comm.Dup()          # control traffic: checks, counts
+        self._user = mpi_comm.Dup()         # what mpi_comm hands out: never the engine's
         self.rank: int = mpi_comm.rank
         self.size: int = mpi_comm.size
         self._mpi = mpi_comm
@@ -79,34 +93,31 @@ class Communicator:
             self._backend = NCCLBackend(mpi_comm)
         else:
             from .backends.mpi import MPIBackend
-            self._backend = MPIBackend(mpi_comm, config.cuda_aware, blocking=config.timeout == 0)
+            self._backend = MPIBackend(mpi_comm, config.cuda_aware)
         self.backend: str = self._backend.name
         self._board = _board.Board(self._ctl, OPS)
         world_rank = MPI.COMM_WORLD.rank
         self._tracer = tracer or Tracer(world_rank, config.timeline_path(world_rank), config.nvtx)
-        self._engine = ProgressEngine(self._execute, f"commlib-engine-r{self.rank}")
+        self._run = Runner(self.rank, self.size, config, self._backend, self._board, self._tracer,
+                           f"commlib-engine-r{self.rank}")
         self._seq = 0
-        self._aborted: BaseException | None = None
-        self._closed = False
-        _OPEN.append(weakref.ref(self))
+        _OPEN.append((weakref.ref(self), self._run))
 
     # ------------------------------------------------------------------ state
     @property
     def timeout(self) -> float:
         """Seconds an operation may take before :class:`CommTimeoutError` (0: no limit).
 
-        With 0 the MPI backend calls MPI's blocking collectives directly: the
-        fastest path, but a hang then stays a hang.
+        With 0 no watchdog looks at a wait: a hang then stays a hang, and a
+        peer's rejected input is not noticed either.
         """
-        return self._timeout
+        return self._run.timeout
 
     @timeout.setter
     def timeout(self, seconds: float) -> None:
         if not seconds >= 0:
             raise ValidationError(f"timeout {seconds!r}: expected seconds >= 0")
-        self._timeout = float(seconds)
-        if hasattr(self._backend, "blocking"):
-            self._backend.blocking = self._timeout == 0
+        self._run.timeout = float(seconds)
 
     @property
     def seq(self) -> int:
@@ -119,85 +130,26 @@ class Communicator:
 
     @property
     def mpi_comm(self) -> Any:
-        """The mpi4py communicator under this one (for one-sided windows and
-        point-to-point traffic that commlib does not wrap); do not free it."""
-        return self._mpi
+        """An mpi4py communicator of the same ranks (for one-sided windows and
+        point-to-point traffic that commlib does not wrap); do not free it.
 
-    def _check_alive(self) -> None:
-        if self._closed:
-            raise CommAbortedError("communicator is closed")
-        if self._aborted is not None:
-            raise CommAbortedError(f"communicator aborted: {self._aborted}") from self._aborted
+        It is a duplicate, never the one commlib's operations run on, so calls
+        made on it cannot interleave with queued operations.
+        """
+        return self._user
 
     def abort(self, reason: str = "abort() called") -> None:
         """Mark this communicator unusable on this rank; later operations raise
         :class:`CommAbortedError`, and peers on this node waiting in an
         operation with this rank raise it too instead of waiting for the timeout."""
-        if self._aborted is None:
-            self._aborted = CommAbortedError(reason)
+        if self._run.aborted is None:
+            self._run.aborted = CommAbortedError(reason)
             self._tracer.instant("abort", reason=str(reason))
             self._board.set(self._seq, "?", _board.ABORTED, reason)
 
-    # -------------------------------------------------------------- machinery
-    def _wait_pending(self, p: Pending, name: str, seq: int) -> None:
-        """Poll ``p`` to completion (:func:`commlib.poll.poll_until`); fail fast on a
-        peer's rejection or abort, raise on timeout."""
-        deadline = time.monotonic() + self.timeout if self.timeout > 0 else math.inf
-
-        def check(now: float) -> None:
-            rejected = self._board.rejected(seq)
-            if rejected:
-                self._fail(ValidationError(f"{name} #{seq}: " + "; ".join(
-                    f"rank {r.rank} rejected its input: {r.reason}" for r in rejected)), name, seq)
-            # a peer that gave up on this same operation (its own timeout) is a
-            # fellow waiter: this rank's own timeout will follow
-            aborted = [r for r in self._board.aborted() if (r.seq, r.op) != (seq, name)]
-            if aborted:
-                self._fail(CommAbortedError(f"{name} #{seq}: " + "; ".join(
-                    f"rank {r.rank} aborted the communicator after #{r.seq}: {r.reason}"
-                    for r in aborted)), name, seq)
-            if now >= deadline:
-                self._fail(self._board.timeout_error(name, seq, self.timeout, self.rank, self.size),
-                           name, seq)
-
-        poll_until(p._test, self.config.poll_spin, check)
-
-    def _fail(self, err: CommlibError, name: str, seq: int) -> None:
-        """An operation in flight failed: abort this communicator and raise ``err``.
-
-        The operation may still be posted inside the backend, so no later
-        operation can be trusted; peers on this node see the abort on the board.
-        """
-        self._tracer.instant("error", op=name, seq=seq, error=str(err))
-        self._aborted = err
-        backend_abort = getattr(self._backend, "abort", None)
-        if backend_abort is not None:  # NCCL: unblock the kernels still waiting
-            backend_abort()
-        self._board.set(seq, name, _board.ABORTED, str(err))
-        raise err
-
-    def _execute(self, op: Op, track: str = "engine") -> Any:
-        if self._aborted is not None or self._closed:
-            self._check_alive()
-        tr = self._tracer
-        board = self._board
-        board.set(op.seq, op.name, _board.IN_OP)
-        if tr.active:
-            if tr.path and op.submitted_us:
-                tr.add("queued", op.name, "engine", op.submitted_us, tr.now_us(), seq=op.seq)
-            token = tr.begin("running", op.name, track, op.tag, seq=op.seq, nbytes=op.nbytes)
-            try:
-                p = op.start()
-                self._wait_pending(p, op.name, op.seq)
-                p.finish()
-            finally:
-                tr.end(token)
-        else:
-            p = op.start()
-            self._wait_pending(p, op.name, op.seq)
-            p.finish()
-        board.set(op.seq, op.name, _board.IDLE)
-        return op.result()
+    def dangling(self) -> list[str]:
+        """Operations this rank gave up on (timeout, a peer's failure) that MPI still holds."""
+        return self._run.unfinished()
 
     def _agree(self, name: str, seq: int, fp: list[int], err: BaseException | None) -> None:
         """COMMLIB_CHECK: all ranks compare their calls before any enters the operation."""
@@ -205,7 +157,7 @@ class Communicator:
         table = np.empty((self.size, mine.size), np.int64)
         with self._tracer.span("running", "check", "control", seq=seq):
             req = self._ctl.Iallgather(mine, table)
-            self._wait_pending(Pending(req.Test), name, seq)
+            self._run.wait(Pending(req.Test, None, req), name, seq)
         invalid = [r for r in range(self.size) if table[r, 0] == 0]
         if invalid:
             reasons = self._ctl.allgather(None if err is None else str(err))
@@ -214,8 +166,9 @@ class Communicator:
         check_agreement(table, name, seq)
 
     def _call(self, name: str, build: Callable[[], Op], blocking: bool) -> Any:
-        if self._aborted is not None or self._closed:
-            self._check_alive()
+        run = self._run
+        if run.aborted is not None or run.closed:
+            run.check_alive()
         self._seq += 1
         seq = self._seq
         try:
@@ -229,7 +182,7 @@ class Communicator:
                 # Peers may already be inside this operation: they see the rejection
                 # on the board and raise it too.  Their posted operation could match
                 # this rank's next one, so the communicator is aborted everywhere.
-                self._aborted = err
+                run.aborted = err
                 self._board.set(seq, name, _board.REJECTED, str(err))
                 err.args = (f"{err} (communicator aborted: peers may already be inside "
                             f"{name} #{seq}; COMMLIB_CHECK=1 agrees on inputs first and "
@@ -237,17 +190,7 @@ class Communicator:
             raise err
         assert op is not None
         op.seq = seq
-        if blocking and self._engine.idle:
-            return self._execute(op, track="caller")
-        op.submitted_us = self._tracer.now_us() if self._tracer.path else 0.0
-        work = self._engine.submit(Work(op, waiter=self._wait_work))
-        return work.wait() if blocking else work
-
-    def _wait_work(self, work: Work, timeout: float | None) -> None:
-        op = work.op
-        with self._tracer.span("waiting", op.name, "caller", op.tag, seq=op.seq):
-            if not self._engine.help_until(work, timeout):
-                raise TimeoutError(f"{op} still running after wait(timeout={timeout})")
+        return run.call(op, blocking)
 
     # ------------------------------------------------------------- operations
     def _allreduce(self, x: Any, op: str, out: Any, tag: str | None) -> Op:
@@ -334,18 +277,22 @@ class Communicator:
     def _exchange_counts(self, mine: int, seq: int) -> list[int]:
         table = np.empty(self.size, np.int64)
         req = self._ctl.Iallgather(np.array([mine], np.int64), table)
-        self._wait_pending(Pending(req.Test), "allgatherv", seq)
+        self._run.wait(Pending(req.Test, None, req), "allgatherv", seq)
         return [int(c) for c in table]
 
     def _allgatherv(self, x: Any, counts: Sequence[int] | None, out: Any,
                     tag: str | None) -> Op:
         try:
             v = as_view(x, "allgatherv: x")
-        except ValidationError:
+        except ValidationError as exc:
             if counts is None:
+                if self.config.check:
+                    self._agree("allgatherv", self._seq, [], exc)
                 self._exchange_counts(-1, self._seq)
             raise
         if counts is None:
+            if self.config.check:   # the same call everywhere before the counts travel
+                self._agree("allgatherv", self._seq, fingerprint("allgatherv", v), None)
             counts = self._exchange_counts(v.count, self._seq)
             if min(counts) < 0:
                 bad = [r for r, c in enumerate(counts) if c < 0]
@@ -439,8 +386,8 @@ class Communicator:
         Example:
             >>> half = comm.split(color=comm.rank % 2)
         """
-        self._check_alive()
-        self._engine.drain()
+        self._run.check_alive()
+        self._run.engine.drain()
         sub = self._mpi.Split(MPI.UNDEFINED if color < 0 else color,
                               self.rank if key is None else key)
         if sub == MPI.COMM_NULL:
@@ -451,7 +398,7 @@ class Communicator:
 
     def synchronize(self) -> None:
         """Wait until every nonblocking operation submitted so far has finished."""
-        self._engine.drain()
+        self._run.engine.drain()
 
     def close(self) -> None:
         """Finish pending operations, free MPI resources and write the timeline.
@@ -462,18 +409,20 @@ class Communicator:
         A communicator that is aborted here or on a node-local peer frees
         nothing, since its peers may never join the collective frees.
         """
-        if self._closed:
+        run = self._run
+        if run.closed:
             return
-        if self._aborted is None and any(p.rank != self.rank for p in self._board.aborted()):
-            self._aborted = CommAbortedError("a peer aborted this communicator")
-        if self._aborted is None:
-            self._engine.close()
-        self._closed = True
+        if run.aborted is None and any(p.rank != self.rank for p in self._board.aborted()):
+            run.aborted = CommAbortedError("a peer aborted this communicator")
+        if run.aborted is None:
+            run.close_engine()
+        run.closed = True
         self._tracer.write()
-        if self._aborted is None:
+        if run.aborted is None:
             self._board.free()
             self._backend.free()
             self._ctl.Free()
+            self._user.Free()
 
     def __enter__(self) -> "Communicator":
         return self

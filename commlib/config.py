@@ -6,9 +6,9 @@ The one table of them is in README.md ("Settings"); in short:
 all ranks compare each call before entering it), ``COMMLIB_TIMELINE``
 (``timeline``: Chrome-trace path per rank), ``COMMLIB_NVTX`` (``nvtx``) and
 ``COMMLIB_MPI_CUDA_AWARE`` (``cuda_aware``: auto, 0, 1), ``COMMLIB_POLL_SPIN``
-(``poll_spin``: seconds a wait polls flat out before it backs off with short
-sleeps, so that ranks sharing cores leave them to computation; default
-0.001, ``inf`` never sleeps).  A keyword given to
+(``poll_spin``: seconds ``Work.wait()`` yields the core before it sleeps on
+the operation's completion, and an NCCL wait polls its event before it backs
+off; default 0.001, ``inf`` never sleeps).  A keyword given to
 :func:`commlib.init` wins over the variable.
 """
 

@@ -26,7 +26,8 @@ class Op:
     nbytes: int = 0
     tag: str | None = None
     seq: int = 0
-    submitted_us: float = 0.0
+    submitted_us: float = 0.0  # on the timeline's clock (only with a timeline)
+    token: Any = None        # the tracer's open "running" phase
     check_args: tuple = ()   # arguments of fingerprint(), computed only in check mode
 
     def __str__(self) -> str:

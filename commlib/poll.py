@@ -16,12 +16,12 @@ MAX_NAP_S = 1e-3
 def poll_until(test: Callable[[], bool], spin: float, check: Callable[[float], None]) -> None:
     """Call ``test()`` until it returns true.
 
-    For ``spin`` seconds the loop polls flat out, yielding the core between
+    For ``spin`` seconds the loop polls flat out, yielding the core every 8
     polls (ranks may share cores) and reading the clock only every 32 polls,
-    so that polling costs about what a blocking MPI call costs.  After that
-    it sleeps between polls, doubling from 20 us to 1 ms: a long transfer
-    then leaves the cores to the computation it overlaps (MPI progresses at
-    each poll; the kernel's socket buffers carry the link meanwhile).
+    so that polling costs what a blocking MPI call costs (MPI's own wait loop
+    polls and yields the same way).  After that it sleeps between polls,
+    doubling from 20 us to 1 ms, for device-stream operations whose progress
+    does not need the host (NCCL); MPI waits pass ``spin=math.inf``.
     ``check(now)`` runs every :data:`CHECK_EVERY_S` and may raise to give up.
 
     Example:
@@ -42,10 +42,11 @@ def poll_until(test: Callable[[], bool], spin: float, check: Callable[[float], N
                 return
             time.sleep(nap)
         else:
-            for _ in range(32):
+            for i in range(32):
                 if test():
                     return
-                yield_()
+                if i & 7 == 7:
+                    yield_()
         now = time.monotonic()
         if now >= relax:
             nap = min(2 * nap or 2e-5, MAX_NAP_S)

@@ -1,10 +1,15 @@
 """The progress engine and the ``Work`` handle of a nonblocking operation.
 
 A communicator's nonblocking operations run one after another, in submission
-order, on one background thread (MPI) or on the communicator's stream (NCCL);
-the caller holds a :class:`Work` and computes meanwhile.  A blocking call that
-finds the engine idle runs on the caller's thread (no hand-off); otherwise it
-queues behind the pending operations and waits, so the order is kept.
+order, on one background thread that waits for each inside MPI (so MPI
+progresses it at the speed of its own blocking call) or on the
+communicator's stream (NCCL); the caller holds a :class:`Work` and computes
+meanwhile.  An operation submitted while the engine is idle is started at
+once on the caller's thread (and completed there if it already finished, as
+small operations on one rank do): only operations that take time are handed
+to the thread.  A blocking call that finds the engine idle runs entirely on
+the caller's thread (no hand-off); otherwise it queues behind the pending
+operations and waits, so the order is kept.
 """
 
 from __future__ import annotations
@@ -16,6 +21,16 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import CommlibError
+
+#: how long the engine thread leaves a small operation its caller already posted to
+#: that caller's ``wait()`` before taking it over.  Each time the thread wakes it takes
+#: the GIL from the caller, which costs a scheduler slice where ranks share cores, so a
+#: claim does not wake it; operations up to :data:`CLAIM_MAX_BYTES` (about 1 ms on one
+#: host) then complete without a second wake, and an operation nobody waits for loses
+#: at most this much progress.  Larger operations go to the thread at once: their
+#: progress while the caller computes matters more than one hand-off.
+CLAIM_WINDOW_S = 1e-3
+CLAIM_MAX_BYTES = 1 << 20
 
 
 class Work:
@@ -30,16 +45,18 @@ class Work:
         array([1., 1., 1., 1.], dtype=float32)
     """
 
-    __slots__ = ("op", "_event", "_result", "_error", "_waiter", "_poll")
+    __slots__ = ("op", "started", "submitted", "_event", "_result", "_error", "_waiter")
 
-    def __init__(self, op: Any, waiter: Callable[["Work", float | None], None] | None = None,
-                 poll: Callable[[], bool] | None = None):
+    def __init__(self, op: Any, waiter: Callable[["Work", float | None], None] | None = None):
         self.op = op
+        #: the operation as started (a backend's ``Pending``), or ``None`` while queued
+        self.started: Any = None
+        #: ``time.monotonic()`` at submission
+        self.submitted = time.monotonic()
         self._event = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
         self._waiter = waiter
-        self._poll = poll
 
     def _complete(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
@@ -47,8 +64,6 @@ class Work:
 
     def test(self) -> bool:
         """True once the operation has finished (successfully or not); never blocks."""
-        if not self._event.is_set() and self._poll is not None:
-            self._poll()
         return self._event.is_set()
 
     is_completed = test
@@ -70,23 +85,23 @@ class Work:
 
 
 class ProgressEngine:
-    """Runs submitted operations one at a time, in submission order.
+    """Completes submitted operations one at a time, in submission order.
 
-    Whoever holds the run lock executes the operation at the head of the
-    queue: the background thread, so that operations progress while the
-    caller computes, or the caller itself inside :meth:`help_until` (its
-    ``wait()``), which saves two thread hand-offs per operation when the
-    caller waits right away.  An operation is always executed start to finish
-    by one thread, so no MPI request is ever polled by two threads.
+    ``complete(work)`` starts ``work.op`` if ``work.started`` is ``None``,
+    waits for it and finishes it; it runs on the engine's thread, or on the
+    caller's (:meth:`run_here`) when the engine is idle.  An operation is
+    always completed start to finish by one thread, so no MPI request is ever
+    waited on by two threads.
     """
 
-    def __init__(self, execute: Callable[[Any], Any], name: str):
-        self._execute = execute
+    def __init__(self, complete: Callable[[Work], Any], name: str):
+        self._complete = complete
         self._name = name
         self._queue: collections.deque[Work] = collections.deque()
-        self._cv = threading.Condition()
-        self._run_lock = threading.Lock()
+        self._cv = threading.Condition(threading.Lock())
         self._pending = 0
+        self._claimed = False   # a caller is completing the head operation (claim())
+        self._busy = False      # the thread is completing an operation
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -95,50 +110,66 @@ class ProgressEngine:
         """No operation queued or running."""
         return self._pending == 0
 
-    def submit(self, work: Work) -> Work:
+    def submit(self, work: Work, start: Callable[[Work], bool]) -> Work:
+        """Queue ``work``; when the engine is idle, ``start(work)`` runs first on this thread
+        and returns True if it already completed ``work`` (then nothing is queued)."""
         with self._cv:
             if self._closed:
                 raise CommlibError(f"{self._name}: communicator is closed")
+            self._pending += 1
+            if self._pending == 1:
+                # nothing ahead: start now, on the caller's thread, in submission order
+                try:
+                    if start(work):
+                        self._pending -= 1
+                        return work
+                except BaseException:
+                    self._pending -= 1
+                    raise
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
-            self._pending += 1
             self._queue.append(work)
             self._cv.notify()
         return work
 
-    def _run_one(self) -> bool:
-        """Execute the queue's head (the run lock is held); False if the queue was empty."""
+    def run_if_idle(self, fn: Callable[[], Any]) -> tuple[bool, Any]:
+        """Run ``fn`` on this thread if nothing is queued or running: ``(True, fn())``;
+        else ``(False, None)``.  Submissions from other threads wait meanwhile."""
         with self._cv:
-            if not self._queue:
-                return False
-            work = self._queue.popleft()
+            if self._closed:
+                raise CommlibError(f"{self._name}: communicator is closed")
+            if self._pending:
+                return False, None
+            return True, fn()
+
+    def claim(self, work: Work) -> bool:
+        """Take ``work`` off the queue if it is next and the thread has not picked it up;
+        the caller then completes it and calls :meth:`done`.  Saves two thread
+        hand-offs when the caller waits right after submitting."""
+        with self._cv:
+            if self._queue and self._queue[0] is work and not (self._claimed or self._busy):
+                self._queue.popleft()
+                self._claimed = True
+                return True
+        return False
+
+    def done(self, claimed: bool = False) -> None:
+        """One operation (run by the thread, or ``claimed``) has completed."""
+        with self._cv:
+            self._pending -= 1
+            if claimed:
+                self._claimed = False
+            self._cv.notify_all()
+
+    def _run_one(self, work: Work) -> None:
         try:
-            work._complete(self._execute(work.op))
+            work._complete(self._complete(work))
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
             work._complete(error=exc)
         with self._cv:
-            self._pending -= 1
-            self._cv.notify_all()
-        return True
-
-    def help_until(self, work: Work, timeout: float | None = None) -> bool:
-        """Run queued operations on this thread until ``work`` is done; False on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        done = work._event.is_set
-        while not done():
-            if self._run_lock.acquire(blocking=False):
-                try:
-                    while not done() and self._run_one():
-                        pass
-                finally:
-                    self._run_lock.release()
-                continue
-            left = 0.0005 if deadline is None else min(0.0005, deadline - time.monotonic())
-            if left <= 0:
-                return False
-            work._event.wait(left)
-        return True
+            self._busy = False
+        self.done()
 
     def drain(self) -> None:
         """Wait until every submitted operation has finished."""
@@ -146,20 +177,32 @@ class ProgressEngine:
             while self._pending:
                 self._cv.wait()
 
-    def close(self) -> None:
-        """Finish what is queued, then stop the thread."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish what is queued, then stop the thread; False if it is still busy
+        after ``timeout`` seconds (an operation that never completes)."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._closed:
+                while (not self._queue or self._claimed) and not self._closed:
                     self._cv.wait()
                 if not self._queue:
                     return
-            with self._run_lock:
-                self._run_one()
+                work = self._queue[0]
+                small = work.op.nbytes <= CLAIM_MAX_BYTES
+                if work.started is not None and small and not self._closed:
+                    # posted by its caller, who may wait for it at once: leave it to
+                    # them for a moment (claim()), which saves two thread hand-offs
+                    self._cv.wait(CLAIM_WINDOW_S)
+                    if not self._queue or self._queue[0] is not work:
+                        continue
+                self._queue.popleft()
+                self._busy = True
+            self._run_one(work)

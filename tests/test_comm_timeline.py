@@ -29,8 +29,9 @@ def test_timeline_file_holds_every_phase(tmp_path_factory):
         doc = json.load(f)
     events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     phases = {(e["args"]["op"], e["cat"]) for e in events}
-    assert {("allreduce", "queued"), ("allreduce", "running"), ("allreduce", "waiting"),
-            ("reduce_scatter", "running")} <= phases
+    assert {("allreduce", "queued"), ("allreduce", "running"), ("reduce_scatter", "running")} <= phases
+    if c.size > 1:   # on one rank an operation completes when it is posted: nothing to wait for
+        assert ("allreduce", "waiting") in phases
     running = [e for e in events if e["cat"] == "running" and e["args"]["op"] == "allreduce"]
     assert [e["args"]["tag"] for e in running] == ["bucket0", "bucket1", "bucket2"]
     assert [e["args"]["seq"] for e in running] == [1, 2, 3]

@@ -29,17 +29,21 @@ def split_counts(n: int, size: int) -> list[int]:
 
 
 class Pending:
-    """An operation in flight: ``test()`` until true, then ``finish()`` once.
+    """An operation in flight: wait until ``test()`` is true, then ``finish()`` once.
 
-    ``test`` must not block; ``finish`` runs the completion steps (copy back
-    from a staging buffer, divide for ``avg``) and may block briefly.
+    ``request``: the MPI request to wait on inside MPI (``None`` for backends
+    that complete on a device stream: their ``test`` is polled).  ``test``
+    must not block; ``finish`` runs the completion steps (copy back from a
+    staging buffer, divide for ``avg``) and may block briefly.
     """
 
-    __slots__ = ("_test", "_finish")
+    __slots__ = ("_test", "_finish", "request")
 
-    def __init__(self, test: Callable[[], bool], finish: Callable[[], None] | None = None):
+    def __init__(self, test: Callable[[], bool], finish: Callable[[], None] | None = None,
+                 request: Any = None):
         self._test = test
         self._finish = finish
+        self.request = request
 
     def test(self) -> bool:
         return self._test()

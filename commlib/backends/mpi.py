@@ -22,23 +22,9 @@ from .base import Pending
 
 _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-class _Done:
-    """A request that is already complete (blocking mode)."""
-
-    @staticmethod
-    def Test() -> bool:  # noqa: N802 - mirrors MPI.Request.Test
-        return True
-
-
-_DONE = _Done()
 _NONBLOCKING = {"allreduce": MPI.Intracomm.Iallreduce, "reduce_scatter": MPI.Intracomm.Ireduce_scatter,
                 "allgather": MPI.Intracomm.Iallgather, "allgatherv": MPI.Intracomm.Iallgatherv,
                 "bcast": MPI.Intracomm.Ibcast, "barrier": MPI.Intracomm.Ibarrier}
-_BLOCKING = {"allreduce": MPI.Intracomm.Allreduce, "reduce_scatter": MPI.Intracomm.Reduce_scatter,
-             "allgather": MPI.Intracomm.Allgather, "allgatherv": MPI.Intracomm.Allgatherv,
-             "bcast": MPI.Intracomm.Bcast, "barrier": MPI.Intracomm.Barrier}
 
 
 def mpi_cuda_aware() -> bool:
@@ -76,21 +62,15 @@ class MPIBackend:
 
     name = "mpi"
 
-    def __init__(self, comm: MPI.Intracomm, cuda_aware: bool | None = None,
-                 blocking: bool = False):
+    def __init__(self, comm: MPI.Intracomm, cuda_aware: bool | None = None):
         self.comm = comm
-        #: call MPI's blocking collectives (no timeout possible; used when timeout is 0)
-        self.blocking = blocking
         self.rank = comm.rank
         self.size = comm.size
         self.cuda_aware = mpi_cuda_aware() if cuda_aware is None else cuda_aware
 
     # -- helpers ---------------------------------------------------------
     def _go(self, name: str, *args: Any, **kw: Any) -> Any:
-        """Start MPI's nonblocking ``name``; or, in blocking mode, run the blocking one."""
-        if self.blocking:
-            _BLOCKING[name](self.comm, *args, **kw)
-            return _DONE
+        """Start MPI's nonblocking ``name`` and return its request."""
         return _NONBLOCKING[name](self.comm, *args, **kw)
 
     def _host(self, *arrays: Any, force: bool = False) -> tuple[Any, Any]:
@@ -140,7 +120,7 @@ class MPIBackend:
             sbuf = MPI.IN_PLACE if hsend is hrecv or _same(hsend, hrecv) else hsend
             req = self._go("allreduce", sbuf, hrecv, op=_MPI_OPS[op])
             if op != "avg" and not back:
-                return Pending(req.Test)
+                return Pending(req.Test, None, req)
 
         def finish() -> None:
             if op == "avg":
@@ -149,7 +129,7 @@ class MPIBackend:
                 hrecv[...] = work.astype(_BF16).view(np.uint16)
             self._copy_back(back, recv)
 
-        return Pending(req.Test, finish)
+        return Pending(req.Test, finish, req)
 
     def reduce_scatter(self, send: Any, recv: Any, dtype: str, op: str,
                        counts: Sequence[int]) -> Pending:
@@ -170,27 +150,28 @@ class MPIBackend:
                 hrecv[...] = work.astype(_BF16).view(np.uint16)
             self._copy_back(back, recv)
 
-        return Pending(req.Test, finish)
+        return Pending(req.Test, finish, req)
 
     def allgather(self, send: Any, recv: Any, dtype: str) -> Pending:
         (hsend, hrecv), back = self._host(send, recv)
         inplace = _ptr(hsend) == _ptr(hrecv) + self.rank * hsend.nbytes and not back
         req = self._go("allgather", MPI.IN_PLACE if inplace else hsend, hrecv)
-        return Pending(req.Test, lambda: self._copy_back(back, recv))
+        return Pending(req.Test, lambda: self._copy_back(back, recv), req)
 
     def allgatherv(self, send: Any, recv: Any, dtype: str, counts: Sequence[int]) -> Pending:
         (hsend, hrecv), back = self._host(send, recv)
         displs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(int).tolist()
         req = self._go("allgatherv", hsend, [hrecv, list(counts), displs, None])
-        return Pending(req.Test, lambda: self._copy_back(back, recv))
+        return Pending(req.Test, lambda: self._copy_back(back, recv), req)
 
     def broadcast(self, buf: Any, dtype: str, root: int) -> Pending:
         (hbuf,), back = self._host(buf)
         req = self._go("bcast", hbuf, root=root)
-        return Pending(req.Test, lambda: self._copy_back(back))
+        return Pending(req.Test, lambda: self._copy_back(back), req)
 
     def barrier(self) -> Pending:
-        return Pending(self._go("barrier").Test)
+        req = self._go("barrier")
+        return Pending(req.Test, None, req)
 
     def free(self) -> None:
         try:

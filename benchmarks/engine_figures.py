@@ -1,0 +1,134 @@
+"""Two figures of the progress engine, measured beside the collective sweep.
+
+* **Per-call overhead**: one rank (a communicator of its own), 16 float32, what
+  a commlib call costs beyond the raw mpi4py call: blocking ``allreduce``
+  against ``Allreduce``, and ``iallreduce(...).wait()`` against
+  ``Iallreduce(...).Wait()``, in microseconds (median of batches).  Only rank 0
+  measures; the other ranks sleep meanwhile, so that they do not compete for
+  the cores.
+* **Overlap**: two ranks, a 16 MiB ``iallreduce`` while the caller runs a torch
+  matmul loop (one torch thread): the slowdown of each against running alone.
+  The loop is sized to last about as long as the all-reduce alone; the
+  all-reduce's completion is stamped by a thread asleep in ``wait()``.  Ranks
+  beyond the first two sleep meanwhile.
+
+Both run inside ``python -m benchmarks.collectives`` (``--no-engine-figures`` skips them).
+
+Example:
+    >>> from mpi4py import MPI
+    >>> overhead(MPI.COMM_WORLD)["blocking_overhead_us"]     # rank 0
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+import commlib
+from benchmarks import _common as bc
+
+
+def _idle_until_done(world: Any, busy: bool) -> None:
+    """Ranks not measuring wait for those that do without spinning on the cores."""
+    req = world.Ibarrier()
+    if busy:
+        req.Wait()
+        return
+    while not req.Test():
+        time.sleep(1e-3)
+
+
+def _per_call(fn: Callable[[], Any], calls: int, batches: int) -> float:
+    clock = time.perf_counter
+    times = []
+    for _ in range(batches):
+        t0 = clock()
+        for _ in range(calls):
+            fn()
+        times.append((clock() - t0) / calls)
+    return bc.median(times)
+
+
+def overhead(world: Any, calls: int = 2000, batches: int = 9) -> dict[str, float] | None:
+    """Per-call overhead on one rank (collective over ``world``; rank 0's figures, else None)."""
+    mine = world.rank == 0
+    out = None
+    if mine:
+        c = commlib.init(comm=MPI.COMM_SELF)
+        raw = MPI.COMM_SELF.Dup()
+        x = np.ones(16, np.float32)
+        y = np.empty_like(x)
+        figs = {}
+        for _ in range(2):   # the second pass is the one kept (warm caches and allocator)
+            figs = {"mpi4py": _per_call(lambda: raw.Allreduce(x, y), calls, batches),
+                    "mpi4py-nb": _per_call(lambda: raw.Iallreduce(x, y).Wait(), calls, batches),
+                    "commlib": _per_call(lambda: c.allreduce(x, out=y), calls, batches),
+                    "commlib-nb": _per_call(lambda: c.iallreduce(x, out=y).wait(), calls, batches)}
+        out = {f"{k}_us": v * 1e6 for k, v in figs.items()}
+        out["blocking_overhead_us"] = (figs["commlib"] - figs["mpi4py"]) * 1e6
+        out["nonblocking_overhead_us"] = (figs["commlib-nb"] - figs["mpi4py-nb"]) * 1e6
+        c.close()
+        raw.Free()
+    _idle_until_done(world, mine)
+    return out
+
+
+def _matmul_loop(a: Any, steps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        a @ a
+    return time.perf_counter() - t0
+
+
+def overlap(world: Any, nbytes: int = 16 << 20, rounds: int = 5) -> dict[str, float] | None:
+    """Slowdowns of an ``iallreduce`` and a matmul loop run together, on ranks 0 and 1
+    (collective over ``world``; rank 0's figures, else None; None on one rank)."""
+    if world.size < 2:
+        return None
+    pair = world.Split(0 if world.rank < 2 else MPI.UNDEFINED, world.rank)
+    out = None
+    if pair != MPI.COMM_NULL:
+        import torch
+
+        torch.set_num_threads(1)
+        c = commlib.init(comm=pair)
+        x = np.ones(nbytes // 4, np.float32)
+        a = torch.randn(256, 256)
+        finished: list[float] = []
+
+        def allreduce_alone() -> float:
+            pair.Barrier()
+            t0 = time.perf_counter()
+            c.iallreduce(x, out=x).wait()
+            return time.perf_counter() - t0
+
+        t_ar = bc.median([allreduce_alone() for _ in range(rounds)])
+        per_step = bc.median([_matmul_loop(a, 20) / 20 for _ in range(rounds)])
+        steps = max(1, int(t_ar / per_step))
+        t_mm = bc.median([_matmul_loop(a, steps) for _ in range(rounds)])
+        ar_together, mm_together = [], []
+        for _ in range(rounds):
+            pair.Barrier()
+            t0 = time.perf_counter()
+            work = c.iallreduce(x, out=x)
+            # a thread asleep in wait() stamps the completion (it wakes once)
+            stamp = threading.Thread(target=lambda w=work: (w.wait(), finished.append(time.perf_counter())))
+            stamp.start()
+            mm_together.append(_matmul_loop(a, steps))
+            stamp.join()
+            ar_together.append(finished.pop() - t0)
+        out = {"bytes": nbytes, "allreduce_alone_s": t_ar, "matmul_alone_s": t_mm, "matmul_steps": steps,
+               "allreduce_together_s": bc.median(ar_together), "matmul_together_s": bc.median(mm_together)}
+        out["allreduce_slowdown"] = out["allreduce_together_s"] / t_ar - 1
+        out["matmul_slowdown"] = out["matmul_together_s"] / t_mm - 1
+        c.close()
+        pair.Free()
+        if world.rank != 0:
+            out = None
+    _idle_until_done(world, world.rank < 2)
+    return out

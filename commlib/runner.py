@@ -1,0 +1,237 @@
+"""Running one communicator's operations: post, wait, give up, finish.
+
+A :class:`Runner` is the half of a :class:`~commlib.communicator.Communicator`
+that deals with operations already validated and numbered (an
+:class:`~commlib.ops.Op`): it posts them in call order and shows them on the
+status board, waits for them (on the caller's thread, or on the progress
+engine's thread for nonblocking ones), gives up on a timeout or a peer's
+failure with an error naming the operation, its sequence number and the ranks,
+and remembers what it gave up while MPI still holds it (the job then ends with
+``MPI_Abort`` at exit instead of hanging in ``MPI_Finalize``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import board as _board
+from .backends.base import Pending
+from .config import Config
+from .errors import CommAbortedError, CommlibError, ValidationError
+from .ops import Op
+from .poll import CHECK_EVERY_S, poll_until
+from .tracing import Tracer
+from .work import ProgressEngine, Work
+
+
+class Runner:
+    """Posts, waits for and finishes the operations of one communicator (see module docs).
+
+    Example (what :meth:`Communicator.allreduce` does once its ``Op`` is built):
+        >>> result = runner.call(op, blocking=True)      # or a Work when blocking=False
+    """
+
+    def __init__(self, rank: int, size: int, config: Config, backend: Any, board: _board.Board,
+                 tracer: Tracer, name: str):
+        self.rank, self.size = rank, size
+        self.config = config
+        #: seconds an operation may take (0: no limit); the communicator's ``timeout``
+        self.timeout = config.timeout
+        self.backend = backend
+        self.board = board
+        self.board_lock = threading.Lock()
+        self.posted = 0                     # the last operation posted (what the board shows)
+        self.tracer = tracer
+        self.engine = ProgressEngine(self.complete_work, name)
+        self.running: Op | None = None      # the operation the engine thread is in
+        self.aborted: BaseException | None = None
+        self.closed = False
+        #: operations given up while posted: (label, whether it has completed since)
+        self.dangling: list[tuple[str, Callable[[], bool]]] = []
+
+    def check_alive(self) -> None:
+        """Raise :class:`CommAbortedError` if the communicator is closed or aborted."""
+        if self.closed:
+            raise CommAbortedError("communicator is closed")
+        if self.aborted is not None:
+            raise CommAbortedError(f"communicator aborted: {self.aborted}") from self.aborted
+
+    def close_engine(self) -> None:
+        """Let the engine finish what is queued; give up (aborted, dangling) after the timeout."""
+        if not self.engine.close(self.timeout or None):
+            self.aborted = CommAbortedError(f"close: {self.running} still running after {self.timeout:g} s")
+            self.dangling.append((str(self.running), lambda: False))
+
+    def unfinished(self) -> list[str]:
+        """Operations given up (timeout, a peer's failure) that MPI still holds."""
+        return [f"{label} (rank {self.rank} of {self.size})" for label, done in self.dangling if not done()]
+
+    def call(self, op: Op, blocking: bool) -> Any:
+        """Run ``op``: its result (``blocking``), else its :class:`Work`."""
+        if blocking:
+            ran, result = self.engine.run_if_idle(lambda: self.finish(op, self.start(op)))
+            if ran:
+                return result
+        if self.tracer.path:
+            op.submitted_us = self.tracer.now_us()
+        work = self.engine.submit(Work(op, self.wait_work), self.start_work)
+        return work.wait() if blocking else work
+
+    def verdict(self, seq: int, name: str, late: bool) -> CommlibError | None:
+        """Whether a wait for operation ``seq`` must be given up (the watchdog asks)."""
+        rejected = self.board.rejected(seq)
+        if rejected:
+            return ValidationError(f"{name} #{seq}: " + "; ".join(
+                f"rank {r.rank} rejected its input: {r.reason}" for r in rejected))
+        # a peer that gave up on this same operation (its own timeout) is a
+        # fellow waiter: this rank's own timeout will follow
+        aborted = [r for r in self.board.aborted() if (r.seq, r.op) != (seq, name)]
+        if aborted:
+            return CommAbortedError(f"{name} #{seq}: " + "; ".join(
+                f"rank {r.rank} aborted the communicator after #{r.seq}: {r.reason}"
+                for r in aborted))
+        if self.aborted is not None:
+            return CommAbortedError(f"{name} #{seq}: communicator aborted: {self.aborted}")
+        if late:
+            return self.board.timeout_error(name, seq, self.timeout, self.rank, self.size)
+        return None
+
+    def wait(self, p: Pending, name: str, seq: int) -> None:
+        """Drive ``p`` to completion on this thread; raise (and abort) when it must be given up.
+
+        MPI advances a nonblocking collective only inside MPI calls, so the
+        loop tests the request back to back, yielding the core between tests
+        (ranks may share cores): measured as fast as MPI's own blocking call
+        (``benchmarks/results/collectives-cpu-4ranks.md``).  It never sleeps;
+        every :data:`~commlib.poll.CHECK_EVERY_S` it asks :meth:`verdict`.
+        Device-stream operations (NCCL) may back off after ``poll_spin``.
+        """
+        if p.test():
+            return
+        deadline = time.monotonic() + self.timeout if self.timeout > 0 else math.inf
+
+        def check(now: float) -> None:
+            err = self.verdict(seq, name, now >= deadline)
+            if err is not None:
+                self.dangling.append((f"{name} #{seq}", p.test))
+                self.fail(err, name, seq)
+
+        poll_until(p.test, math.inf if p.request is not None else self.config.poll_spin, check)
+
+    def fail(self, err: CommlibError, name: str, seq: int) -> None:
+        """An operation in flight failed: abort this communicator and raise ``err``.
+
+        The operation may still be posted inside the backend, so no later
+        operation can be trusted; peers on this node see the abort on the board.
+        """
+        self.tracer.instant("error", op=name, seq=seq, error=str(err))
+        self.aborted = err
+        backend_abort = getattr(self.backend, "abort", None)
+        if backend_abort is not None:  # NCCL: unblock the kernels still waiting
+            backend_abort()
+        self.board.set(seq, name, _board.ABORTED, str(err))
+        raise err
+
+    def start(self, op: Op) -> Pending:
+        """Post ``op`` (operations are posted in call order) and show it on the board."""
+        if self.aborted is not None or self.closed:
+            self.check_alive()
+        with self.board_lock:
+            self.posted = op.seq
+            self.board.set(op.seq, op.name, _board.IN_OP)
+        tr = self.tracer
+        if tr.active:
+            if op.submitted_us:
+                tr.add("queued", op.name, "engine", op.submitted_us, tr.now_us(), seq=op.seq)
+            op.token = tr.begin("running", op.name, "engine", op.tag, seq=op.seq, nbytes=op.nbytes)
+        return op.start()
+
+    def finish(self, op: Op, p: Pending) -> Any:
+        """Wait for the posted ``op`` on this thread, finish it and return its result."""
+        try:
+            self.wait(p, op.name, op.seq)
+            p.finish()
+        finally:
+            self.tracer.end(op.token)
+        self.settled(op)
+        return op.result()
+
+    def settled(self, op: Op) -> None:
+        with self.board_lock:
+            if self.posted == op.seq:
+                self.board.set(op.seq, op.name, _board.IDLE)
+
+    def complete_work(self, work: Work) -> Any:
+        """The engine thread's job: start ``work`` if still queued, wait for it, finish it.
+
+        MPI requests are waited on inside ``MPI_Wait`` (the GIL released, MPI
+        progressing at its own speed); the caller's :meth:`wait_work` watches
+        for timeouts and peers' failures meanwhile.
+        """
+        op = work.op
+        self.running = op
+        try:
+            if work.started is None:
+                work.started = self.start(op)
+            p = work.started
+            if p.request is not None:
+                p.request.Wait()
+            else:
+                self.wait(p, op.name, op.seq)
+            p.finish()
+        finally:
+            self.tracer.end(op.token)
+            self.running = None
+        self.settled(op)
+        return op.result()
+
+    def start_work(self, work: Work) -> bool:
+        """Start ``work`` now, on the caller's thread (the engine is idle); True if it completed."""
+        p = work.started = self.start(work.op)
+        if not p.test():
+            return False
+        try:
+            work._complete(self.finish(work.op, p))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            work._complete(error=exc)
+        return True
+
+    def wait_work(self, work: Work, timeout: float | None) -> None:
+        """``Work.wait``: yield the core for ``poll_spin``, then sleep on the work's event;
+        every :data:`~commlib.poll.CHECK_EVERY_S` give up if :meth:`verdict` says so."""
+        op = work.op
+        tr = self.tracer
+        token = tr.begin("waiting", op.name, "caller", op.tag, seq=op.seq) if tr.active else None
+        try:
+            if self.engine.claim(work):     # still queued, next in line: complete it here
+                try:
+                    work._complete(self.finish(op, work.started or self.start(op)))
+                except BaseException as exc:  # noqa: BLE001 - Work.wait raises it
+                    work._complete(error=exc)
+                finally:
+                    self.engine.done(claimed=True)
+                return
+            done = work._event.is_set
+            now = time.monotonic()
+            until = now + (math.inf if timeout is None else timeout)
+            spin_end = min(now + self.config.poll_spin, until)
+            while not done() and time.monotonic() < spin_end:
+                os.sched_yield()
+            while not done():
+                now = time.monotonic()
+                if now >= until:
+                    raise TimeoutError(f"{op} still running after wait(timeout={timeout})")
+                stuck = self.running or op
+                late = self.timeout > 0 and now >= work.submitted + self.timeout
+                err = self.verdict(stuck.seq, stuck.name, late)
+                if err is not None:
+                    self.dangling.append((str(stuck), done))
+                    self.fail(err, stuck.name, stuck.seq)
+                work._event.wait(min(CHECK_EVERY_S, until - now))
+        finally:
+            tr.end(token)

@@ -1,0 +1,96 @@
+"""Broken jobs, one per case, run by tests/test_comm_exit.py under ``mpiexec``.
+
+Each case checks on every rank the error it must raise, writes ``DIR/ok.RANK``
+and meets the others in a barrier of ``COMM_WORLD`` (not broken); the job must
+then end on its own (commlib calls ``MPI_Abort`` at exit when an operation was
+given up while posted) instead of hanging at finalize.
+
+Usage: mpiexec -n 2 python tests/jobs/broken.py CASE DIR
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import commlib
+
+
+def fresh(**settings) -> commlib.Communicator:
+    return commlib.init(comm=MPI.COMM_WORLD, **settings)
+
+
+def expect(exc_type: type, fn, match: str = "") -> BaseException:
+    try:
+        fn()
+    except exc_type as exc:
+        assert match in str(exc), f"{match!r} not in {exc}"
+        return exc
+    raise AssertionError(f"{exc_type.__name__} not raised")
+
+
+def rejected() -> None:
+    """Without COMMLIB_CHECK, peers already inside the op learn of a rejection at once."""
+    c = fresh(check=False, timeout=60)
+    x = np.ones(3, np.complex64 if c.rank == 1 else np.float32)
+    t0 = time.monotonic()
+    err = expect(commlib.ValidationError, lambda: c.allreduce(x), "complex64")
+    assert time.monotonic() - t0 < 30, "peers must not wait for the timeout"
+    if c.rank != 1:
+        assert "rank 1 rejected its input" in str(err)
+    expect(commlib.CommAbortedError, lambda: c.allreduce(np.ones(2)))
+
+
+def deadlock() -> None:
+    """Ranks wait on different communicators for each other: every rank raises."""
+    a, b = fresh(timeout=1.0), fresh(timeout=1.0)
+    last = a.size - 1
+    a.barrier()  # a #1 completes everywhere
+    mine = b if a.rank == last else a
+    err = expect(commlib.CommTimeoutError, lambda: mine.allreduce(np.ones(8)))
+    if a.rank == last:
+        assert (err.op, err.seq, err.waiting, err.missing) == ("allreduce", 1, [last], list(range(last)))
+        assert "rank 0 has not called any operation" in str(err)
+    else:
+        assert (err.op, err.seq, err.waiting, err.missing) == ("allreduce", 2, list(range(last)), [last])
+        assert f"rank {last} idle after barrier #1" in str(err)
+    expect(commlib.CommAbortedError, lambda: mine.allreduce(np.ones(2)), "timed out")
+
+
+def never_arrives() -> None:
+    """A rank never calls: the others' nonblocking work raises after the timeout."""
+    c = fresh(timeout=0.5)
+    if c.rank == 0:
+        time.sleep(2.0)
+        return
+    work = c.iallreduce(np.ones(16))
+    err = expect(commlib.CommTimeoutError, work.wait, "allreduce #1 timed out")
+    assert 0 in err.missing and "rank 0 has not called any operation" in str(err)
+
+
+def only_rank0() -> None:
+    """The issue's job: COMMLIB_TIMEOUT from the environment, rank 0 alone calls."""
+    c = commlib.init()
+    if c.rank == 0:
+        expect(commlib.CommTimeoutError, lambda: c.allreduce(np.ones(4)), "timed out")
+
+
+def unwaited() -> None:
+    """Nobody waits for the stuck operation: closing at exit gives up after the timeout."""
+    c = fresh(timeout=1.0)
+    if c.rank == 0:
+        c.iallreduce(np.ones(4))
+
+
+CASES = {f.__name__: f for f in (rejected, deadlock, never_arrives, only_rank0, unwaited)}
+
+if __name__ == "__main__":
+    CASES[sys.argv[1]]()
+    # a file per rank: mpiexec may drop a rank's last output when the job is aborted
+    with open(os.path.join(sys.argv[2], f"ok.{MPI.COMM_WORLD.rank}"), "w") as f:
+        f.write(sys.argv[1])
+    MPI.COMM_WORLD.Barrier()   # every rank reports before the first one ends the job

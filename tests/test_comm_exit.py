@@ -1,0 +1,48 @@
+"""A broken job ends: every rank raises its error, then the job exits non-zero in bounded time.
+
+Each case of ``tests/jobs/broken.py`` runs as its own ``mpiexec`` job (a job left with
+an operation given up while posted is ended with ``MPI_Abort``, which would end a
+pytest run too).  Single-process tests: they launch the jobs themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+
+
+def run_job(case: str, ranks: int, timeout: float, tmp_path,
+            **env: str) -> tuple[subprocess.CompletedProcess, float, list[int]]:
+    """Run the case; return the job, its seconds, and the ranks whose checks passed."""
+    t0 = time.monotonic()
+    proc = subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable, os.path.join(HERE, "jobs", "broken.py"),
+                           case, str(tmp_path)], capture_output=True, text=True, timeout=timeout + 60,
+                          env={**os.environ, **env})
+    ok = sorted(int(name.split(".")[1]) for name in os.listdir(tmp_path) if name.startswith("ok."))
+    return proc, time.monotonic() - t0, ok
+
+
+@pytest.mark.parametrize("case,ranks,timeout", [
+    ("rejected", 2, 60), ("deadlock", 3, 1), ("never_arrives", 2, 0.5), ("unwaited", 2, 1),
+])
+def test_broken_job_raises_everywhere_then_exits(case, ranks, timeout, tmp_path):
+    proc, took, ok = run_job(case, ranks, timeout, tmp_path)
+    out = proc.stdout + proc.stderr
+    assert ok == list(range(ranks)), out
+    assert proc.returncode != 0, out
+    assert took < timeout + 10 + 5, f"{case}: {took:.1f} s\n{out}"   # + job start-up
+
+
+def test_timed_out_job_exits_within_timeout_plus_10s(tmp_path):
+    """The issue's reproducer: COMMLIB_TIMEOUT=5, only rank 0 calls allreduce."""
+    proc, took, ok = run_job("only_rank0", 2, 5, tmp_path, COMMLIB_TIMEOUT="5")
+    assert ok == [0, 1], proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert took < 5 + 10, f"{took:.1f} s"

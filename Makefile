@@ -4,7 +4,7 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 MPIEXEC := $(VENV)/bin/mpiexec
 EXTRAS  ?= mpich,torch,jax,tune,test,bench,dev
-STAMP   := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml | cksum | cut -d' ' -f1)
+STAMP   := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 RESULTS ?= benchmarks/results/latest
 # the emulated cluster of `make bench` (benchmarks/cluster): ranks, link rate, extra options
 RANKS   ?= 4
@@ -17,9 +17,10 @@ MPI_TEST_TIMEOUT ?= 900
 
 setup: $(STAMP)
 
-$(STAMP): setup.cfg pyproject.toml
+# setup.cfg states ranges; constraints.txt pins the versions these machines run
+$(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --disable-pip-version-check -q -e ".[$(EXTRAS)]"
+	$(PY) -m pip install --disable-pip-version-check -q -c constraints.txt -e ".[$(EXTRAS)]"
 	rm -f $(VENV)/.installed-*
 	touch $@
 

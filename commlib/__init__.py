@@ -14,14 +14,17 @@ Settings come from ``COMMLIB_*`` variables or keywords (see :mod:`commlib.config
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .arrays import DTYPES
 from .backends.base import REDUCE_OPS, split_counts
-from .communicator import OPS, Communicator
 from .config import Config
 from .errors import CommAbortedError, CommlibError, CommTimeoutError, MismatchError, ValidationError
+from .ops import OPS
 from .work import Work
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
 
 __all__ = [
     "init", "world", "Communicator", "Work", "Config", "split_counts", "DTYPES", "OPS",
@@ -31,6 +34,14 @@ __all__ = [
 __version__ = "0.1.0"
 
 _world: Communicator | None = None
+
+
+def __getattr__(name: str) -> Any:
+    # importing mpi4py.MPI initializes MPI: ``import commlib`` must not, the first init() does
+    if name == "Communicator":
+        from .communicator import Communicator
+        return Communicator
+    raise AttributeError(f"module 'commlib' has no attribute {name!r}")
 
 
 def _gpu_ranks_fit(mpi_comm: Any) -> bool:
@@ -69,6 +80,8 @@ def init(backend: str | None = None, comm: Any = None, **settings: Any) -> Commu
     if _world is not None and backend is None and comm is None and not settings:
         return _world
     from mpi4py import MPI
+
+    from .communicator import Communicator
 
     cfg = Config.from_env(backend=backend, **settings)
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:

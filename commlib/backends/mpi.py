@@ -44,11 +44,14 @@ def _is_device(a: Any) -> bool:
     return not isinstance(a, np.ndarray)
 
 
+def _may_overlap(a: Any, b: Any) -> bool:
+    """False when two host arrays certainly do not overlap (a cheap bounds check)."""
+    return not (type(a) is np.ndarray and type(b) is np.ndarray and not np.may_share_memory(a, b))
+
+
 def _same(a: Any, b: Any) -> bool:
     """Whether two arrays start at the same address (an in-place call)."""
-    if type(a) is np.ndarray and type(b) is np.ndarray and not np.may_share_memory(a, b):
-        return False
-    return _ptr(a) == _ptr(b)
+    return _may_overlap(a, b) and _ptr(a) == _ptr(b)
 
 
 def _ptr(a: Any) -> int:
@@ -138,10 +141,10 @@ class MPIBackend:
         if upcast:
             s = hsend.view(_BF16).astype(np.float32)
             work = np.empty(hrecv.size, np.float32)
-            req = self._go("reduce_scatter", s, work, list(counts), op=_MPI_OPS[op])
+            req = self._go("reduce_scatter", s, work, counts, op=_MPI_OPS[op])
         else:
             work = hrecv
-            req = self._go("reduce_scatter", hsend, hrecv, list(counts), op=_MPI_OPS[op])
+            req = self._go("reduce_scatter", hsend, hrecv, counts, op=_MPI_OPS[op])
 
         def finish() -> None:
             if op == "avg":
@@ -154,7 +157,8 @@ class MPIBackend:
 
     def allgather(self, send: Any, recv: Any, dtype: str) -> Pending:
         (hsend, hrecv), back = self._host(send, recv)
-        inplace = _ptr(hsend) == _ptr(hrecv) + self.rank * hsend.nbytes and not back
+        inplace = not back and _may_overlap(hsend, hrecv) and (
+            _ptr(hsend) == _ptr(hrecv) + self.rank * hsend.nbytes)
         req = self._go("allgather", MPI.IN_PLACE if inplace else hsend, hrecv)
         return Pending(req.Test, lambda: self._copy_back(back, recv), req)
 

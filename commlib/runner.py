@@ -196,27 +196,31 @@ class Runner:
         if not p.test():
             return False
         try:
-            work._complete(self.finish(work.op, p))
+            work.complete(self.finish(work.op, p))
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-            work._complete(error=exc)
+            work.complete(error=exc)
         return True
 
     def wait_work(self, work: Work, timeout: float | None) -> None:
         """``Work.wait``: yield the core for ``poll_spin``, then sleep on the work's event;
-        every :data:`~commlib.poll.CHECK_EVERY_S` give up if :meth:`verdict` says so."""
+        every :data:`~commlib.poll.CHECK_EVERY_S` give up if :meth:`verdict` says so.
+
+        A work still queued and next in line is claimed and completed on this
+        thread instead; it then runs to completion (bounded by the communicator's
+        timeout, not by ``timeout``)."""
         op = work.op
         tr = self.tracer
         token = tr.begin("waiting", op.name, "caller", op.tag, seq=op.seq) if tr.active else None
         try:
             if self.engine.claim(work):     # still queued, next in line: complete it here
                 try:
-                    work._complete(self.finish(op, work.started or self.start(op)))
+                    work.complete(self.finish(op, work.started or self.start(op)))
                 except BaseException as exc:  # noqa: BLE001 - Work.wait raises it
-                    work._complete(error=exc)
+                    work.complete(error=exc)
                 finally:
                     self.engine.done(claimed=True)
                 return
-            done = work._event.is_set
+            done = work.test
             now = time.monotonic()
             until = now + (math.inf if timeout is None else timeout)
             spin_end = min(now + self.config.poll_spin, until)
@@ -232,6 +236,6 @@ class Runner:
                 if err is not None:
                     self.dangling.append((str(stuck), done))
                     self.fail(err, stuck.name, stuck.seq)
-                work._event.wait(min(CHECK_EVERY_S, until - now))
+                work.sleep(min(CHECK_EVERY_S, until - now))
         finally:
             tr.end(token)

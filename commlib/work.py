@@ -58,9 +58,14 @@ class Work:
         self._error: BaseException | None = None
         self._waiter = waiter
 
-    def _complete(self, result: Any = None, error: BaseException | None = None) -> None:
+    def complete(self, result: Any = None, error: BaseException | None = None) -> None:
+        """Record the outcome and wake the waiters (called once, by whoever completed the operation)."""
         self._result, self._error = result, error
         self._event.set()
+
+    def sleep(self, seconds: float) -> bool:
+        """Sleep until the operation finishes or ``seconds`` pass; True if it finished."""
+        return self._event.wait(seconds)
 
     def test(self) -> bool:
         """True once the operation has finished (successfully or not); never blocks."""
@@ -88,10 +93,11 @@ class ProgressEngine:
     """Completes submitted operations one at a time, in submission order.
 
     ``complete(work)`` starts ``work.op`` if ``work.started`` is ``None``,
-    waits for it and finishes it; it runs on the engine's thread, or on the
-    caller's (:meth:`run_here`) when the engine is idle.  An operation is
-    always completed start to finish by one thread, so no MPI request is ever
-    waited on by two threads.
+    waits for it and finishes it on the engine's thread.  A caller completes
+    operations itself when the engine is idle (:meth:`run_if_idle`, the
+    ``start`` of :meth:`submit`) or when it waits for the next queued one
+    (:meth:`claim`).  An operation is always completed by one thread, so no
+    MPI request is ever waited on by two threads.
     """
 
     def __init__(self, complete: Callable[[Work], Any], name: str):
@@ -164,9 +170,9 @@ class ProgressEngine:
 
     def _run_one(self, work: Work) -> None:
         try:
-            work._complete(self._complete(work))
+            work.complete(self._complete(work))
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-            work._complete(error=exc)
+            work.complete(error=exc)
         with self._cv:
             self._busy = False
         self.done()

@@ -106,8 +106,9 @@ def test_parsers_bounds_and_straggler_specs():
 
 def test_unshaped_fallback_marks_every_figure():
     proc = _cli("--ranks", "2", "--unshaped", "--timeout", "60", "--", sys.executable, "-c",
-                "import os; print('SHAPED', os.environ['COMMLIB_CLUSTER_SHAPED'], "
-                "'RATE' in os.environ.get('COMMLIB_CLUSTER_RATE', 'RATE'))")
+                # one write per rank: print's pieces interleave across ranks when unbuffered
+                "import os, sys; sys.stdout.write('SHAPED %s %s\\n' % (os.environ['COMMLIB_CLUSTER_SHAPED'], "
+                "'RATE' in os.environ.get('COMMLIB_CLUSTER_RATE', 'RATE')))")
     assert proc.returncode == 0, proc.stderr
     assert "NOT SHAPED" in proc.stderr
     assert proc.stdout.count("SHAPED 0 True") == 2

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -44,8 +43,11 @@ class Runner:
         self.timeout = config.timeout
         self.backend = backend
         self.board = board
-        self.board_lock = threading.Lock()
-        self.posted = 0                     # the last operation posted (what the board shows)
+        # the last operation posted (what the board shows).  start() and settled() need no
+        # lock: the engine runs one operation at a time, and whoever completes it (the engine
+        # thread, a caller that claimed it, a blocking call on an idle engine) settles it
+        # before the next one can start
+        self.posted = 0
         self.tracer = tracer
         self.engine = ProgressEngine(self.complete_work, name)
         self.running: Op | None = None      # the operation the engine thread is in
@@ -74,7 +76,7 @@ class Runner:
     def call(self, op: Op, blocking: bool) -> Any:
         """Run ``op``: its result (``blocking``), else its :class:`Work`."""
         if blocking:
-            ran, result = self.engine.run_if_idle(lambda: self.finish(op, self.start(op)))
+            ran, result = self.engine.run_if_idle(self.run_here, op)
             if ran:
                 return result
         if self.tracer.path:
@@ -141,9 +143,8 @@ class Runner:
         """Post ``op`` (operations are posted in call order) and show it on the board."""
         if self.aborted is not None or self.closed:
             self.check_alive()
-        with self.board_lock:
-            self.posted = op.seq
-            self.board.set(op.seq, op.name, _board.IN_OP)
+        self.posted = op.seq
+        self.board.set(op.seq, op.name, _board.IN_OP)
         tr = self.tracer
         if tr.active:
             if op.submitted_us:
@@ -151,20 +152,24 @@ class Runner:
             op.token = tr.begin("running", op.name, "engine", op.tag, seq=op.seq, nbytes=op.nbytes)
         return op.start()
 
+    def run_here(self, op: Op) -> Any:
+        """Post ``op`` and wait for it on this thread; its result."""
+        return self.finish(op, self.start(op))
+
     def finish(self, op: Op, p: Pending) -> Any:
         """Wait for the posted ``op`` on this thread, finish it and return its result."""
         try:
             self.wait(p, op.name, op.seq)
             p.finish()
         finally:
-            self.tracer.end(op.token)
+            if op.token is not None:
+                self.tracer.end(op.token)
         self.settled(op)
         return op.result()
 
     def settled(self, op: Op) -> None:
-        with self.board_lock:
-            if self.posted == op.seq:
-                self.board.set(op.seq, op.name, _board.IDLE)
+        if self.posted == op.seq:
+            self.board.set(op.seq, op.name, _board.IDLE)
 
     def complete_work(self, work: Work) -> Any:
         """The engine thread's job: start ``work`` if still queued, wait for it, finish it.

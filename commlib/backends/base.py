@@ -37,16 +37,15 @@ class Pending:
     staging buffer, divide for ``avg``) and may block briefly.
     """
 
-    __slots__ = ("_test", "_finish", "request")
+    __slots__ = ("test", "_finish", "request")
 
     def __init__(self, test: Callable[[], bool], finish: Callable[[], None] | None = None,
                  request: Any = None):
-        self._test = test
+        #: ``test()``: whether the operation is complete (the backend's own callable:
+        #: a wait loop calls it back to back, so no frame of ours sits in between)
+        self.test = test
         self._finish = finish
         self.request = request
-
-    def test(self) -> bool:
-        return self._test()
 
     def finish(self) -> None:
         if self._finish is not None:

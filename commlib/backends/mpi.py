@@ -22,10 +22,6 @@ from .base import Pending
 
 _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _BF16 = np.dtype(ml_dtypes.bfloat16)
-_NONBLOCKING = {"allreduce": MPI.Intracomm.Iallreduce, "reduce_scatter": MPI.Intracomm.Ireduce_scatter,
-                "allgather": MPI.Intracomm.Iallgather, "allgatherv": MPI.Intracomm.Iallgatherv,
-                "bcast": MPI.Intracomm.Ibcast, "barrier": MPI.Intracomm.Ibarrier}
-
 
 def mpi_cuda_aware() -> bool:
     """Whether the loaded MPI library says it accepts CUDA device pointers."""
@@ -72,10 +68,6 @@ class MPIBackend:
         self.cuda_aware = mpi_cuda_aware() if cuda_aware is None else cuda_aware
 
     # -- helpers ---------------------------------------------------------
-    def _go(self, name: str, *args: Any, **kw: Any) -> Any:
-        """Start MPI's nonblocking ``name`` and return its request."""
-        return _NONBLOCKING[name](self.comm, *args, **kw)
-
     def _host(self, *arrays: Any, force: bool = False) -> tuple[Any, Any]:
         """Host stand-ins for device arrays (staged) and the copy-backs to do.
 
@@ -117,11 +109,11 @@ class MPIBackend:
         (hsend, hrecv), back = self._host(send, recv, force=upcast)
         if upcast:  # MPI has no bfloat16 arithmetic: reduce in float32
             work = hsend.view(_BF16).astype(np.float32)
-            req = self._go("allreduce", MPI.IN_PLACE, work, op=_MPI_OPS[op])
+            req = self.comm.Iallreduce(MPI.IN_PLACE, work, _MPI_OPS[op])
         else:
             work = hrecv
             sbuf = MPI.IN_PLACE if hsend is hrecv or _same(hsend, hrecv) else hsend
-            req = self._go("allreduce", sbuf, hrecv, op=_MPI_OPS[op])
+            req = self.comm.Iallreduce(sbuf, hrecv, _MPI_OPS[op])
             if op != "avg" and not back:
                 return Pending(req.Test, None, req)
 
@@ -141,10 +133,10 @@ class MPIBackend:
         if upcast:
             s = hsend.view(_BF16).astype(np.float32)
             work = np.empty(hrecv.size, np.float32)
-            req = self._go("reduce_scatter", s, work, counts, op=_MPI_OPS[op])
+            req = self.comm.Ireduce_scatter(s, work, counts, _MPI_OPS[op])
         else:
             work = hrecv
-            req = self._go("reduce_scatter", hsend, hrecv, counts, op=_MPI_OPS[op])
+            req = self.comm.Ireduce_scatter(hsend, hrecv, counts, _MPI_OPS[op])
 
         def finish() -> None:
             if op == "avg":
@@ -159,22 +151,22 @@ class MPIBackend:
         (hsend, hrecv), back = self._host(send, recv)
         inplace = not back and _may_overlap(hsend, hrecv) and (
             _ptr(hsend) == _ptr(hrecv) + self.rank * hsend.nbytes)
-        req = self._go("allgather", MPI.IN_PLACE if inplace else hsend, hrecv)
+        req = self.comm.Iallgather(MPI.IN_PLACE if inplace else hsend, hrecv)
         return Pending(req.Test, lambda: self._copy_back(back, recv), req)
 
     def allgatherv(self, send: Any, recv: Any, dtype: str, counts: Sequence[int]) -> Pending:
         (hsend, hrecv), back = self._host(send, recv)
         displs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(int).tolist()
-        req = self._go("allgatherv", hsend, [hrecv, list(counts), displs, None])
+        req = self.comm.Iallgatherv(hsend, [hrecv, list(counts), displs, None])
         return Pending(req.Test, lambda: self._copy_back(back, recv), req)
 
     def broadcast(self, buf: Any, dtype: str, root: int) -> Pending:
         (hbuf,), back = self._host(buf)
-        req = self._go("bcast", hbuf, root=root)
+        req = self.comm.Ibcast(hbuf, root)
         return Pending(req.Test, lambda: self._copy_back(back), req)
 
     def barrier(self) -> Pending:
-        req = self._go("barrier")
+        req = self.comm.Ibarrier()
         return Pending(req.Test, None, req)
 
     def free(self) -> None:

@@ -31,7 +31,7 @@ def test_wheel_installs_one_name_beside_namesakes(tmp_path):
     (wheel,) = wheels.glob("commlib-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"commlib", wheel.name.split("-py")[0] + ".dist-info"}
-    for sub in ("collectives", "sparsify", "bindings"):
+    for sub in ("collectives", "sparsify", "bindings", "horovod", "horovod/torch"):
         assert f"commlib/{sub}/__init__.py" in names
     assert not any(n.startswith("commlib/benchmarks") for n in names)
 
@@ -51,7 +51,7 @@ def test_wheel_installs_one_name_beside_namesakes(tmp_path):
     with open(os.path.join(purelib, "zz_deps.pth"), "w") as f:
         f.write("\n".join(site.getsitepackages()) + "\n")
     code = ("import commlib, commlib.collectives, commlib.sparsify, commlib.bindings.torch, "
-            "commlib.bindings.jax, commlib.torch, commlib.jax; "
+            "commlib.bindings.jax, commlib.torch, commlib.jax, commlib.horovod.torch; "
             f"assert commlib.__file__.startswith({purelib!r}), commlib.__file__; "
             + "; ".join(f"import {n}; assert {n}.OWNER == 'not commlib: {n}'" for n in namesakes))
     # the mpich wheel's libmpi sits under this venv's prefix, where mpi4py finds it by its own prefix

@@ -1,0 +1,304 @@
+"""commlib.horovod.torch: Horovod's PyTorch API, every result against a float64 or single-process reference.
+
+Single-process tests check the surface; the ``mpi`` tests run under ``mpiexec -n 2`` and
+``-n 4``: collectives against numpy over every rank's input (each rank can rebuild all
+inputs), errors raised on every rank with the job still usable after them, and
+``DistributedOptimizer`` against one process training on the concatenated batch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import numpy as np
+import pytest
+
+from conftest import HAVE_TORCH
+
+pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+
+if HAVE_TORCH:
+    import torch
+
+    import commlib.horovod.torch as hvd
+    from commlib.collectives import DeAR
+
+    torch.set_num_threads(1)
+
+DTYPES = ["int8", "int32", "int64", "float16", "float32", "float64"]
+
+
+def rank_tensor(r: int, shape: tuple, dtype: str, salt: int = 0) -> torch.Tensor:
+    """Rank r's input: small integers (exact in every dtype)."""
+    g = np.random.default_rng([r, salt, len(shape), 7])
+    return torch.from_numpy(g.integers(-5, 6, size=shape)).to(getattr(torch, dtype))
+
+
+def stacked(size: int, shape: tuple, dtype: str, salt: int = 0) -> np.ndarray:
+    return np.stack([rank_tensor(r, shape, dtype, salt).double().numpy() for r in range(size)])
+
+
+# ---------------------------------------------------------------------- one process
+def test_surface_and_basics():
+    hvd.init()
+    hvd.init()                                   # idempotent
+    assert hvd.is_initialized() and 0 <= hvd.rank() < hvd.size()
+    assert 0 <= hvd.local_rank() < hvd.local_size() and 0 <= hvd.cross_rank() < hvd.cross_size()
+    assert hvd.mpi_built() and hvd.mpi_enabled() and hvd.mpi_threads_supported()
+    assert not hvd.gloo_built() and not hvd.gloo_enabled() and isinstance(hvd.nccl_built(), int)
+    assert issubclass(hvd.HorovodInternalError, RuntimeError)
+    assert (hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product) == (0, 1, 2, 3, 4, 5)
+    with pytest.raises(NotImplementedError):
+        hvd.allreduce(torch.ones(2), op=hvd.Adasum)
+    with pytest.raises(NotImplementedError):
+        hvd.start_timeline("/tmp/x.json")
+
+
+def test_compression_fp16_passes_integers_unchanged():
+    for dtype in (torch.uint8, torch.int8, torch.int32, torch.int64):
+        t = torch.arange(6, dtype=dtype)
+        c, ctx = hvd.Compression.fp16.compress(t)
+        assert c.dtype == dtype and torch.equal(hvd.Compression.fp16.decompress(c, ctx), t)
+    t = torch.linspace(-2, 2, 9, dtype=torch.float64)
+    c, ctx = hvd.Compression.fp16.compress(t)
+    assert c.dtype == torch.float16
+    d = hvd.Compression.fp16.decompress(c, ctx)
+    assert d.dtype == torch.float64 and torch.allclose(d, t, atol=1e-3)
+
+
+def test_second_import_name_refused():
+    with pytest.raises(ImportError, match="commlib.horovod"):
+        importlib.import_module("commlib.bindings.horovod")
+
+
+def test_optimizer_argument_errors():
+    hvd.init()
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=0.1)
+    with pytest.raises(ValueError, match="unique"):
+        named = list(a.named_parameters()) + list(b.named_parameters())
+        hvd.DistributedOptimizer(opt, named_parameters=named)
+    with pytest.raises(ValueError, match="not named"):
+        hvd.DistributedOptimizer(opt, named_parameters=list(a.named_parameters()))
+    with pytest.raises(ValueError, match="model="):
+        hvd.DistributedOptimizer(opt, strategy=DeAR())
+
+
+# ---------------------------------------------------------------------- collectives
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allreduce_ops_against_numpy(dtype):
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    shape = (3, 5)
+    all_in = stacked(n, shape, dtype)
+    cases = [(hvd.Sum, all_in.sum(0)), (hvd.Min, all_in.min(0)), (hvd.Max, all_in.max(0)),
+             (hvd.Product, all_in.prod(0))]
+    floor_avg = np.floor(all_in.sum(0) / n) if dtype.startswith("int") else all_in.sum(0) / n
+    cases.append((hvd.Average, floor_avg))
+    for op, want in cases:
+        got = hvd.allreduce(rank_tensor(r, shape, dtype), op=op)
+        assert got.dtype == getattr(torch, dtype) and got.shape == shape
+        if dtype == "int8":
+            want = want.astype(np.int64).astype(np.int8)          # wraps as Horovod's int8 sum
+        np.testing.assert_allclose(got.double().numpy(), want, rtol=2e-3 if dtype == "float16" else 1e-12,
+                                   atol=0)
+    # in place, the old average= keyword, scale factors (integers scale in float64, truncated)
+    t = rank_tensor(r, shape, dtype)
+    with pytest.warns(DeprecationWarning):
+        assert hvd.allreduce_(t, average=False) is t
+    want = cases[0][1].astype(np.int8) if dtype == "int8" else cases[0][1]
+    np.testing.assert_allclose(t.double().numpy(), want, rtol=2e-3 if dtype == "float16" else 0)
+    if dtype in ("int32", "float64"):
+        got = hvd.allreduce(rank_tensor(r, shape, dtype), op=hvd.Sum, prescale_factor=0.5,
+                            postscale_factor=3.0)
+        pre = np.trunc(all_in * 0.5) if dtype == "int32" else all_in * 0.5
+        want = pre.sum(0) * 3.0
+        np.testing.assert_allclose(got.double().numpy(), np.trunc(want) if dtype == "int32" else want)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_async_handles_poll_and_fused_results():
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    shapes = [(17,), (4, 4), (2, 3, 5), (1,), (0,), (33,)]
+    handles = [hvd.allreduce_async(rank_tensor(r, s, "float32", i), op=hvd.Sum, name=f"t{i}")
+               for i, s in enumerate(shapes)]
+    assert not all(hvd.poll(h) for h in handles)          # asynchronous: not all done at submission
+    for i, (h, s) in enumerate(zip(handles, shapes)):
+        np.testing.assert_array_equal(hvd.synchronize(h).numpy(), stacked(n, s, "float32", i).sum(0))
+    assert hvd.synchronize(handles[0]) is None              # a handle is consumed once
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", ["uint8", "int16", "bfloat16", "float32", "int64"])
+def test_allgather_broadcast_alltoall_reducescatter(dtype):
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    parts = [rank_tensor(k, (k + 1, 3), "int64").abs().to(getattr(torch, dtype)) for k in range(n)]
+    got = hvd.allgather(parts[r])
+    assert got.dtype == parts[r].dtype
+    assert torch.equal(got, torch.cat(parts))
+    for root in range(n):
+        t = rank_tensor(r, (4, 2), "int64").abs().to(getattr(torch, dtype))
+        want = rank_tensor(root, (4, 2), "int64").abs().to(getattr(torch, dtype))
+        out = hvd.broadcast(t, root)
+        assert torch.equal(out, want) and (r == root or not torch.equal(t, want) or torch.equal(t, want))
+        assert hvd.broadcast_(t, root) is t and torch.equal(t, want)
+    # alltoall: rank k sends k + s + 1 rows to rank s, each row tagged by (sender, receiver)
+    send = torch.cat([torch.full((r + s + 1, 2), 10 * r + s) for s in range(n)]).to(getattr(torch, dtype))
+    out, got_splits = hvd.alltoall(send, torch.tensor([r + s + 1 for s in range(n)], dtype=torch.int32))
+    want = torch.cat([torch.full((k + r + 1, 2), 10 * k + r) for k in range(n)]).to(getattr(torch, dtype))
+    assert torch.equal(out, want) and got_splits.tolist() == [k + r + 1 for k in range(n)]
+    if dtype in ("float32", "int64"):
+        x = rank_tensor(r, (2 * n + 1, 3), dtype)
+        full = stacked(n, (2 * n + 1, 3), dtype).sum(0)
+        rows = [3] + [2] * (n - 1)                        # the first n % size ranks get one more row
+        start = sum(rows[:r])
+        np.testing.assert_array_equal(hvd.reducescatter(x, op=hvd.Sum).numpy(), full[start:start + rows[r]])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_autograd_through_collectives():
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    x = torch.ones(3, 2, dtype=torch.float64, requires_grad=True)
+    hvd.allreduce(x, op=hvd.Sum).backward(torch.ones(3, 2, dtype=torch.float64))
+    assert torch.equal(x.grad, torch.full((3, 2), float(n), dtype=torch.float64))
+    x = torch.ones(r + 1, 2, dtype=torch.float64, requires_grad=True)
+    g = torch.cat([torch.full((k + 1, 2), float(k)) for k in range(n)]).double()
+    hvd.allgather(x).backward(g)
+    assert torch.equal(x.grad, torch.full((r + 1, 2), float(r * n), dtype=torch.float64))
+    x = torch.ones(4, dtype=torch.float64, requires_grad=True)
+    hvd.broadcast(x, 1).backward(torch.ones(4, dtype=torch.float64))
+    assert torch.equal(x.grad, torch.full((4,), float(n if r == 1 else 0), dtype=torch.float64))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatches_raise_on_every_rank_and_the_job_goes_on():
+    hvd.init()
+    r = hvd.rank()
+    bad = [lambda: hvd.allreduce(torch.ones(3 + r)),                            # shape
+           lambda: hvd.allreduce(torch.ones(3, dtype=torch.float32 if r else torch.float64)),  # dtype
+           lambda: hvd.broadcast(torch.ones(3), r),                             # root
+           lambda: hvd.allgather(torch.ones(2, 2 + r)),                         # trailing shape
+           lambda: hvd.allreduce(torch.ones(2)) if r else hvd.allgather(torch.ones(2))]   # operation
+    for call in bad:
+        with pytest.raises(RuntimeError):
+            call()
+        assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(hvd.size())))
+    with pytest.raises(ValueError):                                              # rejected here: ValueError
+        hvd.alltoall(torch.ones(hvd.size() + 1))
+    h = hvd.allreduce_async(torch.ones(5), name="dup")
+    with pytest.raises(ValueError, match="dup"):
+        hvd.allreduce_async(torch.ones(5), name="dup")
+    hvd.synchronize(h)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_join_contributes_zeros_and_objects():
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    if r == 0:
+        assert hvd.join() == n - 1 or n > 2
+    else:
+        got = hvd.allreduce(rank_tensor(r, (6,), "float64"), op=hvd.Average)
+        np.testing.assert_allclose(got.numpy(), stacked(n, (6,), "float64")[1:].sum(0) / n)
+        with pytest.raises(RuntimeError, match="join"):
+            hvd.allgather(torch.ones(2))
+        assert 0 < hvd.join() < n
+    obj = hvd.broadcast_object({"r": r, "x": [1, 2]} if r == 1 else None, root_rank=1)
+    assert obj == {"r": 1, "x": [1, 2]}
+    assert hvd.allgather_object({"rank": r} if r else "zero") == ["zero"] + [{"rank": k} for k in range(1, n)]
+    hvd.barrier()
+
+
+# ---------------------------------------------------------------------- DistributedOptimizer
+LOCAL, STEPS = 2, 4
+
+
+def _net(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+
+
+def _batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(LOCAL * n, 6, generator=g).double(), torch.randn(LOCAL * n, 3, generator=g).double()
+
+
+def _reference(n: int) -> torch.nn.Module:
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        x, y = _batch(step, n)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return model
+
+
+def _train(n: int, r: int, make_opt, passes: int = 1) -> torch.nn.Module:
+    model = _net(seed=0 if r == 0 else 1 + r)            # different starts: the broadcast fixes them
+    opt = make_opt(model)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)      # no state yet: made, then rank 0's sent
+    for step in range(STEPS):
+        x, y = _batch(step, n)
+        xs, ys = x[r * LOCAL:(r + 1) * LOCAL], y[r * LOCAL:(r + 1) * LOCAL]
+        opt.zero_grad()
+        for xp, yp in zip(xs.chunk(passes), ys.chunk(passes)):
+            (torch.nn.functional.mse_loss(model(xp), yp) / passes).backward()
+        opt.step()
+    return model
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("variant", ["horovod", "predivide", "passes", "fp16", "strategy"])
+def test_distributed_optimizer_matches_one_process(variant):
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    ref = _reference(n)
+
+    def make(model):
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if variant == "strategy":
+            return hvd.DistributedOptimizer(sgd, model=model, strategy=DeAR(cap_mb=0.001))
+        return hvd.DistributedOptimizer(
+            sgd, named_parameters=model.named_parameters(),
+            compression=hvd.Compression.fp16 if variant == "fp16" else hvd.Compression.none,
+            gradient_predivide_factor=2.0 if variant == "predivide" else 1.0,
+            backward_passes_per_step=2 if variant == "passes" else 1)
+
+    model = _train(n, r, make, passes=2 if variant == "passes" else 1)
+    tol = 2e-3 if variant == "fp16" else 1e-10
+    mine = model.state_dict()          # DeAR: completes the all-gathers that overlap the next forward
+    for k, q in ref.state_dict().items():
+        torch.testing.assert_close(mine[k], q, rtol=tol, atol=tol)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_synchronize_skip_and_unused_gradients():
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    model = _net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x, y = _batch(0, n)
+    out = model(x[r * LOCAL:(r + 1) * LOCAL])
+    # rank 0 leaves the last layer out of its loss: its gradient there counts as zero
+    (out.sum() * 0 + model[0](x[:LOCAL]).sum() if r == 0 else out.sum()).backward()
+    opt.synchronize()
+    want = [p.detach() - 0.1 * p.grad for p in model.parameters()]
+    with opt.skip_synchronize():
+        opt.step()
+    for p, w in zip(model.parameters(), want):
+        torch.testing.assert_close(p.detach(), w)
+    opt.zero_grad()
+    model(x[:1]).sum().backward()
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        opt.step()
+    assert any("skip_synchronize" in str(w.message) for w in ws)

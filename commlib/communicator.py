@@ -33,8 +33,10 @@ def _close_all() -> None:
     MPI (collectives cannot be cancelled), and finalizing over it hangs: the
     job is ended with ``MPI_Abort`` instead, so every rank exits (non-zero).
     """
-    dangling = []
-    for ref, run in reversed(_OPEN):
+    # an operation already given up: a peer may be stuck in it, and the collective frees of
+    # the other communicators could wait for that peer forever, so end the job first
+    dangling = [label for _, run in _OPEN for label in run.unfinished()]
+    for ref, run in reversed(_OPEN if not dangling else []):
         comm = ref()
         try:
             if comm is not None:
@@ -44,6 +46,8 @@ def _close_all() -> None:
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
         dangling += run.unfinished()
+        if dangling:
+            break
     _OPEN.clear()
     if dangling:
         print(f"commlib: rank {MPI.COMM_WORLD.rank}: ending the job (MPI_Abort): operations left "

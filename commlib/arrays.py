@@ -101,10 +101,7 @@ class View:
     kind: str            # numpy, cupy, torch, jax, dlpack
     original: Any
     writable: bool
-
-    @property
-    def count(self) -> int:
-        return int(self.data.size)
+    count: int           # elements of data
 
     @property
     def nbytes(self) -> int:
@@ -167,7 +164,7 @@ def as_view(x: Any, name: str) -> View:
             flat = x if x.ndim == 1 else x.reshape(-1)
             if dt == "bfloat16":
                 flat = flat.view(np.uint16)
-            return View(flat, dt, x.shape, "cpu", -1, "numpy", x, x.flags.writeable)
+            return View(flat, dt, x.shape, "cpu", -1, "numpy", x, x.flags.writeable, x.size)
     kind = _kind(x)
     writable = True
     device, device_id = "cpu", -1
@@ -226,4 +223,4 @@ def as_view(x: Any, name: str) -> View:
         flat = arr.reshape(-1).view(storage_dtype(dt))
     else:
         flat = arr.reshape(-1).view(storage_dtype(dt).name)
-    return View(flat, dt, shape, device, device_id, kind, x, writable)
+    return View(flat, dt, shape, device, device_id, kind, x, writable, int(flat.size))

@@ -71,7 +71,7 @@ class Board:
 
     def set(self, seq: int, op: str, state: int, reason: str = "") -> None:
         """Publish this rank's current operation (plain stores, no MPI call)."""
-        if state in (REJECTED, ABORTED):
+        if state > IN_OP:   # REJECTED, TIMED_OUT, ABORTED: the reason (may be empty) replaces the last
             raw = reason.encode("utf-8", "replace")[:_TEXT - 1]
             text = self._slots[self.node.rank, _INTS * 8:]
             text[:] = 0

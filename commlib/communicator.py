@@ -105,6 +105,7 @@ class Communicator:
         self._run = Runner(self.rank, self.size, config, self._backend, self._board, self._tracer,
                            f"commlib-engine-r{self.rank}")
         self._seq = 0
+        self._split: dict[int, list[int]] = {}   # split_counts(n, size) by n
         _OPEN.append((weakref.ref(self), self._run))
 
     # ------------------------------------------------------------------ state
@@ -169,14 +170,15 @@ class Communicator:
                 f"rank {r} rejected its input: {reasons[r]}" for r in invalid))
         check_agreement(table, name, seq)
 
-    def _call(self, name: str, build: Callable[[], Op], blocking: bool) -> Any:
+    def _call(self, name: str, build: Callable[..., Op], args: tuple, blocking: bool) -> Any:
+        """Number, validate (``build(*args)``), check across ranks and run one operation."""
         run = self._run
         if run.aborted is not None or run.closed:
             run.check_alive()
         self._seq += 1
         seq = self._seq
         try:
-            op, err = build(), None
+            op, err = build(*args), None
         except ValidationError as exc:
             op, err = None, exc
         if self.config.check:
@@ -200,12 +202,10 @@ class Communicator:
     def _allreduce(self, x: Any, op: str, out: Any, tag: str | None) -> Op:
         v = as_view(x, "allreduce: x")
         check_reduce_op(op, v, "allreduce")
-        recv, result = out_buffer(v, out, v.count, "allreduce")
-        if result is None:
-            def result(): return v.wrap(recv, v.shape)
-        be = self._backend
-        return Op("allreduce", lambda: be.allreduce(v.data, recv, v.dtype, op), result,
-                   v.nbytes, tag, check_args=("allreduce", v, v.count, -1, op))
+        recv, value = out_buffer(v, out, v.count, "allreduce")
+        return Op("allreduce", self._backend.allreduce, (v.data, recv, v.dtype, op),
+                  None if value is not None else (lambda: v.wrap(recv, v.shape)), value,
+                  v.data.nbytes, tag, check_args=("allreduce", v, v.count, -1, op))
 
     def allreduce(self, x: Any, op: str = "sum", *, out: Any = None,
                   tag: str | None = None) -> Any:
@@ -215,25 +215,24 @@ class Communicator:
             >>> comm.allreduce(np.ones(3, np.float32), op="avg")
             array([1., 1., 1.], dtype=float32)
         """
-        return self._call("allreduce", lambda: self._allreduce(x, op, out, tag), True)
+        return self._call("allreduce", self._allreduce, (x, op, out, tag), True)
 
     def iallreduce(self, x: Any, op: str = "sum", *, out: Any = None,
                    tag: str | None = None) -> Work:
         """Nonblocking :meth:`allreduce`; ``wait()`` returns the result."""
-        return self._call("allreduce", lambda: self._allreduce(x, op, out, tag), False)
+        return self._call("allreduce", self._allreduce, (x, op, out, tag), False)
 
     def _reduce_scatter(self, x: Any, op: str, out: Any, tag: str | None) -> Op:
         v = as_view(x, "reduce_scatter: x")
         check_reduce_op(op, v, "reduce_scatter")
-        counts = split_counts(v.count, self.size)
+        counts = self._split.get(v.count)
+        if counts is None:
+            counts = self._split[v.count] = split_counts(v.count, self.size)
         mine = counts[self.rank]
-        recv, result = out_buffer(v, out, mine, "reduce_scatter")
-        if result is None:
-            def result(): return v.wrap(recv, (mine,))
-        be = self._backend
-        return Op("reduce_scatter",
-                   lambda: be.reduce_scatter(v.data, recv, v.dtype, op, counts), result,
-                   v.nbytes, tag, check_args=("reduce_scatter", v, v.count, -1, op))
+        recv, value = out_buffer(v, out, mine, "reduce_scatter")
+        return Op("reduce_scatter", self._backend.reduce_scatter, (v.data, recv, v.dtype, op, counts),
+                  None if value is not None else (lambda: v.wrap(recv, (mine,))), value,
+                  v.data.nbytes, tag, check_args=("reduce_scatter", v, v.count, -1, op))
 
     def reduce_scatter(self, x: Any, op: str = "sum", *, out: Any = None,
                        tag: str | None = None) -> Any:
@@ -247,21 +246,19 @@ class Communicator:
         Example:
             >>> comm.reduce_scatter(np.arange(10.0))   # 4 ranks: rank 0 gets 4*[0, 1, 2]
         """
-        return self._call("reduce_scatter", lambda: self._reduce_scatter(x, op, out, tag), True)
+        return self._call("reduce_scatter", self._reduce_scatter, (x, op, out, tag), True)
 
     def ireduce_scatter(self, x: Any, op: str = "sum", *, out: Any = None,
                         tag: str | None = None) -> Work:
         """Nonblocking :meth:`reduce_scatter`."""
-        return self._call("reduce_scatter", lambda: self._reduce_scatter(x, op, out, tag), False)
+        return self._call("reduce_scatter", self._reduce_scatter, (x, op, out, tag), False)
 
     def _allgather(self, x: Any, out: Any, tag: str | None) -> Op:
         v = as_view(x, "allgather: x")
-        recv, result = out_buffer(v, out, v.count * self.size, "allgather")
-        if result is None:
-            def result(): return v.wrap(recv, (self.size, *v.shape))
-        be = self._backend
-        return Op("allgather", lambda: be.allgather(v.data, recv, v.dtype), result,
-                   v.nbytes * self.size, tag, check_args=("allgather", v, v.count))
+        recv, value = out_buffer(v, out, v.count * self.size, "allgather")
+        return Op("allgather", self._backend.allgather, (v.data, recv, v.dtype),
+                  None if value is not None else (lambda: v.wrap(recv, (self.size, *v.shape))), value,
+                  v.data.nbytes * self.size, tag, check_args=("allgather", v, v.count))
 
     def allgather(self, x: Any, *, out: Any = None, tag: str | None = None) -> Any:
         """Gather equal-sized ``x`` from every rank; the result has shape ``(size, *x.shape)``.
@@ -272,11 +269,11 @@ class Communicator:
         Example:
             >>> comm.allgather(np.array([comm.rank]))   # [[0], [1], ...]
         """
-        return self._call("allgather", lambda: self._allgather(x, out, tag), True)
+        return self._call("allgather", self._allgather, (x, out, tag), True)
 
     def iallgather(self, x: Any, *, out: Any = None, tag: str | None = None) -> Work:
         """Nonblocking :meth:`allgather`."""
-        return self._call("allgather", lambda: self._allgather(x, out, tag), False)
+        return self._call("allgather", self._allgather, (x, out, tag), False)
 
     def _exchange_counts(self, mine: int, seq: int) -> list[int]:
         table = np.empty(self.size, np.int64)
@@ -309,12 +306,10 @@ class Communicator:
             raise ValidationError(
                 f"allgatherv: counts[{self.rank}] = {counts[self.rank]} but x has {v.count} elements")
         total = sum(counts)
-        recv, result = out_buffer(v, out, total, "allgatherv")
-        if result is None:
-            def result(): return v.wrap(recv, (total,))
-        be = self._backend
-        return Op("allgatherv", lambda: be.allgatherv(v.data, recv, v.dtype, counts), result,
-                   total * v.data.itemsize, tag, check_args=("allgatherv", v, total))
+        recv, value = out_buffer(v, out, total, "allgatherv")
+        return Op("allgatherv", self._backend.allgatherv, (v.data, recv, v.dtype, counts),
+                  None if value is not None else (lambda: v.wrap(recv, (total,))), value,
+                  total * v.data.itemsize, tag, check_args=("allgatherv", v, total))
 
     def allgatherv(self, x: Any, counts: Sequence[int] | None = None, *, out: Any = None,
                    tag: str | None = None) -> Any:
@@ -326,12 +321,12 @@ class Communicator:
         Example:
             >>> comm.allgatherv(np.arange(comm.rank + 1.0))   # 2 ranks: [0., 0., 1.]
         """
-        return self._call("allgatherv", lambda: self._allgatherv(x, counts, out, tag), True)
+        return self._call("allgatherv", self._allgatherv, (x, counts, out, tag), True)
 
     def iallgatherv(self, x: Any, counts: Sequence[int] | None = None, *, out: Any = None,
                     tag: str | None = None) -> Work:
         """Nonblocking :meth:`allgatherv` (the counts exchange, if any, happens now)."""
-        return self._call("allgatherv", lambda: self._allgatherv(x, counts, out, tag), False)
+        return self._call("allgatherv", self._allgatherv, (x, counts, out, tag), False)
 
     def _broadcast(self, x: Any, root: int, out: Any, tag: str | None) -> Op:
         v = as_view(x, "broadcast: x")
@@ -339,11 +334,9 @@ class Communicator:
             raise ValidationError(f"broadcast: root {root!r} is not a rank of 0..{self.size - 1}")
         root = int(root)
         if (out is None or out is x) and v.writable:
-            buf, result = v.data, (lambda: x)
+            buf, value = v.data, x
         else:
-            buf, result = out_buffer(v, None if out is x else out, v.count, "broadcast")
-            if result is None:
-                def result(): return v.wrap(buf, v.shape)
+            buf, value = out_buffer(v, None if out is x else out, v.count, "broadcast")
         be = self._backend
 
         def start() -> Pending:
@@ -351,8 +344,8 @@ class Communicator:
                 buf[...] = v.data
             return be.broadcast(buf, v.dtype, root)
 
-        return Op("broadcast", start, result, v.nbytes, tag,
-                   check_args=("broadcast", v, v.count, root))
+        return Op("broadcast", start, (), None if value is not None else (lambda: v.wrap(buf, v.shape)),
+                  value, v.data.nbytes, tag, check_args=("broadcast", v, v.count, root))
 
     def broadcast(self, x: Any, root: int = 0, *, out: Any = None, tag: str | None = None) -> Any:
         """Give every rank root's ``x``: in place where ``x`` is writable, else a new array.
@@ -360,25 +353,23 @@ class Communicator:
         Example:
             >>> w = comm.broadcast(np.random.rand(4), root=0)   # same on all ranks
         """
-        return self._call("broadcast", lambda: self._broadcast(x, root, out, tag), True)
+        return self._call("broadcast", self._broadcast, (x, root, out, tag), True)
 
     def ibroadcast(self, x: Any, root: int = 0, *, out: Any = None,
                    tag: str | None = None) -> Work:
         """Nonblocking :meth:`broadcast`."""
-        return self._call("broadcast", lambda: self._broadcast(x, root, out, tag), False)
+        return self._call("broadcast", self._broadcast, (x, root, out, tag), False)
 
     def _barrier(self, tag: str | None) -> Op:
-        be = self._backend
-        return Op("barrier", be.barrier, lambda: None, 0, tag,
-                   check_args=("barrier",))
+        return Op("barrier", self._backend.barrier, (), None, None, 0, tag, check_args=("barrier",))
 
     def barrier(self, *, tag: str | None = None) -> None:
         """Block until every rank has called ``barrier``."""
-        return self._call("barrier", lambda: self._barrier(tag), True)
+        return self._call("barrier", self._barrier, (tag,), True)
 
     def ibarrier(self, *, tag: str | None = None) -> Work:
         """Nonblocking :meth:`barrier`."""
-        return self._call("barrier", lambda: self._barrier(tag), False)
+        return self._call("barrier", self._barrier, (tag,), False)
 
     # ---------------------------------------------------------- structure
     def split(self, color: int, key: int | None = None) -> "Communicator":

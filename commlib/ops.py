@@ -18,11 +18,17 @@ OPS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "broadcast", "b
 
 @dataclass(slots=True)
 class Op:
-    """One operation, validated and ready to start."""
+    """One operation, validated and ready to start: ``start(*args)`` posts it.
+
+    Its result is ``result()`` when ``result`` is set (an allocated output to
+    wrap as the caller's kind of array), else ``value`` (the caller's ``out``).
+    """
 
     name: str
-    start: Callable[[], Pending]
-    result: Callable[[], Any]
+    start: Callable[..., Pending]
+    args: tuple
+    result: Callable[[], Any] | None
+    value: Any = None
     nbytes: int = 0
     tag: str | None = None
     seq: int = 0
@@ -57,12 +63,22 @@ def describe(fp: Sequence[int]) -> str:
 
 
 
-def out_buffer(v: View, out: Any, count: int, what: str) -> tuple[Any, Callable[[], Any] | None]:
-    """The receive storage for an ``out`` argument and its result maker (``None``: allocated)."""
+def out_buffer(v: View, out: Any, count: int, what: str) -> tuple[Any, Any]:
+    """The receive storage for an ``out`` argument and the caller's result (``None``: allocated).
+
+    Example:
+        >>> recv, result = out_buffer(as_view(x, "x"), None, x.size, "allreduce")  # a new array
+    """
     if out is None:
         return v.empty(count), None
+    data = v.data
     if out is v.original and v.count == count and v.writable:
-        return v.data, (lambda: out)   # in place: the backend sees send is recv
+        return data, out   # in place: the backend sees send is recv
+    if (type(out) is np.ndarray and out.dtype is data.dtype and type(data) is np.ndarray
+            and out.size == count and v.dtype != "bfloat16"):   # the common case: a few attribute reads
+        flags = out.flags
+        if flags.c_contiguous and flags.writeable:
+            return (out if out.ndim == 1 else out.reshape(-1)), out
     o = as_view(out, f"{what}: out")
     if o.dtype != v.dtype:
         raise ValidationError(f"{what}: out has dtype {o.dtype}, input has {v.dtype}")
@@ -72,7 +88,7 @@ def out_buffer(v: View, out: Any, count: int, what: str) -> tuple[Any, Callable[
         raise ValidationError(f"{what}: out has {o.count} elements, expected {count}")
     if not o.writable:
         raise ValidationError(f"{what}: out is read-only (jax arrays are immutable)")
-    return o.data, (lambda: out)
+    return o.data, out
 
 
 def check_reduce_op(op: str, v: View, what: str) -> None:

@@ -43,7 +43,7 @@ class Runner:
         self.timeout = config.timeout
         self.backend = backend
         self.board = board
-        # the last operation posted (what the board shows).  start() and settled() need no
+        # the last operation posted (what the board shows).  start() and finish() need no
         # lock: the engine runs one operation at a time, and whoever completes it (the engine
         # thread, a caller that claimed it, a blocking call on an idle engine) settles it
         # before the next one can start
@@ -150,7 +150,7 @@ class Runner:
             if op.submitted_us:
                 tr.add("queued", op.name, "engine", op.submitted_us, tr.now_us(), seq=op.seq)
             op.token = tr.begin("running", op.name, "engine", op.tag, seq=op.seq, nbytes=op.nbytes)
-        return op.start()
+        return op.start(*op.args)
 
     def run_here(self, op: Op) -> Any:
         """Post ``op`` and wait for it on this thread; its result."""
@@ -159,17 +159,16 @@ class Runner:
     def finish(self, op: Op, p: Pending) -> Any:
         """Wait for the posted ``op`` on this thread, finish it and return its result."""
         try:
-            self.wait(p, op.name, op.seq)
-            p.finish()
+            if not p.test():
+                self.wait(p, op.name, op.seq)
+            if p.finish is not None:
+                p.finish()
         finally:
             if op.token is not None:
                 self.tracer.end(op.token)
-        self.settled(op)
-        return op.result()
-
-    def settled(self, op: Op) -> None:
-        if self.posted == op.seq:
+        if self.posted == op.seq:   # nothing posted since: the board shows this rank idle
             self.board.set(op.seq, op.name, _board.IDLE)
+        return op.value if op.result is None else op.result()
 
     def complete_work(self, work: Work) -> Any:
         """The engine thread's job: start ``work`` if still queued, wait for it, finish it.
@@ -183,17 +182,11 @@ class Runner:
         try:
             if work.started is None:
                 work.started = self.start(op)
-            p = work.started
-            if p.request is not None:
-                p.request.Wait()
-            else:
-                self.wait(p, op.name, op.seq)
-            p.finish()
+            if work.started.request is not None:
+                work.started.request.Wait()
+            return self.finish(op, work.started)
         finally:
-            self.tracer.end(op.token)
             self.running = None
-        self.settled(op)
-        return op.result()
 
     def start_work(self, work: Work) -> bool:
         """Start ``work`` now, on the caller's thread (the engine is idle); True if it completed."""

@@ -29,27 +29,24 @@ def split_counts(n: int, size: int) -> list[int]:
 
 
 class Pending:
-    """An operation in flight: wait until ``test()`` is true, then ``finish()`` once.
+    """An operation in flight: wait until ``test()`` is true, then call ``finish()`` once if set.
 
     ``request``: the MPI request to wait on inside MPI (``None`` for backends
     that complete on a device stream: their ``test`` is polled).  ``test``
-    must not block; ``finish`` runs the completion steps (copy back from a
-    staging buffer, divide for ``avg``) and may block briefly.
+    must not block; ``finish`` (``None``: nothing to do) runs the completion
+    steps (copy back from a staging buffer, divide for ``avg``) and may block
+    briefly.
     """
 
-    __slots__ = ("test", "_finish", "request")
+    __slots__ = ("test", "finish", "request")
 
     def __init__(self, test: Callable[[], bool], finish: Callable[[], None] | None = None,
                  request: Any = None):
         #: ``test()``: whether the operation is complete (the backend's own callable:
         #: a wait loop calls it back to back, so no frame of ours sits in between)
         self.test = test
-        self._finish = finish
+        self.finish = finish
         self.request = request
-
-    def finish(self) -> None:
-        if self._finish is not None:
-            self._finish()
 
 
 class Backend(Protocol):

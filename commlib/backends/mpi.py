@@ -105,6 +105,11 @@ class MPIBackend:
 
     # -- operations ------------------------------------------------------
     def allreduce(self, send: Any, recv: Any, dtype: str, op: str) -> Pending:
+        if type(send) is np.ndarray and type(recv) is np.ndarray and dtype != "bfloat16":
+            # host arrays (the common case): no staging, nothing to finish but avg
+            sbuf = MPI.IN_PLACE if send is recv or _same(send, recv) else send
+            req = self.comm.Iallreduce(sbuf, recv, _MPI_OPS[op])
+            return Pending(req.Test, None if op != "avg" else lambda: _divide(recv, self.size, dtype), req)
         upcast = dtype == "bfloat16"
         (hsend, hrecv), back = self._host(send, recv, force=upcast)
         if upcast:  # MPI has no bfloat16 arithmetic: reduce in float32
@@ -114,8 +119,6 @@ class MPIBackend:
             work = hrecv
             sbuf = MPI.IN_PLACE if hsend is hrecv or _same(hsend, hrecv) else hsend
             req = self.comm.Iallreduce(sbuf, hrecv, _MPI_OPS[op])
-            if op != "avg" and not back:
-                return Pending(req.Test, None, req)
 
         def finish() -> None:
             if op == "avg":
@@ -128,6 +131,9 @@ class MPIBackend:
 
     def reduce_scatter(self, send: Any, recv: Any, dtype: str, op: str,
                        counts: Sequence[int]) -> Pending:
+        if type(send) is np.ndarray and type(recv) is np.ndarray and dtype != "bfloat16":
+            req = self.comm.Ireduce_scatter(send, recv, counts, _MPI_OPS[op])
+            return Pending(req.Test, None if op != "avg" else lambda: _divide(recv, self.size, dtype), req)
         upcast = dtype == "bfloat16"
         (hsend, hrecv), back = self._host(send, recv, force=upcast)
         if upcast:
@@ -148,6 +154,11 @@ class MPIBackend:
         return Pending(req.Test, finish, req)
 
     def allgather(self, send: Any, recv: Any, dtype: str) -> Pending:
+        if type(send) is np.ndarray and type(recv) is np.ndarray:
+            inplace = np.may_share_memory(send, recv) and (
+                _ptr(send) == _ptr(recv) + self.rank * send.nbytes)
+            req = self.comm.Iallgather(MPI.IN_PLACE if inplace else send, recv)
+            return Pending(req.Test, None, req)
         (hsend, hrecv), back = self._host(send, recv)
         inplace = not back and _may_overlap(hsend, hrecv) and (
             _ptr(hsend) == _ptr(hrecv) + self.rank * hsend.nbytes)

@@ -10,7 +10,13 @@
   matmul loop (one torch thread): the slowdown of each against running alone.
   The loop is sized to last about as long as the all-reduce alone; the
   all-reduce's completion is stamped by a thread asleep in ``wait()``.  Ranks
-  beyond the first two sleep meanwhile.
+  beyond the first two sleep meanwhile.  Beside it, the CPU the all-reduce
+  itself needs (user + system time of the process while a raw ``Iallreduce``
+  is driven by a thread that sleeps 50 us between ``Test`` calls, so no
+  busy-wait is counted) and, where a rank has one core or less, the floor
+  this sets: both together need ``t_matmul + cpu_allreduce`` of the rank's
+  core, so the larger slowdown is at least
+  ``(t_matmul + cpu_allreduce) / max(t_matmul, t_allreduce) - 1``.
 
 Both run inside ``python -m benchmarks.collectives`` (``--no-engine-figures`` skips them).
 
@@ -21,6 +27,9 @@ Example:
 
 from __future__ import annotations
 
+import os
+import resource
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -85,6 +94,22 @@ def _matmul_loop(a: Any, steps: int) -> float:
     return time.perf_counter() - t0
 
 
+def _cpu_needed(comm: Any, x: Any) -> float:
+    """User + system seconds this process spends on one in-place ``Iallreduce`` of ``x``
+    driven by a thread that sleeps between ``Test`` calls (no busy-wait counted)."""
+    def drive(req: Any) -> None:
+        while not req.Test():
+            time.sleep(5e-5)
+
+    comm.Barrier()
+    t0 = resource.getrusage(resource.RUSAGE_SELF)
+    th = threading.Thread(target=drive, args=(comm.Iallreduce(MPI.IN_PLACE, x),))
+    th.start()
+    th.join()
+    t1 = resource.getrusage(resource.RUSAGE_SELF)
+    return (t1.ru_utime - t0.ru_utime) + (t1.ru_stime - t0.ru_stime)
+
+
 def overlap(world: Any, nbytes: int = 16 << 20, rounds: int = 5) -> dict[str, float] | None:
     """Slowdowns of an ``iallreduce`` and a matmul loop run together, on ranks 0 and 1
     (collective over ``world``; rank 0's figures, else None; None on one rank)."""
@@ -126,6 +151,11 @@ def overlap(world: Any, nbytes: int = 16 << 20, rounds: int = 5) -> dict[str, fl
                "allreduce_together_s": bc.median(ar_together), "matmul_together_s": bc.median(mm_together)}
         out["allreduce_slowdown"] = out["allreduce_together_s"] / t_ar - 1
         out["matmul_slowdown"] = out["matmul_together_s"] / t_mm - 1
+        cpu = bc.median([_cpu_needed(pair, x) for _ in range(rounds)])
+        host = socket.gethostname()
+        cores = (os.cpu_count() or 1) / pair.allgather(host).count(host)   # of the two ranks
+        out.update(allreduce_cpu_s=cpu, cores_per_rank=cores,
+                   floor_larger_slowdown=(t_mm + cpu) / max(t_mm, t_ar) - 1 if cores <= 1 else None)
         c.close()
         pair.Free()
         if world.rank != 0:

@@ -27,4 +27,13 @@ def test_collectives_benchmark_quick_run(tmp_path_factory):
         assert set(r["time_s"]) == {"mpi4py", "commlib", "commlib-nb", "commlib-t0"}
         assert all(t > 0 for t in r["time_s"].values())
         assert r["ratio"]["commlib/mpi4py"] == r["time_s"]["commlib"] / r["time_s"]["mpi4py"]
+    ov = doc["engine"]["overlap"]   # torch is installed: the figure runs (1 MiB with --quick)
+    assert ov["bytes"] == 1 << 20 and ov["allreduce_alone_s"] > 0 and ov["matmul_alone_s"] > 0
+    assert ov["allreduce_cpu_s"] >= 0
+    t_mm, t_ar = ov["matmul_alone_s"], ov["allreduce_alone_s"]
+    if ov["cores_per_rank"] <= 1:
+        floor = (t_mm + ov["allreduce_cpu_s"]) / max(t_mm, t_ar) - 1
+        assert ov["floor_larger_slowdown"] == pytest.approx(floor)
+    figures = {c["figure"] for c in doc["engine_checks"]}
+    assert {"overlap: allreduce slowdown", "overlap: matmul slowdown"} <= figures
     assert collectives.ring_bound_s(1 << 20, 4, 1e9) == pytest.approx(2 * 3 / 4 * 8 * (1 << 20) / 1e9)

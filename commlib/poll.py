@@ -13,7 +13,8 @@ CHECK_EVERY_S = 0.002
 MAX_NAP_S = 1e-3
 
 
-def poll_until(test: Callable[[], bool], spin: float, check: Callable[[float], None]) -> None:
+def poll_until(test: Callable[[], bool], spin: float, check: Callable[..., None],
+               args: tuple = ()) -> None:
     """Call ``test()`` until it returns true.
 
     For ``spin`` seconds the loop polls flat out, yielding the core every 8
@@ -22,7 +23,8 @@ def poll_until(test: Callable[[], bool], spin: float, check: Callable[[float], N
     polls and yields the same way).  After that it sleeps between polls,
     doubling from 20 us to 1 ms, for device-stream operations whose progress
     does not need the host (NCCL); MPI waits pass ``spin=math.inf``.
-    ``check(now)`` runs every :data:`CHECK_EVERY_S` and may raise to give up.
+    ``check(now, *args)`` runs every :data:`CHECK_EVERY_S` and may raise to give up
+    (its arguments travel separately, so a wait that ends early builds no closure).
 
     Example:
         >>> import time
@@ -52,4 +54,4 @@ def poll_until(test: Callable[[], bool], spin: float, check: Callable[[float], N
             nap = min(2 * nap or 2e-5, MAX_NAP_S)
         if now >= look:
             look = now + CHECK_EVERY_S
-            check(now)
+            check(now, *args)

@@ -116,14 +116,15 @@ class Runner:
         if p.test():
             return
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else math.inf
+        poll_until(p.test, math.inf if p.request is not None else self.config.poll_spin,
+                   self._give_up_if, (p, name, seq, deadline))
 
-        def check(now: float) -> None:
-            err = self.verdict(seq, name, now >= deadline)
-            if err is not None:
-                self.dangling.append((f"{name} #{seq}", p.test))
-                self.fail(err, name, seq)
-
-        poll_until(p.test, math.inf if p.request is not None else self.config.poll_spin, check)
+    def _give_up_if(self, now: float, p: Pending, name: str, seq: int, deadline: float) -> None:
+        """:meth:`wait`'s periodic check: fail (and remember ``p`` as dangling) if it must be given up."""
+        err = self.verdict(seq, name, now >= deadline)
+        if err is not None:
+            self.dangling.append((f"{name} #{seq}", p.test))
+            self.fail(err, name, seq)
 
     def fail(self, err: CommlibError, name: str, seq: int) -> None:
         """An operation in flight failed: abort this communicator and raise ``err``.

@@ -113,8 +113,6 @@ class Runner:
         every :data:`~commlib.poll.CHECK_EVERY_S` it asks :meth:`verdict`.
         Device-stream operations (NCCL) may back off after ``poll_spin``.
         """
-        if p.test():
-            return
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else math.inf
         poll_until(p.test, math.inf if p.request is not None else self.config.poll_spin,
                    self._give_up_if, (p, name, seq, deadline))
@@ -167,6 +165,7 @@ class Runner:
         finally:
             if op.token is not None:
                 self.tracer.end(op.token)
+                op.token = None
         if self.posted == op.seq:   # nothing posted since: the board shows this rank idle
             self.board.set(op.seq, op.name, _board.IDLE)
         return op.value if op.result is None else op.result()
@@ -188,6 +187,7 @@ class Runner:
             return self.finish(op, work.started)
         finally:
             self.running = None
+            self.tracer.end(op.token)   # still open only if the wait failed before finish()
 
     def start_work(self, work: Work) -> bool:
         """Start ``work`` now, on the caller's thread (the engine is idle); True if it completed."""

@@ -383,7 +383,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip the per-call overhead and overlap figures (benchmarks.engine_figures)")
     p.add_argument("--rounds", type=int, default=9, help="round-robin rounds per size (median kept)")
     p.add_argument("--timing", choices=("batch", "iter"), default="batch")
-    p.add_argument("--iters", type=int, default=200, help="most calls per timed batch")
+    p.add_argument("--iters", type=int, default=1000, help="most calls per timed batch")
     p.add_argument("--min-iters", type=int, default=3, help="fewest calls per timed batch")
     p.add_argument("--budget-bytes", type=int, default=256 << 20,
                    help="at most this many bytes (S * calls) per batch: fewer calls for large S")

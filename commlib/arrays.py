@@ -151,6 +151,31 @@ def _contiguity_error(name: str, kind: str) -> ValidationError:
     return ValidationError(f"{name}: array is not contiguous; pass {hint}")
 
 
+def host_pair(x: Any, out: Any) -> str | None:
+    """The dtype name when ``x`` is a plain C-contiguous numpy array of a dtype that MPI
+    handles natively (bfloat16 excluded) and ``out`` is ``None`` or a writable C-contiguous
+    numpy array of the same dtype; else ``None``.
+
+    Decides, in a few attribute reads, whether a blocking call may take the host path
+    (:meth:`~commlib.runner.Runner.call_host`); anything else goes through :func:`as_view`.
+
+    Example:
+        >>> host_pair(np.ones(4, np.float32), np.empty(4, np.float32))
+        'float32'
+    """
+    if type(x) is not np.ndarray:
+        return None
+    dt = _NP_NAMES.get(x.dtype)
+    if dt is None or dt == "bfloat16" or not x.flags.c_contiguous:
+        return None
+    if out is None:
+        return dt
+    if type(out) is not np.ndarray or out.dtype is not x.dtype:
+        return None
+    flags = out.flags
+    return dt if flags.c_contiguous and flags.writeable else None
+
+
 def as_view(x: Any, name: str) -> View:
     """Alias ``x`` as a :class:`View` without copying, or raise :class:`ValidationError`.
 

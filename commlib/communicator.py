@@ -12,7 +12,7 @@ import numpy as np
 from mpi4py import MPI  # before our exit hook is registered, so that MPI finalizes after it
 
 from . import board as _board
-from .arrays import as_view
+from .arrays import FLOAT_DTYPES, as_view, host_pair
 from .backends.base import Pending, split_counts
 from .config import Config
 from .errors import CommAbortedError, ValidationError
@@ -57,6 +57,12 @@ def _close_all() -> None:
 
 # registered after mpi4py's own exit hook (imported above us), so it runs before MPI_Finalize
 atexit.register(_close_all)
+
+
+def _reduce_ok(op: str, dtype: str) -> bool:
+    """Whether ``op`` is a reduce op valid for ``dtype`` (the host path's cheap form of
+    :func:`~commlib.ops.check_reduce_op`, which raises)."""
+    return op == "sum" or op == "max" or op == "min" or (op == "avg" and dtype in FLOAT_DTYPES)
 
 
 class Communicator:
@@ -106,6 +112,9 @@ class Communicator:
                            f"commlib-engine-r{self.rank}")
         self._seq = 0
         self._split: dict[int, list[int]] = {}   # split_counts(n, size) by n
+        # blocking calls on plain numpy arrays with an ``out`` skip the Op and View layers
+        # (Runner.call_host) unless a check or a trace needs them
+        self._host = self.backend == "mpi" and not config.check and not self._tracer.active
         _OPEN.append((weakref.ref(self), self._run))
 
     # ------------------------------------------------------------------ state
@@ -170,13 +179,18 @@ class Communicator:
                 f"rank {r} rejected its input: {reasons[r]}" for r in invalid))
         check_agreement(table, name, seq)
 
-    def _call(self, name: str, build: Callable[..., Op], args: tuple, blocking: bool) -> Any:
-        """Number, validate (``build(*args)``), check across ranks and run one operation."""
+    def _number(self) -> int:
+        """The next operation's sequence number (raises if the communicator is closed or aborted)."""
         run = self._run
         if run.aborted is not None or run.closed:
             run.check_alive()
         self._seq += 1
-        seq = self._seq
+        return self._seq
+
+    def _call(self, name: str, build: Callable[..., Op], args: tuple, blocking: bool) -> Any:
+        """Number, validate (``build(*args)``), check across ranks and run one operation."""
+        run = self._run
+        seq = self._number()
         try:
             op, err = build(*args), None
         except ValidationError as exc:
@@ -205,7 +219,7 @@ class Communicator:
         recv, value = out_buffer(v, out, v.count, "allreduce")
         return Op("allreduce", self._backend.allreduce, (v.data, recv, v.dtype, op),
                   None if value is not None else (lambda: v.wrap(recv, v.shape)), value,
-                  v.data.nbytes, tag, check_args=("allreduce", v, v.count, -1, op))
+                  v.data.nbytes, tag, ("allreduce", v, v.count, -1, op))
 
     def allreduce(self, x: Any, op: str = "sum", *, out: Any = None,
                   tag: str | None = None) -> Any:
@@ -215,6 +229,14 @@ class Communicator:
             >>> comm.allreduce(np.ones(3, np.float32), op="avg")
             array([1., 1., 1.], dtype=float32)
         """
+        if self._host:
+            dt = host_pair(x, out)
+            if dt is not None and _reduce_ok(op, dt):
+                if out is None:
+                    out = np.empty_like(x)
+                if out.size == x.size:
+                    return self._run.call_host("allreduce", self._number(), self._backend.allreduce,
+                                               (x, out, dt, op), out, x.nbytes)
         return self._call("allreduce", self._allreduce, (x, op, out, tag), True)
 
     def iallreduce(self, x: Any, op: str = "sum", *, out: Any = None,
@@ -232,7 +254,7 @@ class Communicator:
         recv, value = out_buffer(v, out, mine, "reduce_scatter")
         return Op("reduce_scatter", self._backend.reduce_scatter, (v.data, recv, v.dtype, op, counts),
                   None if value is not None else (lambda: v.wrap(recv, (mine,))), value,
-                  v.data.nbytes, tag, check_args=("reduce_scatter", v, v.count, -1, op))
+                  v.data.nbytes, tag, ("reduce_scatter", v, v.count, -1, op))
 
     def reduce_scatter(self, x: Any, op: str = "sum", *, out: Any = None,
                        tag: str | None = None) -> Any:
@@ -246,6 +268,16 @@ class Communicator:
         Example:
             >>> comm.reduce_scatter(np.arange(10.0))   # 4 ranks: rank 0 gets 4*[0, 1, 2]
         """
+        if self._host:
+            dt = host_pair(x, out)
+            counts = self._split.get(x.size) if dt is not None else None
+            if counts is not None and _reduce_ok(op, dt):
+                if out is None:
+                    out = np.empty(counts[self.rank], x.dtype)
+                if out.size == counts[self.rank]:
+                    return self._run.call_host("reduce_scatter", self._number(),
+                                               self._backend.reduce_scatter,
+                                               (x, out, dt, op, counts), out, x.nbytes)
         return self._call("reduce_scatter", self._reduce_scatter, (x, op, out, tag), True)
 
     def ireduce_scatter(self, x: Any, op: str = "sum", *, out: Any = None,
@@ -258,7 +290,7 @@ class Communicator:
         recv, value = out_buffer(v, out, v.count * self.size, "allgather")
         return Op("allgather", self._backend.allgather, (v.data, recv, v.dtype),
                   None if value is not None else (lambda: v.wrap(recv, (self.size, *v.shape))), value,
-                  v.data.nbytes * self.size, tag, check_args=("allgather", v, v.count))
+                  v.data.nbytes * self.size, tag, ("allgather", v, v.count))
 
     def allgather(self, x: Any, *, out: Any = None, tag: str | None = None) -> Any:
         """Gather equal-sized ``x`` from every rank; the result has shape ``(size, *x.shape)``.
@@ -269,6 +301,14 @@ class Communicator:
         Example:
             >>> comm.allgather(np.array([comm.rank]))   # [[0], [1], ...]
         """
+        if self._host:
+            dt = host_pair(x, out)
+            if dt is not None:
+                if out is None:
+                    out = np.empty((self.size, *x.shape), x.dtype)
+                if out.size == x.size * self.size:
+                    return self._run.call_host("allgather", self._number(), self._backend.allgather,
+                                               (x, out, dt), out, out.nbytes)
         return self._call("allgather", self._allgather, (x, out, tag), True)
 
     def iallgather(self, x: Any, *, out: Any = None, tag: str | None = None) -> Work:
@@ -309,7 +349,7 @@ class Communicator:
         recv, value = out_buffer(v, out, total, "allgatherv")
         return Op("allgatherv", self._backend.allgatherv, (v.data, recv, v.dtype, counts),
                   None if value is not None else (lambda: v.wrap(recv, (total,))), value,
-                  total * v.data.itemsize, tag, check_args=("allgatherv", v, total))
+                  total * v.data.itemsize, tag, ("allgatherv", v, total))
 
     def allgatherv(self, x: Any, counts: Sequence[int] | None = None, *, out: Any = None,
                    tag: str | None = None) -> Any:
@@ -345,7 +385,7 @@ class Communicator:
             return be.broadcast(buf, v.dtype, root)
 
         return Op("broadcast", start, (), None if value is not None else (lambda: v.wrap(buf, v.shape)),
-                  value, v.data.nbytes, tag, check_args=("broadcast", v, v.count, root))
+                  value, v.data.nbytes, tag, ("broadcast", v, v.count, root))
 
     def broadcast(self, x: Any, root: int = 0, *, out: Any = None, tag: str | None = None) -> Any:
         """Give every rank root's ``x``: in place where ``x`` is writable, else a new array.
@@ -361,7 +401,7 @@ class Communicator:
         return self._call("broadcast", self._broadcast, (x, root, out, tag), False)
 
     def _barrier(self, tag: str | None) -> Op:
-        return Op("barrier", self._backend.barrier, (), None, None, 0, tag, check_args=("barrier",))
+        return Op("barrier", self._backend.barrier, (), None, None, 0, tag, ("barrier",))
 
     def barrier(self, *, tag: str | None = None) -> None:
         """Block until every rank has called ``barrier``."""

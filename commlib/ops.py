@@ -31,10 +31,10 @@ class Op:
     value: Any = None
     nbytes: int = 0
     tag: str | None = None
+    check_args: tuple = ()   # arguments of fingerprint() (used only in check mode)
     seq: int = 0
     submitted_us: float = 0.0  # on the timeline's clock (only with a timeline)
     token: Any = None        # the tracer's open "running" phase
-    check_args: tuple = ()   # arguments of fingerprint(), computed only in check mode
 
     def __str__(self) -> str:
         return f"{self.name} #{self.seq}" + (f" [{self.tag}]" if self.tag else "")

@@ -158,3 +158,38 @@ def test_split_communicators(comm):
         assert rest.size == comm.size - 1
         rest.close()
     sub.close()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_host_path_edges_match_the_reference(comm):
+    """Blocking calls on plain numpy arrays skip the Op layer (``Runner.call_host``): views,
+    0-d arrays, an ``out`` that aliases ``x`` without being ``x``, read-only inputs; anything
+    it cannot take (non-contiguous, bfloat16, a bad op) still gets the general path's error."""
+    n = 12
+    expected = reference("sum", all_inputs(comm.size, n, "float32"))
+    x = rank_input(comm.rank, n, "float32")
+    view = x.reshape(3, 4)
+    assert comm.allreduce(view, out=view[:]) is not None      # aliases x: in place
+    assert_close(x, expected, "float32")
+    ro = rank_input(comm.rank, n, "float32")
+    ro.setflags(write=False)
+    assert_close(comm.allreduce(ro), expected, "float32")
+    assert_close(comm.allreduce(ro, op="avg"), expected / comm.size, "float32")
+    scalar = np.array(comm.rank + 1.0)
+    got = comm.allreduce(scalar)
+    assert got.shape == () and float(got) == comm.size * (comm.size + 1) / 2
+    buf = np.zeros(2 * n, np.float32)                           # out a view into a larger buffer
+    counts = commlib.split_counts(n, comm.size)
+    chunks = np.array_split(expected, comm.size)
+    comm.reduce_scatter(ro, out=buf[:counts[comm.rank]])
+    comm.reduce_scatter(ro, out=buf[:counts[comm.rank]])        # the second call: counts cached
+    assert_close(buf[:counts[comm.rank]], chunks[comm.rank], "float32")
+    gathered = comm.allgather(ro[:3])
+    assert gathered.shape == (comm.size, 3)
+    assert_close(gathered, all_inputs(comm.size, n, "float32")[:, :3], "float32")
+    for bad, match in [(lambda c: c.allreduce(x, out=np.empty(5, np.float32)), "out has 5 elements"),
+                       (lambda c: c.allreduce(np.ones(3, np.int32), op="avg"), "needs a floating dtype")]:
+        spare = comm.split(0)            # a rejected input aborts the communicator it was given to
+        with pytest.raises(commlib.ValidationError, match=match):
+            bad(spare)
+        spare.close()

@@ -41,8 +41,17 @@ def _is_device(a: Any) -> bool:
 
 
 def _may_overlap(a: Any, b: Any) -> bool:
-    """False when two host arrays certainly do not overlap (a cheap bounds check)."""
-    return not (type(a) is np.ndarray and type(b) is np.ndarray and not np.may_share_memory(a, b))
+    """False when two host arrays certainly do not overlap.
+
+    Two distinct arrays that each own their memory (``base`` is None) cannot
+    overlap: two attribute reads decide the common case, where a bounds check
+    (``np.may_share_memory``) costs a quarter of a per-call budget.
+    """
+    if type(a) is not np.ndarray or type(b) is not np.ndarray or a is b:
+        return True
+    if a.base is None and b.base is None:
+        return False
+    return bool(np.may_share_memory(a, b))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -157,7 +166,7 @@ class MPIBackend:
 
     def allgather(self, send: Any, recv: Any, dtype: str) -> Pending:
         if type(send) is np.ndarray and type(recv) is np.ndarray:
-            inplace = np.may_share_memory(send, recv) and (
+            inplace = _may_overlap(send, recv) and (
                 _ptr(send) == _ptr(recv) + self.rank * send.nbytes)
             req = self.comm.Iallgather(MPI.IN_PLACE if inplace else send, recv)
             return Pending(req.Test, None, req)

@@ -112,8 +112,8 @@ class Communicator:
                            f"commlib-engine-r{self.rank}")
         self._seq = 0
         self._split: dict[int, list[int]] = {}   # split_counts(n, size) by n
-        # blocking calls on plain numpy arrays with an ``out`` skip the Op and View layers
-        # (Runner.call_host) unless a check or a trace needs them
+        # blocking calls on plain numpy arrays skip the Op and View layers (Runner.call_host)
+        # unless a check or a trace needs them
         self._host = self.backend == "mpi" and not config.check and not self._tracer.active
         _OPEN.append((weakref.ref(self), self._run))
 
@@ -236,7 +236,7 @@ class Communicator:
                     out = np.empty_like(x)
                 if out.size == x.size:
                     return self._run.call_host("allreduce", self._number(), self._backend.allreduce,
-                                               (x, out, dt, op), out, x.nbytes)
+                                               (x, out, dt, op), out, x.nbytes, tag)
         return self._call("allreduce", self._allreduce, (x, op, out, tag), True)
 
     def iallreduce(self, x: Any, op: str = "sum", *, out: Any = None,
@@ -277,7 +277,7 @@ class Communicator:
                 if out.size == counts[self.rank]:
                     return self._run.call_host("reduce_scatter", self._number(),
                                                self._backend.reduce_scatter,
-                                               (x, out, dt, op, counts), out, x.nbytes)
+                                               (x, out, dt, op, counts), out, x.nbytes, tag)
         return self._call("reduce_scatter", self._reduce_scatter, (x, op, out, tag), True)
 
     def ireduce_scatter(self, x: Any, op: str = "sum", *, out: Any = None,
@@ -308,7 +308,7 @@ class Communicator:
                     out = np.empty((self.size, *x.shape), x.dtype)
                 if out.size == x.size * self.size:
                     return self._run.call_host("allgather", self._number(), self._backend.allgather,
-                                               (x, out, dt), out, out.nbytes)
+                                               (x, out, dt), out, out.nbytes, tag)
         return self._call("allgather", self._allgather, (x, out, tag), True)
 
     def iallgather(self, x: Any, *, out: Any = None, tag: str | None = None) -> Work:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import DTYPES, FLOAT_DTYPES, View, as_view
+from .arrays import DTYPES, FLOAT_DTYPES, View, as_view, host_pair
 from .backends.base import REDUCE_OPS, Pending
 from .errors import MismatchError, ValidationError
 
@@ -74,11 +74,8 @@ def out_buffer(v: View, out: Any, count: int, what: str) -> tuple[Any, Any]:
     data = v.data
     if out is v.original and v.count == count and v.writable:
         return data, out   # in place: the backend sees send is recv
-    if (type(out) is np.ndarray and out.dtype is data.dtype and type(data) is np.ndarray
-            and out.size == count and v.dtype != "bfloat16"):   # the common case: a few attribute reads
-        flags = out.flags
-        if flags.c_contiguous and flags.writeable:
-            return (out if out.ndim == 1 else out.reshape(-1)), out
+    if host_pair(data, out) is not None and out.size == count:   # plain numpy: a few attribute reads
+        return (out if out.ndim == 1 else out.reshape(-1)), out
     o = as_view(out, f"{what}: out")
     if o.dtype != v.dtype:
         raise ValidationError(f"{what}: out has dtype {o.dtype}, input has {v.dtype}")

@@ -192,13 +192,12 @@ class Runner:
         Example (what :meth:`Communicator.allreduce` does for numpy ``x`` and ``out``):
             >>> runner.call_host("allreduce", 7, backend.allreduce, (x, out, "float32", "sum"), out, x.nbytes)
         """
-        ran, _ = self.engine.run_if_idle(self._post_settle, (name, seq, start, args))
+        ran, _ = self.engine.run_if_idle(self._post_settle, name, seq, start, args)
         if ran:
             return out
         return self.call(Op(name, start, args, None, out, nbytes, tag, (), seq), True)
 
-    def _post_settle(self, what: tuple) -> None:
-        name, seq, start, args = what
+    def _post_settle(self, name: str, seq: int, start: Callable[..., Pending], args: tuple) -> None:
         self.settle(self.post(name, seq, start, args), name, seq)
 
     def complete_work(self, work: Work) -> Any:

@@ -37,7 +37,7 @@ CLAIM_MAX_BYTES = 1 << 20
 #: a nap that found nothing left unattended doubles, up to this: a stream of small
 #: operations that their callers wait for costs a few wakes a second, and one left
 #: unattended after such a stream is taken over within this much
-MAX_NAP_S = 16e-3
+MAX_IDLE_NAP_S = 16e-3
 #: after the last submission the thread keeps napping this long, then sleeps until the
 #: next submission wakes it
 IDLE_GRACE_S = 0.05
@@ -198,15 +198,15 @@ class ProgressEngine:
             self._poke()
         return work
 
-    def run_if_idle(self, fn: Callable[[Any], Any], arg: Any) -> tuple[bool, Any]:
-        """Run ``fn(arg)`` on this thread if nothing is queued or running: ``(True, fn(arg))``;
+    def run_if_idle(self, fn: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
+        """Run ``fn(*args)`` on this thread if nothing is queued or running: ``(True, fn(*args))``;
         else ``(False, None)``.  Submissions from other threads wait meanwhile."""
         with self._lock:
             if self._closed:
                 raise CommlibError(f"{self._name}: communicator is closed")
             if self._pending:
                 return False, None
-            return True, fn(arg)
+            return True, fn(*args)
 
     def claim(self, work: Work) -> bool:
         """Take ``work`` off the queue if it is next and the thread has not picked it up;
@@ -269,7 +269,7 @@ class ProgressEngine:
                     self._cv.wait(None if due == math.inf else due - now)
                     self._wake_at = 0.0
                     if self._unattended() is None:
-                        self._nap = min(2 * self._nap, MAX_NAP_S)   # nobody needed it
+                        self._nap = min(2 * self._nap, MAX_IDLE_NAP_S)   # nobody needed it
                 work = self._queue.popleft()
                 self._busy = True
                 self._nap = CLAIM_WINDOW_S

@@ -12,11 +12,11 @@ import numpy as np
 from mpi4py import MPI  # before our exit hook is registered, so that MPI finalizes after it
 
 from . import board as _board
-from .arrays import FLOAT_DTYPES, as_view, host_pair
+from .arrays import as_view, host_pair
 from .backends.base import Pending, split_counts
 from .config import Config
 from .errors import CommAbortedError, ValidationError
-from .ops import OPS, Op, check_agreement, check_reduce_op, fingerprint, out_buffer
+from .ops import OPS, Op, check_agreement, check_reduce_op, fingerprint, out_buffer, reduce_op_ok
 from .runner import Runner
 from .tracing import Tracer
 from .work import Work
@@ -57,12 +57,6 @@ def _close_all() -> None:
 
 # registered after mpi4py's own exit hook (imported above us), so it runs before MPI_Finalize
 atexit.register(_close_all)
-
-
-def _reduce_ok(op: str, dtype: str) -> bool:
-    """Whether ``op`` is a reduce op valid for ``dtype`` (the host path's cheap form of
-    :func:`~commlib.ops.check_reduce_op`, which raises)."""
-    return op == "sum" or op == "max" or op == "min" or (op == "avg" and dtype in FLOAT_DTYPES)
 
 
 class Communicator:
@@ -231,7 +225,7 @@ class Communicator:
         """
         if self._host:
             dt = host_pair(x, out)
-            if dt is not None and _reduce_ok(op, dt):
+            if dt is not None and reduce_op_ok(op, dt):
                 if out is None:
                     out = np.empty_like(x)
                 if out.size == x.size:
@@ -271,7 +265,7 @@ class Communicator:
         if self._host:
             dt = host_pair(x, out)
             counts = self._split.get(x.size) if dt is not None else None
-            if counts is not None and _reduce_ok(op, dt):
+            if counts is not None and reduce_op_ok(op, dt):
                 if out is None:
                     out = np.empty(counts[self.rank], x.dtype)
                 if out.size == counts[self.rank]:

@@ -88,12 +88,23 @@ def out_buffer(v: View, out: Any, count: int, what: str) -> tuple[Any, Any]:
     return o.data, out
 
 
+def reduce_op_ok(op: str, dtype: str) -> bool:
+    """Whether ``op`` is a reduce op valid for ``dtype`` (``avg`` needs a floating dtype).
+
+    Example:
+        >>> reduce_op_ok("avg", "int32")
+        False
+    """
+    return op in REDUCE_OPS and (op != "avg" or dtype in FLOAT_DTYPES)
+
+
 def check_reduce_op(op: str, v: View, what: str) -> None:
-    """Reject an unknown reduce op, and ``avg`` on integers."""
+    """Reject an unknown reduce op, and ``avg`` on integers (what :func:`reduce_op_ok` refuses)."""
+    if reduce_op_ok(op, v.dtype):
+        return
     if op not in REDUCE_OPS:
         raise ValidationError(f"{what}: op {op!r} is not one of {REDUCE_OPS}")
-    if op == "avg" and v.dtype not in FLOAT_DTYPES:
-        raise ValidationError(f"{what}: op 'avg' needs a floating dtype, got {v.dtype}")
+    raise ValidationError(f"{what}: op 'avg' needs a floating dtype, got {v.dtype}")
 
 
 def check_agreement(table: np.ndarray, name: str, seq: int) -> None:

@@ -185,9 +185,8 @@ class Runner:
                   out: Any, nbytes: int, tag: str | None = None) -> Any:
         """A blocking operation on plain host arrays whose result is the caller's ``out``
         (untraced): posted and waited for on this thread without an :class:`Op` when the
-        engine is idle (2.3 us of Python per call on one rank, against 3.4 through the
-        general path: ``benchmarks.engine_figures.overhead``), else queued behind the
-        operations in flight.
+        engine is idle (about a third less Python per call than the general path:
+        ``benchmarks.engine_figures.overhead``), else queued behind the operations in flight.
 
         Example (what :meth:`Communicator.allreduce` does for numpy ``x`` and ``out``):
             >>> runner.call_host("allreduce", 7, backend.allreduce, (x, out, "float32", "sum"), out, x.nbytes)

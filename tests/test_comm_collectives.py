@@ -163,8 +163,9 @@ def test_split_communicators(comm):
 @pytest.mark.mpi(min_size=1)
 def test_host_path_edges_match_the_reference(comm):
     """Blocking calls on plain numpy arrays skip the Op layer (``Runner.call_host``): views,
-    0-d arrays, an ``out`` that aliases ``x`` without being ``x``, read-only inputs; anything
-    it cannot take (non-contiguous, bfloat16, a bad op) still gets the general path's error."""
+    0-d arrays, an ``out`` that aliases ``x`` without being ``x``, read-only inputs; input it
+    passes on (a wrong-sized ``out``, ``avg`` on integers) still gets the general path's error.
+    Non-contiguous and bfloat16 inputs are covered by test_comm_errors and the dtype sweeps."""
     n = 12
     expected = reference("sum", all_inputs(comm.size, n, "float32"))
     x = rank_input(comm.rank, n, "float32")

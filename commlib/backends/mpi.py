@@ -106,6 +106,10 @@ class MPIBackend:
             out.append(seen[key])
         return out, back
 
+    def _gathers_in_place(self, send: Any, recv: Any) -> bool:
+        """Whether ``send`` is this rank's block of ``recv`` (an in-place allgather)."""
+        return _may_overlap(send, recv) and _ptr(send) == _ptr(recv) + self.rank * send.nbytes
+
     @staticmethod
     def _copy_back(back: list[tuple[Any, Any]], only: Any = None) -> None:
         for dev, host in back:
@@ -166,13 +170,10 @@ class MPIBackend:
 
     def allgather(self, send: Any, recv: Any, dtype: str) -> Pending:
         if type(send) is np.ndarray and type(recv) is np.ndarray:
-            inplace = _may_overlap(send, recv) and (
-                _ptr(send) == _ptr(recv) + self.rank * send.nbytes)
-            req = self.comm.Iallgather(MPI.IN_PLACE if inplace else send, recv)
+            req = self.comm.Iallgather(MPI.IN_PLACE if self._gathers_in_place(send, recv) else send, recv)
             return Pending(req.Test, None, req)
         (hsend, hrecv), back = self._host(send, recv)
-        inplace = not back and _may_overlap(hsend, hrecv) and (
-            _ptr(hsend) == _ptr(hrecv) + self.rank * hsend.nbytes)
+        inplace = not back and self._gathers_in_place(hsend, hrecv)
         req = self.comm.Iallgather(MPI.IN_PLACE if inplace else hsend, hrecv)
         return Pending(req.Test, lambda: self._copy_back(back, recv), req)
 

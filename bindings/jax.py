@@ -127,6 +127,10 @@ class GradientSync:
         if strategy is None:
             kw = {k: v for k, v in (("cap_mb", cap_mb), ("first_cap_mb", first_cap_mb)) if v is not None}
             strategy = AllReduce(**kw)
+        if strategy.updates_parameters:
+            raise ValueError(f"{strategy.name} reads and writes the parameters, but GradientSync only "
+                             "sees gradients: use AllReduce, DeAR or SparseAllReduce here (the torch "
+                             "binding, DistributedOptimizer, drives SelSync and SyncSwitch)")
         self.comm = comm if comm is not None else commlib.world()
         self.strategy = strategy
         self.check = check
@@ -231,7 +235,7 @@ class GradientSync:
     def _tune(self) -> None:
         """``strategy.tune``: feed the tuner call-to-call times; a new cap re-plans the next call."""
         now = time.perf_counter()
-        tuner = getattr(self.strategy, "tuner", None)
+        tuner = self.strategy.tuner
         if tuner is not None and not tuner.done and self._last_call is not None:
             new_cap = tuner.observe(now - self._last_call)    # a broadcast: the same step on every rank
             if new_cap is not None:

@@ -151,8 +151,7 @@ class DistributedOptimizer(TrainingLoop, torch.optim.Optimizer):
                        key=lambda i: -model_ids.get(id(self._params[i]), -1 - i))
         self._ready_order = order
         self._hooks: list[Any] = []
-        if hasattr(self.strategy, "on_switch"):
-            self.strategy.on_switch(self._on_switch)
+        self.strategy.on_switch(self._on_switch)
         self._build(self.strategy.cap_bytes, broadcast=broadcast)
         if broadcast:      # the rest of the module state (buffers, frozen parameters), as DDP does
             trained = {id(p) for p in self._params}
@@ -305,7 +304,7 @@ class DistributedOptimizer(TrainingLoop, torch.optim.Optimizer):
             for i in unused:
                 self._params[i].grad = self._grad_views[i]
         self.strategy.after_update()
-        if getattr(self.strategy, "sync_optimizer_state", False) and getattr(self.strategy, "synced", False):
+        if self.strategy.syncs_optimizer_state():
             self._average_optimizer_state()     # SelSync in parameter mode: momentum agrees too
         self._end_step()
         now = time.perf_counter()
@@ -335,8 +334,7 @@ class DistributedOptimizer(TrainingLoop, torch.optim.Optimizer):
     def _scaled_hyperparameters(self) -> Iterator[None]:
         """Strategies that change the learning rate or momentum for a phase
         (Sync-Switch's ``lr_scale`` / ``momentum_scale``) scale them for this update only."""
-        lr_s = float(getattr(self.strategy, "lr_scale", 1.0))
-        mom_s = float(getattr(self.strategy, "momentum_scale", 1.0))
+        lr_s, mom_s = float(self.strategy.lr_scale), float(self.strategy.momentum_scale)
         if lr_s == 1.0 and mom_s == 1.0:
             yield
             return

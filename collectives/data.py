@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from commlib import split_counts
+from commlib import Communicator, split_counts
 
 
 def _check_rank(rank: int, size: int) -> None:
@@ -216,7 +216,7 @@ class DataInjector:
     def __init__(self, comm: Any, alpha: float, beta: float, seed: int = 0):
         if not 0.0 <= alpha <= 1.0 or not 0.0 <= beta <= 1.0:
             raise ValueError(f"alpha {alpha!r}, beta {beta!r}: expected fractions in [0, 1]")
-        mpi = getattr(comm, "mpi_comm", comm)
+        mpi = comm.mpi_comm if isinstance(comm, Communicator) else comm
         self._p2p = mpi.Dup()
         self.rank, self.size = self._p2p.rank, self._p2p.size
         self.alpha, self.beta, self.seed = float(alpha), float(beta), int(seed)

@@ -42,16 +42,17 @@ class DeAR(Strategy):
     name = "dear"
     sharded = True
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._scatter: list[Work | None] = []     # per bucket: its reduce-scatter in flight
+        self._gather: list[Work | None] = []      # per bucket: its all-gather in flight
+
     def setup(self, *args: Any, **kwargs: Any) -> None:
-        self.flush_pending()
+        self.complete()        # a re-plan: the last plan's all-gathers land first
         super().setup(*args, **kwargs)
         n = len(self.buckets)
-        self._scatter: list[Work | None] = [None] * n
-        self._gather: list[Work | None] = [None] * n
-
-    def flush_pending(self) -> None:
-        if getattr(self, "_gather", None):
-            self._wait(self._gather)
+        self._scatter = [None] * n
+        self._gather = [None] * n
 
     def launch(self, b: int) -> None:
         self._scatter[b] = self.comm.ireduce_scatter(self.grads[b], "avg", out=self.shard_grads[b],
@@ -79,4 +80,4 @@ class DeAR(Strategy):
         self._wait(self._gather)
 
     def complete(self) -> None:
-        self.flush_pending()
+        self._wait(self._gather)      # all DeAR has in flight after a step: flush starts nothing new

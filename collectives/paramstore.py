@@ -91,7 +91,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from commlib import CommTimeoutError, ValidationError, split_counts
+from commlib import CommTimeoutError, Communicator, ValidationError, split_counts
 
 from .rma_progress import PROGRESS_MODES, Pump, resolve_progress
 
@@ -147,7 +147,7 @@ class ParamStore:
     def __init__(self, comm: Any, numel: int, dtype: Any = "float32", init: Any = None,
                  layout: str = "sharded", server: int = 0, progress: str = "auto",
                  progress_interval_s: float = 1e-3, timeout: float | None = None):
-        base = getattr(comm, "mpi_comm", comm)
+        base = comm.mpi_comm if isinstance(comm, Communicator) else comm
         self.rank: int = base.rank
         self.size: int = base.size
         err: str | None = None
@@ -176,7 +176,7 @@ class ParamStore:
         self.numel = int(numel)
         self.layout = layout
         if timeout is None:
-            timeout = float(getattr(comm, "timeout", 0.0) or 0.0)
+            timeout = comm.timeout if isinstance(comm, Communicator) else 0.0
         self.timeout = float(timeout)
         self._mpi = base.Dup()
         self.progress = resolve_progress(progress, self._mpi)

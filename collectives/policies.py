@@ -42,6 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from commlib import Communicator
+
 PHASES = ("bsp", "asp", "ssp")
 MOMENTUM_MODES = ("keep", "reset", "ramp")
 
@@ -57,10 +59,10 @@ class Policy:
 
     def __init__(self) -> None:
         self.log: list[dict[str, Any]] = []
-        self.comm: Any = None
+        self.comm: Communicator | None = None     # unbound: one rank, no trace
         self.board: Any = None
 
-    def bind(self, comm: Any, board: Any = None) -> None:
+    def bind(self, comm: Communicator, board: Any = None) -> None:
         """Give the policy the communicator (and the store whose board it may use)."""
         self.comm, self.board = comm, board
 
@@ -84,9 +86,8 @@ class Policy:
     def _emit(self, event: str, **args: Any) -> None:
         rec = {"event": event, **args}
         self.log.append(rec)
-        tracer = getattr(self.comm, "tracer", None)
-        if tracer is not None:
-            tracer.instant("syncswitch." + event, **{k: _plain(v) for k, v in args.items()})
+        if self.comm is not None:
+            self.comm.tracer.instant("syncswitch." + event, **{k: _plain(v) for k, v in args.items()})
 
     def state_dict(self) -> dict[str, Any]:
         return {"name": self.name, "log": [dict(r) for r in self.log]}
@@ -292,8 +293,7 @@ class StragglerPolicy(Policy):
         return self._async_window(step, mean)
 
     def _bsp_window(self, step: int, mean: float) -> str | None:
-        size = getattr(self.comm, "size", 1)
-        if size > 1:
+        if self.comm is not None and self.comm.size > 1:
             table = self.comm.allgather(np.array([mean], np.float64), tag="syncswitch.times")
             means = [float(x) for x in np.asarray(table).reshape(-1)]
         else:
@@ -318,7 +318,7 @@ class StragglerPolicy(Policy):
         if board is None:
             raise RuntimeError("StragglerPolicy needs the parameter store's board while asynchronous")
         board.publish([mean, float(self.epochs)])
-        if getattr(self.comm, "rank", 0) == 0:
+        if self.comm is None or self.comm.rank == 0:
             table = board.read_board()
             means = [float(m) for m in table[:, 0]]
             # a rank that has not finished a window of this asynchronous phase counts as slow

@@ -110,10 +110,10 @@ class SelSync(Strategy):
     ``window``: the EWMA window (paper: 25).  ``warmup``: steps that always
     sync (default ``window``).  ``mode``: ``"params"`` or ``"grads"``.
     ``sync_optimizer_state``: average the buffers registered with
-    :meth:`register_state_buffers` whenever parameters are averaged (the
-    binding may instead read :attr:`synced`).  ``overlap``: let the parameter
-    average of a sync step overlap the next forward (waited for in
-    ``before_forward``).  ``average_on_flush``: ``flush()`` averages drifted
+    :meth:`register_state_buffers` whenever parameters are averaged, and ask
+    the binding to average its optimizer's state (:meth:`syncs_optimizer_state`).
+    ``overlap``: let the parameter average of a sync step overlap the next
+    forward (waited for in ``before_forward``).  ``average_on_flush``: ``flush()`` averages drifted
     replicas.  ``trace_len``: steps of the metric's trace kept.
 
     Tuning: raise ``delta`` for fewer syncs (higher LSSR, faster) and lower it
@@ -130,6 +130,7 @@ class SelSync(Strategy):
 
     name = "selsync"
     sharded = False
+    updates_parameters = True      # averages the replicas after local steps, in both modes
 
     def __init__(self, inner: Strategy | None = None, delta: float = 0.3, window: int = 25,
                  mode: str = "params", sync_optimizer_state: bool = False, warmup: int | None = None,
@@ -164,6 +165,7 @@ class SelSync(Strategy):
         self.stats.update({"syncs": 0, "local_steps": 0, "lssr": 0.0, "bytes_saved": 0.0,
                            "sync_bytes": 0.0, "consensus_s": 0.0, "consensus_calls": 0,
                            "observe_s": 0.0, "flush_syncs": 0})
+        self._norm = self._significance = float("nan")    # this step's, once observed
         self._want: bool | None = None        # this step's local vote, once observed
         self._decided: bool | None = None     # this step's consensus, once decided
         self._drift = False                   # local steps since the replicas were last averaged
@@ -192,6 +194,11 @@ class SelSync(Strategy):
             v = as_view(self.grads[0], "selsync: gradient buffer")
             with v.xp.cuda.Device(v.device_id):
                 self._flag = v.xp.zeros(1, v.xp.float32)
+
+    def syncs_optimizer_state(self) -> bool:
+        """With ``sync_optimizer_state``, the step that just synchronized asks the
+        binding to average the optimizer's state too (momentum agrees with the parameters)."""
+        return self.sync_optimizer_state and self.synced
 
     def register_state_buffers(self, buffers: Sequence[Any]) -> None:
         """Flat optimizer-state buffers (e.g. momentum, laid out as the buckets) to
@@ -319,7 +326,7 @@ class SelSync(Strategy):
         if tr.recording:
             tr.add("running", "selsync", "control", start_us, tr.now_us(), step=self.step_index,
                    sync=sync, want=bool(want), forced=forced,
-                   significance=float(getattr(self, "_significance", float("nan"))))
+                   significance=float(self._significance))
         self._decided = sync
         self.synced = sync
         return sync
@@ -335,9 +342,8 @@ class SelSync(Strategy):
     def end_step(self) -> None:
         """Close the step: count it, record the trace (``after_update`` calls it)."""
         sync = bool(self._decided)
-        norm = getattr(self, "_norm", float("nan"))
-        self.trace.append((self.step_index, norm, self.meter.value if self.meter.value is not None
-                           else float("nan"), getattr(self, "_significance", float("nan")), sync))
+        self.trace.append((self.step_index, self._norm, self.meter.value if self.meter.value is not None
+                           else float("nan"), self._significance, sync))
         if len(self.trace) > self.trace_len:
             del self.trace[: len(self.trace) - self.trace_len]
         if sync:

@@ -15,6 +15,23 @@ moment                 called by the binding                               e.g.
 ``state_dict()``       checkpoint                                          tuner, meters, phase
 =====================  ==================================================  ==========================
 
+What a strategy tells the binding (every strategy has these; the base
+answers for a strategy that needs nothing from the optimizer):
+
+- ``lr_scale``, ``momentum_scale``: factors on the learning rate and the
+  momentum coefficient for the update about to run (1.0; Sync-Switch's ASP
+  phase sets them);
+- ``on_switch(fn)``: ``fn(old, new, changes)`` after a phase switch (never,
+  for a strategy with one phase), e.g. to reset momentum;
+- ``syncs_optimizer_state()``: after ``after_update()``, whether to average
+  the optimizer's state over the ranks now (False; SelSync's synced steps);
+- ``tuner``: the cap search the binding feeds step times (``tune=True``);
+- ``updates_parameters``: the strategy also reads and writes ``params``
+  (averages drifted replicas, exchanges parameter deltas), so its binding must
+  hand it the model's parameters and run the update between
+  ``before_update()`` and ``after_update()`` (False: gradients only, which a
+  gradient transformation such as the JAX binding's can drive).
+
 Buffers are flat arrays of any kind commlib accepts (numpy, cupy, torch via
 DLPack).  ``params[b]`` holds bucket ``b``'s parameters (the framework's
 parameters are views of it), ``grads[b]`` its gradients; a strategy with
@@ -31,7 +48,7 @@ collectives in the same order even when gradients arrive in another order.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from commlib import Communicator, Work
@@ -58,6 +75,12 @@ class Strategy:
 
     name = "strategy"
     sharded = False
+    #: factor on the optimizer's learning rate for the update about to run
+    lr_scale = 1.0
+    #: factor on the optimizer's momentum coefficient for the update about to run
+    momentum_scale = 1.0
+    #: the strategy reads and writes ``params`` too (not only ``grads``)
+    updates_parameters = False
 
     def __init__(self, cap_mb: float = DEFAULT_CAP / MiB, first_cap_mb: float = DEFAULT_FIRST_CAP / MiB,
                  tune: bool | dict[str, Any] = False, last_cap_mb: float = DEFAULT_FIRST_CAP / MiB):
@@ -81,6 +104,7 @@ class Strategy:
         self.stats: dict[str, float] = {"wait_s": 0.0, "bytes": 0.0}
         self._ready: list[bool] = []
         self._next = 0
+        self._switch_callbacks: list[Callable[[str, str, dict[str, Any]], None]] = []
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, comm: Communicator, buckets: Sequence[Bucket], params: Sequence[Any],
@@ -147,6 +171,21 @@ class Strategy:
         Unlike :meth:`flush`, never a new collective: after it, parameters are
         what the last step made them (DeAR's all-gathers, SelSync's average done).
         """
+
+    # ------------------------------------------------------------------ what the binding asks
+    def on_switch(self, fn: Callable[[str, str, dict[str, Any]], None]) -> None:
+        """Call ``fn(old_phase, new_phase, changes)`` after every phase switch (on every rank).
+
+        A strategy with one phase never switches, so ``fn`` is never called;
+        :class:`collectives.syncswitch.SyncSwitch` switches between BSP and ASP.
+        """
+        self._switch_callbacks.append(fn)
+
+    def syncs_optimizer_state(self) -> bool:
+        """Whether the binding averages the optimizer's state over the ranks after this
+        ``after_update()`` (SelSync with ``sync_optimizer_state`` on a step that
+        synchronized); never for a strategy whose replicas stay equal."""
+        return False
 
     # ------------------------------------------------------------------ helpers
     def _wait(self, works: list[Work | None], b: int | None = None) -> None:

@@ -59,7 +59,7 @@ Example:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -93,6 +93,7 @@ class SyncSwitch(Strategy):
 
     name = "syncswitch"
     sharded = False
+    updates_parameters = True      # ASP pushes parameter deltas and pulls parameters
 
     def __init__(self, bsp: Strategy | None = None, policy: Policy | None = None, staleness: int = 0,
                  layout: str = "sharded", progress: str = "auto", progress_interval_s: float = 1e-3,
@@ -117,7 +118,6 @@ class SyncSwitch(Strategy):
         self.stores: list[ParamStore] = []
         self.switches: list[dict[str, Any]] = []
         self._state_buffers: list[Any] = []
-        self._callbacks: list[Callable[[str, str, dict[str, Any]], None]] = []
         self._before: list[np.ndarray] = []
         self._delta: list[np.ndarray] = []
         self._compute_start: float | None = None
@@ -148,11 +148,6 @@ class SyncSwitch(Strategy):
     def register_state_buffers(self, buffers: Sequence[Any]) -> None:
         """Flat optimizer-state arrays (momentum): zeroed on a momentum reset, averaged on return to BSP."""
         self._state_buffers = list(buffers)
-
-    def on_switch(self, fn: Callable[[str, str, dict[str, Any]], None]) -> None:
-        """Call ``fn(old_phase, new_phase, changes)`` after every switch (on every rank, at the same step
-        for switches out of BSP)."""
-        self._callbacks.append(fn)
 
     def bucket_ready(self, b: int) -> None:
         self._ready[b] = True
@@ -306,7 +301,7 @@ class SyncSwitch(Strategy):
         rec = {"step": self.steps, "from": old, "to": new, "seconds": dt, **changes}
         self.switches.append(rec)
         self.comm.tracer.instant("syncswitch.switch", **rec)
-        for fn in self._callbacks:
+        for fn in self._switch_callbacks:     # on every rank, at the same step out of BSP
             fn(old, new, changes)
 
     def switch_to(self, phase: str) -> None:

@@ -197,7 +197,10 @@ class Selector:
         """Everything needed to continue exactly (plain Python values and numpy arrays)."""
         return {"name": self.name, "step": self.step, "numel": self.numel, "density": self.density}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], same_world: bool = True) -> None:
+        """Continue from ``state``.  ``same_world=False``: it was saved at another
+        world size, so only what does not depend on the ranks is taken (the step,
+        the threshold; partition boundaries start afresh)."""
         if state.get("name") != self.name:
             raise ValueError(f"state of selector {state.get('name')!r} given to {self.name!r}")
         if self.comm is None:

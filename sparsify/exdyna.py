@@ -141,10 +141,11 @@ class PartitionedThreshold(Selector):
         return {**super().state_dict(), "threshold": self.policy.state_dict(),
                 "partitions": self.partitions.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def load_state_dict(self, state: dict[str, Any], same_world: bool = True) -> None:
+        super().load_state_dict(state, same_world)
         self.policy.load_state_dict(state["threshold"])
-        self.partitions.load_state_dict(state["partitions"])
+        if same_world:
+            self.partitions.load_state_dict(state["partitions"])
 
 
 class ExDyna(PartitionedThreshold):

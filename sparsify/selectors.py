@@ -136,8 +136,8 @@ class HardThreshold(Selector):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "threshold": self.policy.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def load_state_dict(self, state: dict[str, Any], same_world: bool = True) -> None:
+        super().load_state_dict(state, same_world)
         self.policy.load_state_dict(state["threshold"])
 
 

@@ -162,15 +162,7 @@ class SparseAllReduce(Strategy):
                                                          ", partition boundaries from the start"),
                           stacklevel=3)
         for s, sel, fb in zip(saved, self.selectors, self.feedback):
-            sel_state = dict(s["selector"])
-            if not same_world:
-                sel_state.pop("partitions", None)
-                sel.step = int(sel_state["step"])
-                policy = getattr(sel, "policy", None)
-                if policy is not None and "threshold" in sel_state:
-                    policy.load_state_dict(sel_state["threshold"])
-            else:
-                sel.load_state_dict(sel_state)
+            sel.load_state_dict(s["selector"], same_world)
             if same_rank:
                 fb.load_state_dict(s["feedback"])
             else:

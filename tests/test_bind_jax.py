@@ -33,7 +33,7 @@ from commlib.bindings.jax import (  # noqa: E402
     broadcast_params,
     sharded_optimizer,
 )
-from commlib.collectives import AllReduce, DeAR  # noqa: E402
+from commlib.collectives import AllReduce, DeAR, SelSync, SyncSwitch  # noqa: E402
 from commlib.errors import MismatchError, ValidationError  # noqa: E402
 
 pytestmark = pytest.mark.mpi(min_size=1)
@@ -307,6 +307,13 @@ def test_arguments_are_checked():
         sharded_optimizer(optax.sgd(0.1), strategy=AllReduce())
     with pytest.raises(ValueError, match="re-shard"):
         sharded_optimizer(optax.sgd(0.1), strategy=DeAR(tune=True))
+    # strategies that average parameters cannot be driven from gradients alone (they returned
+    # wrong gradients silently: SyncSwitch's ASP exchanged the unchanged buffers' zero deltas)
+    for strategy in (SelSync(mode="grads"), SelSync(mode="params"), SyncSwitch()):
+        with pytest.raises(ValueError, match="reads and writes the parameters"):
+            GradientSync(strategy=strategy)
+        with pytest.raises(ValueError, match="reads and writes the parameters"):
+            average_gradients(strategy=strategy)
 
 
 def test_jitted_step_then_eager_metrics_allreduce(comm):

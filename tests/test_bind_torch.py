@@ -147,6 +147,32 @@ def test_matches_single_process(comm, kind, name):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("sync_state", [True, False])
+def test_selsync_sync_optimizer_state_averages_momentum(comm, sync_state):
+    """SelSync in parameter mode asks the binding (``syncs_optimizer_state()``) to average the
+    optimizer's state on synced steps: every rank then holds the single-process momentum.
+    Without it, parameters still match (SGD is linear) but each rank keeps its own momentum."""
+    strategy = SelSync(inner=AllReduce(cap_mb=0.0003), delta=0.0, mode="params",
+                       sync_optimizer_state=sync_state)
+    model, opt = distributed(comm, "sgd", strategy, STEPS)
+    with opt.flush():
+        ref, ref_opt = reference("sgd", comm.size, STEPS)
+        assert_close(model, ref)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if name in ("unused", "frozen"):
+            assert "momentum_buffer" not in opt.state.get(p, {}), name
+            continue
+        mine = opt.state[p]["momentum_buffer"].numpy()
+        table = comm.allgather(mine)
+        if sync_state:
+            np.testing.assert_allclose(mine, ref_opt.state[q]["momentum_buffer"].numpy(),
+                                       rtol=2e-5, atol=2e-6, err_msg=name)
+            assert all(np.array_equal(t, table[0]) for t in table), name
+        elif comm.size > 1:
+            assert not all(np.array_equal(t, table[0]) for t in table), name
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 def test_tuned_cap_replans_mid_training_and_still_matches(comm, kind):
     """The tuner re-plans buckets (and re-shards DeAR's optimizer state) between steps: same result."""

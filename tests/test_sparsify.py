@@ -340,6 +340,34 @@ def test_strategy_state_from_another_rank_drops_the_residual(comm):
 
 
 @pytest.mark.mpi(min_size=1)
+def test_strategy_state_from_another_world_keeps_step_and_threshold(comm):
+    """Saved at another world size: the step and the threshold carry over, partition
+    boundaries start afresh (they belong to the ranks), residuals start from zero."""
+    n = 5000
+    s = SparseAllReduce(selector=ExDyna(0.02))
+    _strategy_run(comm, s, np.zeros(n, np.float32), 3)
+    state = s.state_dict()
+    saved = state["buckets"][0]["selector"]
+    state["world_size"] = comm.size + 1
+    saved["partitions"] = {"bad": "boundaries of another world, never read"}
+    fresh = SparseAllReduce(selector=ExDyna(0.02))
+    _strategy_run(comm, fresh, np.zeros(n, np.float32), 0)
+    start = fresh.selectors[0].partitions.state_dict()
+    with pytest.warns(UserWarning, match="partition boundaries from the start"):
+        fresh.load_state_dict(state)
+    sel = fresh.selectors[0]
+    assert sel.step == saved["step"] == 3
+    assert sel.threshold == s.selectors[0].threshold is not None
+    assert sel.policy.state_dict() == saved["threshold"]
+    assert _same_state(sel.partitions.state_dict(), start)
+    assert not fresh.feedback[0].residual.any()
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.mpi(min_size=1)
 def test_strategy_rejects_integer_gradients(comm):
     s = SparseAllReduce()
     buf = np.zeros(10, np.int32)

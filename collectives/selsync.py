@@ -113,8 +113,9 @@ class SelSync(Strategy):
     :meth:`register_state_buffers` whenever parameters are averaged, and ask
     the binding to average its optimizer's state (:meth:`syncs_optimizer_state`).
     ``overlap``: let the parameter average of a sync step overlap the next
-    forward (waited for in ``before_forward``).  ``average_on_flush``: ``flush()`` averages drifted
-    replicas.  ``trace_len``: steps of the metric's trace kept.
+    forward (waited for in ``before_forward``).  ``average_on_flush``:
+    ``flush()`` averages drifted replicas.  ``trace_len``: steps of the
+    metric's trace kept.
 
     Tuning: raise ``delta`` for fewer syncs (higher LSSR, faster) and lower it
     for BSP-like accuracy; look at ``gate.trace`` (significance per step) to

@@ -9,6 +9,7 @@ inputs), errors raised on every rank with the job still usable after them, and
 from __future__ import annotations
 
 import importlib
+import time
 import warnings
 
 import numpy as np
@@ -193,7 +194,13 @@ def test_mismatches_raise_on_every_rank_and_the_job_goes_on():
     h = hvd.allreduce_async(torch.ones(5), name="dup")
     with pytest.raises(ValueError, match="dup"):
         hvd.allreduce_async(torch.ones(5), name="dup")
+    while not hvd.poll(h):      # finished but not synchronized: still outstanding, on every rank alike
+        time.sleep(0.001)
+    with pytest.raises(ValueError, match="'dup' is outstanding"):
+        hvd.allreduce_async(torch.ones(5), name="dup")
     hvd.synchronize(h)
+    again = hvd.synchronize(hvd.allreduce_async(torch.ones(5), name="dup", op=hvd.Sum))   # free again
+    assert torch.equal(again, torch.full((5,), float(hvd.size())))
 
 
 @pytest.mark.mpi(min_size=2)

@@ -79,10 +79,10 @@ class _State:
 
 
 _state: _State | None = None
-#: guards the handle table and the names in flight (:mod:`.mpi_ops`)
+#: guards the handle table and the names of handles not yet synchronized (:mod:`.handles`)
 lock = threading.Lock()
 handles: dict[int, Request] = {}
-names: dict[str, Request] = {}
+names: dict[str, int] = {}      # name -> the handle that last used it
 
 
 def state() -> _State:

@@ -77,14 +77,15 @@ def submit(req: Request) -> int:
         if req.problem is not None and not torch.is_tensor(req.tensor):
             raise TypeError(req.problem)
     with basics.lock:
-        if req.name is not None:
-            prev = basics.names.get(req.name)
-            if prev is not None and not prev.done.is_set():
-                raise ValueError(f"Duplicate name: an operation named {req.name!r} is already in flight; "
-                                 "names must be unique among outstanding operations")
-            basics.names[req.name] = req
+        # outstanding = submitted and not yet synchronized: the same on every rank running the same
+        # program, whereas "not finished yet" depends on timing (one rank raising, another submitting)
+        if req.name is not None and basics.names.get(req.name) in basics.handles:
+            raise ValueError(f"Duplicate name: an operation named {req.name!r} is outstanding (not yet "
+                             "synchronized); names must be unique among outstanding operations")
         handle = next(_counter)
         basics.handles[handle] = req
+        if req.name is not None:
+            basics.names[req.name] = handle
     engine.submit(req)
     return handle
 

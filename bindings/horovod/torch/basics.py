@@ -82,7 +82,7 @@ _state: _State | None = None
 #: guards the handle table and the names of handles not yet synchronized (:mod:`.handles`)
 lock = threading.Lock()
 handles: dict[int, Request] = {}
-names: dict[str, int] = {}      # name -> the handle that last used it
+names: set[str] = set()         # the names of handles not yet synchronized
 
 
 def state() -> _State:

@@ -79,13 +79,13 @@ def submit(req: Request) -> int:
     with basics.lock:
         # outstanding = submitted and not yet synchronized: the same on every rank running the same
         # program, whereas "not finished yet" depends on timing (one rank raising, another submitting)
-        if req.name is not None and basics.names.get(req.name) in basics.handles:
-            raise ValueError(f"Duplicate name: an operation named {req.name!r} is outstanding (not yet "
-                             "synchronized); names must be unique among outstanding operations")
+        if req.name is not None:
+            if req.name in basics.names:
+                raise ValueError(f"Duplicate name: an operation named {req.name!r} is outstanding (not yet "
+                                 "synchronized); names must be unique among outstanding operations")
+            basics.names.add(req.name)
         handle = next(_counter)
         basics.handles[handle] = req
-        if req.name is not None:
-            basics.names[req.name] = handle
     engine.submit(req)
     return handle
 
@@ -115,6 +115,7 @@ def synchronize(handle: int) -> Any:
     req.done.wait()
     with basics.lock:
         basics.handles.pop(handle, None)
+        basics.names.discard(req.name)
     if req.error is not None:
         raise req.error
     return req.result

@@ -189,10 +189,10 @@ class SelSync(Strategy):
         self.inner.setup(comm, buckets, params, grads,
                          self._inner_shards if self.inner.sharded else None, broadcast=False)
         self._avg_works = [[] for _ in self.buckets]
-        if comm.backend == "mpi" or not self.grads:
+        v = as_view(self.grads[0], "selsync: gradient buffer") if self.grads else None
+        if v is None or v.device == "cpu" or comm.backend == "mpi":
             self._flag = np.zeros(1, np.float32)
-        else:
-            v = as_view(self.grads[0], "selsync: gradient buffer")
+        else:                # beside the gradients on the NCCL communicator's GPU
             with v.xp.cuda.Device(v.device_id):
                 self._flag = v.xp.zeros(1, v.xp.float32)
 

@@ -14,6 +14,7 @@ Settings come from ``COMMLIB_*`` variables or keywords (see :mod:`commlib.config
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from .arrays import DTYPES
@@ -44,31 +45,57 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'commlib' has no attribute {name!r}")
 
 
-def _gpu_ranks_fit(mpi_comm: Any) -> bool:
-    """True when cupy with NCCL sees at least one GPU per node-local rank."""
-    try:
-        import cupy
-        from cupy.cuda import nccl  # noqa: F401
-        from mpi4py import MPI
+def _nccl_plan(mpi_comm: Any, backend: str, requested: int | None) -> tuple[str, int | None]:
+    """The backend (``auto`` resolved, the same on every rank) and this rank's GPU for NCCL.
 
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # noqa: BLE001 - no cupy, no driver, no NCCL: not a GPU job
-        return False
+    Every rank takes part in the same collectives whatever its cupy does (a
+    rank without cupy, a driver or NCCL counts 0 GPUs), so no rank can skip
+    what its peers enter.  NCCL fits when every rank sees at least as many
+    GPUs as its node runs ranks and its GPU (:func:`commlib.device.choose_device`)
+    exists.  ``auto`` then picks NCCL, else MPI; ``nccl`` asked for where it
+    does not fit raises :class:`ValidationError` on every rank, before any
+    NCCL call.  ``mpi`` needs no collective here.
+    """
+    from mpi4py import MPI
+
+    from .device import choose_device, local_gpus
+
+    if backend == "mpi":
+        return "mpi", None
+    gpus = local_gpus()
     local = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
-    fits = n >= local.size
+    local_rank, local_size = local.rank, local.size
     local.Free()
-    return bool(mpi_comm.allreduce(int(fits), op=MPI.MIN))
+    device, problem = None, None
+    if gpus < local_size:
+        problem = f"{gpus} GPU(s) with cupy and NCCL for {local_size} rank(s) on its node"
+    else:
+        device = choose_device(local_rank, gpus, requested)
+        if not 0 <= device < gpus:
+            problem = f"device {device} asked for, but {gpus} GPU(s) seen"
+    problems = mpi_comm.allgather(problem)
+    if backend == "auto":
+        return ("mpi", None) if any(problems) else ("nccl", device)
+    bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
+    if bad:
+        raise ValidationError("backend 'nccl' needs cupy with NCCL and one GPU per rank of a node ("
+                              + "; ".join(bad) + "); use backend='mpi' (device arrays are then "
+                              "staged through host memory)")
+    return "nccl", device
 
 
 def init(backend: str | None = None, comm: Any = None, **settings: Any) -> Communicator:
     """Create (once) and return the communicator of all ranks.
 
     ``backend``: ``"auto"`` (NCCL when cupy with NCCL sees one GPU per local
-    rank, else MPI), ``"mpi"`` or ``"nccl"``.  ``comm``: an mpi4py
+    rank, else MPI), ``"mpi"`` or ``"nccl"``.  With NCCL each rank's GPU is
+    ``device`` if given, else the current CUDA device if the user chose one
+    (not 0), else the node-local rank; it becomes the current device.  Host
+    arrays on an NCCL communicator travel over MPI.  ``comm``: an mpi4py
     communicator to build on (default ``MPI.COMM_WORLD``; it is duplicated,
     never used directly).  ``settings``: keywords of :class:`Config`
-    (``timeout``, ``check``, ``timeline``, ``nvtx``, ``cuda_aware``), each
-    overriding its ``COMMLIB_*`` variable.  Calling ``init()`` again without
+    (``timeout``, ``check``, ``timeline``, ``nvtx``, ``cuda_aware``,
+    ``device``), each overriding its ``COMMLIB_*`` variable.  Calling ``init()`` again without
     arguments returns the same communicator.
 
     Example:
@@ -93,9 +120,12 @@ def init(backend: str | None = None, comm: Any = None, **settings: Any) -> Commu
             "Let commlib or mpi4py initialize MPI (mpi4py.rc.thread_level = 'multiple', the "
             "default), or call MPI_Init_thread with MPI_THREAD_MULTIPLE")
     base = MPI.COMM_WORLD if comm is None else comm
-    name = cfg.backend
-    if name == "auto":
-        name = "nccl" if _gpu_ranks_fit(base) else "mpi"
+    name, device = _nccl_plan(base, cfg.backend, cfg.device)
+    if name == "nccl":
+        import cupy
+
+        cupy.cuda.Device(device).use()   # the caller's CUDA work goes there too (hvd users do it by hand)
+        cfg = replace(cfg, device=device)
     result = Communicator(base.Dup(), cfg, name)
     if comm is None:
         _world = result

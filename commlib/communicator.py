@@ -12,9 +12,10 @@ import numpy as np
 from mpi4py import MPI  # before our exit hook is registered, so that MPI finalizes after it
 
 from . import board as _board
-from .arrays import as_view, host_pair
-from .backends.base import Pending, split_counts
+from .arrays import View, as_view, host_pair
+from .backends.base import Backend, Pending, split_counts
 from .config import Config
+from .device import CallerStream
 from .errors import CommAbortedError, ValidationError
 from .ops import OPS, Op, check_agreement, check_reduce_op, fingerprint, out_buffer, reduce_op_ok
 from .runner import Runner
@@ -92,12 +93,21 @@ class Communicator:
         self.rank: int = mpi_comm.rank
         self.size: int = mpi_comm.size
         self._mpi = mpi_comm
+        from .backends.mpi import MPIBackend
+
+        #: host (numpy) arrays always travel over MPI, as torch routes CPU tensors to gloo
+        self._host_backend: Backend = MPIBackend(mpi_comm, config.cuda_aware)
+        #: device arrays: over NCCL on an NCCL communicator, else over MPI too
+        self._backend: Backend = self._host_backend
+        #: the GPU of an NCCL communicator (None: MPI, device arrays on any GPU)
+        self._device: int | None = None
         if backend == "nccl":
             from .backends.nccl import NCCLBackend
-            self._backend = NCCLBackend(mpi_comm)
-        else:
-            from .backends.mpi import MPIBackend
-            self._backend = MPIBackend(mpi_comm, config.cuda_aware)
+
+            if config.device is None:
+                raise ValidationError("backend nccl needs a device (commlib.init chooses one)")
+            self._device = int(config.device)
+            self._backend = NCCLBackend(mpi_comm, self._device)
         self.backend: str = self._backend.name
         self._board = _board.Board(self._ctl, OPS)
         world_rank = MPI.COMM_WORLD.rank
@@ -108,7 +118,7 @@ class Communicator:
         self._split: dict[int, list[int]] = {}   # split_counts(n, size) by n
         # blocking calls on plain numpy arrays skip the Op and View layers (Runner.call_host)
         # unless a check or a trace needs them
-        self._host = self.backend == "mpi" and not config.check and not self._tracer.active
+        self._host = not config.check and not self._tracer.active
         _OPEN.append((weakref.ref(self), self._run))
 
     # ------------------------------------------------------------------ state
@@ -206,13 +216,39 @@ class Communicator:
         op.seq = seq
         return run.call(op, blocking)
 
+    def _route(self, v: View, what: str) -> tuple[Backend, CallerStream | None]:
+        """The backend for ``v`` and, for a device array, the caller's stream captured now
+        (on the caller's thread; raises :class:`ValidationError` for a GPU that is not the
+        NCCL communicator's)."""
+        if v.device == "cpu":
+            return self._host_backend, None
+        if self._device is not None and v.device_id != self._device:
+            raise ValidationError(
+                f"{what}: the array is on GPU {v.device_id}, this NCCL communicator on GPU "
+                f"{self._device} (commlib.init(device=...) or COMMLIB_DEVICE chooses it)")
+        return self._backend, CallerStream(v.device_id)
+
+    @staticmethod
+    def _result(v: View, data: Any, shape: tuple, ctx: CallerStream | None) -> Callable[[], Any]:
+        """The result of an allocated output: ``data`` as the caller's kind of array, handed
+        over on the caller's stream (DLPack orders the framework's stream after it)."""
+        if ctx is None:
+            return lambda: v.wrap(data, shape)
+
+        def wrap() -> Any:
+            with ctx:
+                return v.wrap(data, shape)
+
+        return wrap
+
     # ------------------------------------------------------------- operations
     def _allreduce(self, x: Any, op: str, out: Any, tag: str | None) -> Op:
         v = as_view(x, "allreduce: x")
         check_reduce_op(op, v, "allreduce")
         recv, value = out_buffer(v, out, v.count, "allreduce")
-        return Op("allreduce", self._backend.allreduce, (v.data, recv, v.dtype, op),
-                  None if value is not None else (lambda: v.wrap(recv, v.shape)), value,
+        be, ctx = self._route(v, "allreduce")
+        return Op("allreduce", be.allreduce, (v.data, recv, v.dtype, op, ctx),
+                  None if value is not None else self._result(v, recv, v.shape, ctx), value,
                   v.data.nbytes, tag, ("allreduce", v, v.count, -1, op))
 
     def allreduce(self, x: Any, op: str = "sum", *, out: Any = None,
@@ -229,7 +265,7 @@ class Communicator:
                 if out is None:
                     out = np.empty_like(x)
                 if out.size == x.size:
-                    return self._run.call_host("allreduce", self._number(), self._backend.allreduce,
+                    return self._run.call_host("allreduce", self._number(), self._host_backend.allreduce,
                                                (x, out, dt, op), out, x.nbytes, tag)
         return self._call("allreduce", self._allreduce, (x, op, out, tag), True)
 
@@ -246,8 +282,9 @@ class Communicator:
             counts = self._split[v.count] = split_counts(v.count, self.size)
         mine = counts[self.rank]
         recv, value = out_buffer(v, out, mine, "reduce_scatter")
-        return Op("reduce_scatter", self._backend.reduce_scatter, (v.data, recv, v.dtype, op, counts),
-                  None if value is not None else (lambda: v.wrap(recv, (mine,))), value,
+        be, ctx = self._route(v, "reduce_scatter")
+        return Op("reduce_scatter", be.reduce_scatter, (v.data, recv, v.dtype, op, counts, ctx),
+                  None if value is not None else self._result(v, recv, (mine,), ctx), value,
                   v.data.nbytes, tag, ("reduce_scatter", v, v.count, -1, op))
 
     def reduce_scatter(self, x: Any, op: str = "sum", *, out: Any = None,
@@ -270,7 +307,7 @@ class Communicator:
                     out = np.empty(counts[self.rank], x.dtype)
                 if out.size == counts[self.rank]:
                     return self._run.call_host("reduce_scatter", self._number(),
-                                               self._backend.reduce_scatter,
+                                               self._host_backend.reduce_scatter,
                                                (x, out, dt, op, counts), out, x.nbytes, tag)
         return self._call("reduce_scatter", self._reduce_scatter, (x, op, out, tag), True)
 
@@ -282,8 +319,9 @@ class Communicator:
     def _allgather(self, x: Any, out: Any, tag: str | None) -> Op:
         v = as_view(x, "allgather: x")
         recv, value = out_buffer(v, out, v.count * self.size, "allgather")
-        return Op("allgather", self._backend.allgather, (v.data, recv, v.dtype),
-                  None if value is not None else (lambda: v.wrap(recv, (self.size, *v.shape))), value,
+        be, ctx = self._route(v, "allgather")
+        return Op("allgather", be.allgather, (v.data, recv, v.dtype, ctx),
+                  None if value is not None else self._result(v, recv, (self.size, *v.shape), ctx), value,
                   v.data.nbytes * self.size, tag, ("allgather", v, v.count))
 
     def allgather(self, x: Any, *, out: Any = None, tag: str | None = None) -> Any:
@@ -301,7 +339,7 @@ class Communicator:
                 if out is None:
                     out = np.empty((self.size, *x.shape), x.dtype)
                 if out.size == x.size * self.size:
-                    return self._run.call_host("allgather", self._number(), self._backend.allgather,
+                    return self._run.call_host("allgather", self._number(), self._host_backend.allgather,
                                                (x, out, dt), out, out.nbytes, tag)
         return self._call("allgather", self._allgather, (x, out, tag), True)
 
@@ -341,8 +379,9 @@ class Communicator:
                 f"allgatherv: counts[{self.rank}] = {counts[self.rank]} but x has {v.count} elements")
         total = sum(counts)
         recv, value = out_buffer(v, out, total, "allgatherv")
-        return Op("allgatherv", self._backend.allgatherv, (v.data, recv, v.dtype, counts),
-                  None if value is not None else (lambda: v.wrap(recv, (total,))), value,
+        be, ctx = self._route(v, "allgatherv")
+        return Op("allgatherv", be.allgatherv, (v.data, recv, v.dtype, counts, ctx),
+                  None if value is not None else self._result(v, recv, (total,), ctx), value,
                   total * v.data.itemsize, tag, ("allgatherv", v, total))
 
     def allgatherv(self, x: Any, counts: Sequence[int] | None = None, *, out: Any = None,
@@ -371,14 +410,19 @@ class Communicator:
             buf, value = v.data, x
         else:
             buf, value = out_buffer(v, None if out is x else out, v.count, "broadcast")
-        be = self._backend
+        copy = self.rank == root and buf is not v.data
+        if copy and v.device != "cpu":
+            with CallerStream(v.device_id):   # on the caller's stream, before its event below
+                buf[...] = v.data
+            copy = False
+        be, ctx = self._route(v, "broadcast")
 
         def start() -> Pending:
-            if self.rank == root and buf is not v.data:
+            if copy:
                 buf[...] = v.data
-            return be.broadcast(buf, v.dtype, root)
+            return be.broadcast(buf, v.dtype, root, ctx)
 
-        return Op("broadcast", start, (), None if value is not None else (lambda: v.wrap(buf, v.shape)),
+        return Op("broadcast", start, (), None if value is not None else self._result(v, buf, v.shape, ctx),
                   value, v.data.nbytes, tag, ("broadcast", v, v.count, root))
 
     def broadcast(self, x: Any, root: int = 0, *, out: Any = None, tag: str | None = None) -> Any:
@@ -395,7 +439,8 @@ class Communicator:
         return self._call("broadcast", self._broadcast, (x, root, out, tag), False)
 
     def _barrier(self, tag: str | None) -> Op:
-        return Op("barrier", self._backend.barrier, (), None, None, 0, tag, ("barrier",))
+        ctx = None if self._device is None else CallerStream(self._device)
+        return Op("barrier", self._backend.barrier, (ctx,), None, None, 0, tag, ("barrier",))
 
     def barrier(self, *, tag: str | None = None) -> None:
         """Block until every rank has called ``barrier``."""
@@ -449,7 +494,9 @@ class Communicator:
         self._tracer.write()
         if run.aborted is None:
             self._board.free()
-            self._backend.free()
+            if self._backend is not self._host_backend:
+                self._backend.free()
+            self._host_backend.free()
             self._ctl.Free()
             self._user.Free()
 

@@ -8,7 +8,9 @@ all ranks compare each call before entering it), ``COMMLIB_TIMELINE``
 ``COMMLIB_MPI_CUDA_AWARE`` (``cuda_aware``: auto, 0, 1), ``COMMLIB_POLL_SPIN``
 (``poll_spin``: seconds ``Work.wait()`` yields the core before it sleeps on
 the operation's completion, and an NCCL wait polls its event before it backs
-off; default 0.001, ``inf`` never sleeps).  A keyword given to
+off; default 0.001, ``inf`` never sleeps), ``COMMLIB_DEVICE`` (``device``: the
+GPU of this rank's NCCL communicator; default: the current CUDA device if the
+user chose one, else the node-local rank).  A keyword given to
 :func:`commlib.init` wins over the variable.
 """
 
@@ -50,6 +52,7 @@ class Config:
     nvtx: bool = True
     cuda_aware: bool | None = None  # None: ask MPI
     poll_spin: float = 1e-3
+    device: int | None = None       # None: commlib.init chooses (commlib.device.choose_device)
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "Config":
@@ -67,7 +70,11 @@ class Config:
         except ValueError:
             raise ValidationError(
                 f"COMMLIB_POLL_SPIN={os.environ['COMMLIB_POLL_SPIN']!r}: expected seconds") from None
+        raw_device = os.environ.get("COMMLIB_DEVICE", "")
+        if raw_device and not raw_device.isdigit():
+            raise ValidationError(f"COMMLIB_DEVICE={raw_device!r}: expected a GPU index (0, 1, ...)")
         cfg = cls(
+            device=int(raw_device) if raw_device else None,
             poll_spin=poll_spin,
             backend=os.environ.get("COMMLIB_BACKEND", "auto").lower(),
             timeout=timeout,
@@ -90,6 +97,8 @@ class Config:
             raise ValidationError(f"backend {self.backend!r}: expected one of {_BACKENDS}")
         if not self.timeout >= 0:
             raise ValidationError(f"timeout {self.timeout!r}: expected seconds >= 0")
+        if self.device is not None and (not isinstance(self.device, int) or self.device < 0):
+            raise ValidationError(f"device {self.device!r}: expected a GPU index >= 0")
         if not self.poll_spin >= 0:
             raise ValidationError(f"poll_spin {self.poll_spin!r}: expected seconds >= 0 (inf: never sleep)")
 

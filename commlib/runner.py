@@ -70,8 +70,17 @@ class Runner:
             self.dangling.append((str(self.running), lambda: False))
 
     def unfinished(self) -> list[str]:
-        """Operations given up (timeout, a peer's failure) that MPI still holds."""
-        return [f"{label} (rank {self.rank} of {self.size})" for label, done in self.dangling if not done()]
+        """Operations given up (timeout, a peer's failure) that MPI still holds (an NCCL operation
+        of an aborted NCCL communicator holds nothing: its test raises)."""
+        left = []
+        for label, done in self.dangling:
+            try:
+                finished = done()
+            except CommAbortedError:
+                finished = True
+            if not finished:
+                left.append(f"{label} (rank {self.rank} of {self.size})")
+        return left
 
     def call(self, op: Op, blocking: bool) -> Any:
         """Run ``op``: its result (``blocking``), else its :class:`Work`."""
@@ -132,9 +141,7 @@ class Runner:
         """
         self.tracer.instant("error", op=name, seq=seq, error=str(err))
         self.aborted = err
-        backend_abort = getattr(self.backend, "abort", None)
-        if backend_abort is not None:  # NCCL: unblock the kernels still waiting
-            backend_abort()
+        self.backend.abort(str(err))    # NCCL: unblock the kernels still waiting
         self.board.set(seq, name, _board.ABORTED, str(err))
         raise err
 
@@ -145,12 +152,24 @@ class Runner:
             self.check_alive()
         self.posted = seq
         self.board.set(seq, name, _board.IN_OP)
-        return start(*args)
+        try:
+            return start(*args)
+        except CommAbortedError as err:   # the backend failed at launch (NCCL): abort everywhere
+            self.fail(err, name, seq)
 
     def settle(self, p: Pending, name: str, seq: int) -> None:
-        """Wait for the posted operation ``seq`` on this thread and run its finish step."""
-        if not p.test():
-            self.wait(p, name, seq)
+        """Wait for the posted operation ``seq`` on this thread and run its finish step.
+
+        A backend that finds the operation failed while testing it (an NCCL
+        asynchronous error) raises :class:`CommAbortedError`: the communicator
+        is then aborted here as after a timeout."""
+        try:
+            if not p.test():
+                self.wait(p, name, seq)
+        except CommAbortedError as err:
+            if self.aborted is None:
+                self.fail(err, name, seq)
+            raise
         if p.finish is not None:
             p.finish()
         if self.posted == seq:   # nothing posted since: the board shows this rank idle
@@ -221,7 +240,11 @@ class Runner:
     def start_work(self, work: Work) -> bool:
         """Start ``work`` now, on the caller's thread (the engine is idle); True if it completed."""
         p = work.started = self.start(work.op)
-        if not p.test():
+        try:
+            done = p.test()
+        except CommAbortedError:
+            done = True     # failed: finish() raises it again and settle() aborts the communicator
+        if not done:
             return False
         try:
             work.complete(self.finish(work.op, p))

@@ -33,7 +33,7 @@ from typing import Any
 
 from .base import Reduced, Selector
 from .exchange import Traffic, average_at, exchange_records, gather_indices
-from .kernels import take_above, threshold_scan
+from .kernels import scan_binned, take_above, threshold_scan
 from .partitions import DEFAULT_BALANCE, BlockPartitions, EqualPartitions, Partitions, imbalance
 from .threshold import INIT_FRACTIONS, ThresholdPolicy, make_policy, sample_tail, solve_initial
 
@@ -99,11 +99,12 @@ class PartitionedThreshold(Selector):
         t0 = time.perf_counter()
         fields: list[Any] = []
         if problem is None:
-            pos, mags = threshold_scan(xp, acc[lo:hi], floor)
             if curve:                          # the histogram is the counts record
-                bins = policy.bins(xp, mags, floor)
-                fields = [policy.histogram(xp, bins)]
+                pos, mags, bins, hist = scan_binned(xp, acc[lo:hi], floor, *policy.grid(),
+                                                    policy.record_len)
+                fields = [hist]
             else:
+                pos, mags = threshold_scan(xp, acc[lo:hi], floor)
                 fields = [int(pos.size)]
         select_s = time.perf_counter() - t0
         table = exchange_records(comm, xp, fields, 1 + max(policy.record_len, 1), problem,

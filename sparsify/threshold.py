@@ -60,6 +60,8 @@ from typing import Any
 
 import numpy as np
 
+from .kernels import bin_counts, log2_bins
+
 _QUANT = 4096.0           # thresholds live on a grid of 1/4096 octave
 _TINY = float(np.finfo(np.float32).tiny)
 
@@ -100,6 +102,11 @@ class ThresholdPolicy:
         """``(floor, threshold)``: candidates are ``>= floor``; plain rules select ``>= threshold``."""
         assert self.threshold is not None
         return self.threshold, self.threshold
+
+    def grid(self) -> tuple[float, int] | None:
+        """Histogram rules: ``(resolution, points)`` of the log2 grid above the floor that
+        :meth:`bins` uses (``sparsify.kernels.log2_bins``); ``None`` for plain rules."""
+        return None
 
     def bins(self, xp: Any, mags: Any, floor: float) -> Any:
         """Grid bin of each candidate magnitude (histogram rules)."""
@@ -230,17 +237,14 @@ class CountCurveThreshold(ThresholdPolicy):
     def grid_threshold(self, j: int) -> float:
         return self.threshold * 2.0 ** ((j - self.half) / self.resolution)
 
+    def grid(self) -> tuple[float, int]:
+        return float(self.resolution), self.points
+
     def bins(self, xp: Any, mags: Any, floor: float) -> Any:
-        if mags.size == 0:
-            return xp.zeros(0, dtype=xp.int64)
-        pos = xp.log2(mags.astype(xp.float32, copy=False) / xp.float32(floor)) * self.resolution
-        return xp.clip(xp.floor(pos), 0, self.points - 1).astype(xp.int64)
+        return log2_bins(xp, mags, floor, self.resolution, self.points)
 
     def histogram(self, xp: Any, bins: Any) -> Any:
-        g = self.record_len
-        if bins.size == 0:
-            return xp.zeros(g, dtype=xp.int64)
-        return xp.bincount(bins, minlength=g)[:g].astype(xp.int64, copy=False)
+        return bin_counts(xp, bins, self.record_len)
 
     def choose(self, k: float, table: np.ndarray) -> tuple[int, list[int]]:
         """Split exactly ``k`` selections (or all candidates, if fewer) over the ranks.

@@ -20,8 +20,10 @@ from commlib.sparsify import (
 )
 from commlib.sparsify._arrays import index_dtype, read_as, write_as
 from commlib.sparsify.base import check_density
-from commlib.sparsify.kernels import take_above, threshold_scan, top_k
+from commlib.sparsify.kernels import scan_binned, take_above, threshold_scan, top_k
 from commlib.sparsify.threshold import quantize, sample_tail, solve_initial
+
+from conftest import HAVE_GPU, NO_GPU_REASON
 
 
 # ---------------------------------------------------------------------- partitions
@@ -196,6 +198,34 @@ def test_threshold_scan_chunked_equals_whole():
     np.testing.assert_array_equal(pos, ref)
     np.testing.assert_array_equal(mags, np.abs(x[ref]))
     assert threshold_scan(np, x, 1e9)[0].size == 0
+
+
+@pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("n", [0, 1, 127, 128 * 5 + 3, 1 << 20])
+@pytest.mark.parametrize("floor", [0.0, 2.5])      # 0: every element, past the first capacity
+def test_gpu_scan_equals_the_host_scan(n, dtype, floor):
+    """The one-pass GPU kernel finds the host's candidates, magnitudes, bins and histogram
+    (in its own order); the output is poisoned first so an unwritten slot shows."""
+    import cupy
+
+    x = np.random.default_rng([n, 3]).standard_normal(n).astype(dtype) * 2
+    d = cupy.asarray(x)
+    for res, points, length in [(8, 0, 0), (8, 33, 41)]:
+        if points:
+            pos, mags, bins, hist = scan_binned(cupy, d, floor or 1e-3, res, points, length)
+            hp, hm, hb, hh = scan_binned(np, x, floor or 1e-3, res, points, length)
+            np.testing.assert_array_equal(hist, hh)
+        else:
+            pos, mags = threshold_scan(cupy, d, floor)
+            hp, hm = threshold_scan(np, x, floor)
+        pos, mags = cupy.asnumpy(pos), cupy.asnumpy(mags)
+        order = np.argsort(pos)
+        np.testing.assert_array_equal(pos[order], hp)
+        np.testing.assert_array_equal(mags[order], hm)
+        assert mags.dtype == x.dtype
+        if points:
+            np.testing.assert_array_equal(cupy.asnumpy(bins)[order], hb)
 
 
 def test_top_k_is_exact():

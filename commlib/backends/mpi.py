@@ -4,8 +4,12 @@ Reductions on bfloat16 (which MPI lacks) run in float32 and are rounded back;
 data movement of bfloat16 moves its 16-bit storage.  ``avg`` is a sum
 divided by the size.  A device (cupy) buffer is handed to MPI directly when
 MPI is CUDA-aware (``COMMLIB_MPI_CUDA_AWARE=1``, or detected through
-``MPIX_Query_cuda_support``), otherwise it is copied to host memory after
-synchronizing the caller's current stream, and the result is copied back.
+``MPIX_Query_cuda_support``), otherwise it is staged through host memory.
+Either way the host first waits for the event the caller recorded on its own
+stream when it called the operation (a :class:`~commlib.device.CallerStream`:
+the operation may start on the progress engine's thread, whose current
+stream is not the caller's), and a staged result is copied back on the
+caller's stream.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
+from ..device import CallerStream
 from .base import Pending
 
 _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
@@ -77,47 +82,52 @@ class MPIBackend:
         self.cuda_aware = mpi_cuda_aware() if cuda_aware is None else cuda_aware
 
     # -- helpers ---------------------------------------------------------
-    def _host(self, *arrays: Any, force: bool = False) -> tuple[Any, Any]:
+    def _host(self, *arrays: Any, ctx: CallerStream | None = None,
+              force: bool = False) -> tuple[Any, Any]:
         """Host stand-ins for device arrays (staged) and the copy-backs to do.
 
-        ``force`` stages even under CUDA-aware MPI (host arithmetic needed).
+        Waits for the caller's ``ctx.ready`` first.  ``force`` stages even
+        under CUDA-aware MPI (host arithmetic needed).
         """
         for a in arrays:
             if type(a) is not np.ndarray:
                 break
         else:
             return arrays, ()
-        if self.cuda_aware and not force:
-            if any(_is_device(a) for a in arrays if a is not None):
-                import cupy
-                cupy.cuda.get_current_stream().synchronize()
-            return list(arrays), []
-        import cupy
-        cupy.cuda.get_current_stream().synchronize()
-        out, back, seen = [], [], {}
-        for a in arrays:
-            if a is None or not _is_device(a):
-                out.append(a)
-                continue
-            key = id(a)
-            if key not in seen:
-                seen[key] = cupy.asnumpy(a)
-                back.append((a, seen[key]))
-            out.append(seen[key])
-        return out, back
+        with ctx.device:
+            ctx.ready.synchronize()      # the caller's writes to the inputs have landed
+            if self.cuda_aware and not force:
+                return list(arrays), []
+            out, back, seen = [], [], {}
+            for a in arrays:
+                if a is None or not _is_device(a):
+                    out.append(a)
+                    continue
+                key = id(a)
+                if key not in seen:
+                    seen[key] = a.get()
+                    back.append((a, seen[key]))
+                out.append(seen[key])
+        return out, (ctx, back)
 
     def _gathers_in_place(self, send: Any, recv: Any) -> bool:
         """Whether ``send`` is this rank's block of ``recv`` (an in-place allgather)."""
         return _may_overlap(send, recv) and _ptr(send) == _ptr(recv) + self.rank * send.nbytes
 
     @staticmethod
-    def _copy_back(back: list[tuple[Any, Any]], only: Any = None) -> None:
-        for dev, host in back:
-            if only is None or dev is only:
-                dev.set(host)
+    def _copy_back(staged: Any, only: Any = None) -> None:
+        """Copy staged results back to the device, on the caller's stream (in its order)."""
+        if not staged:
+            return
+        ctx, back = staged
+        with ctx:
+            for dev, host in back:
+                if only is None or dev is only:
+                    dev.set(host, stream=ctx.stream)
 
     # -- operations ------------------------------------------------------
-    def allreduce(self, send: Any, recv: Any, dtype: str, op: str) -> Pending:
+    def allreduce(self, send: Any, recv: Any, dtype: str, op: str,
+                  ctx: CallerStream | None = None) -> Pending:
         if type(send) is np.ndarray and type(recv) is np.ndarray and dtype != "bfloat16":
             # host arrays (the common case): no staging, nothing to finish but avg.  The general
             # path below handles them too; this branch skips _host and the finish closure, which
@@ -126,7 +136,7 @@ class MPIBackend:
             req = self.comm.Iallreduce(sbuf, recv, _MPI_OPS[op])
             return Pending(req.Test, None if op != "avg" else lambda: _divide(recv, self.size, dtype), req)
         upcast = dtype == "bfloat16"
-        (hsend, hrecv), back = self._host(send, recv, force=upcast)
+        (hsend, hrecv), back = self._host(send, recv, ctx=ctx, force=upcast)
         if upcast:  # MPI has no bfloat16 arithmetic: reduce in float32
             work = hsend.view(_BF16).astype(np.float32)
             req = self.comm.Iallreduce(MPI.IN_PLACE, work, _MPI_OPS[op])
@@ -145,12 +155,12 @@ class MPIBackend:
         return Pending(req.Test, finish, req)
 
     def reduce_scatter(self, send: Any, recv: Any, dtype: str, op: str,
-                       counts: Sequence[int]) -> Pending:
+                       counts: Sequence[int], ctx: CallerStream | None = None) -> Pending:
         if type(send) is np.ndarray and type(recv) is np.ndarray and dtype != "bfloat16":
             req = self.comm.Ireduce_scatter(send, recv, counts, _MPI_OPS[op])
             return Pending(req.Test, None if op != "avg" else lambda: _divide(recv, self.size, dtype), req)
         upcast = dtype == "bfloat16"
-        (hsend, hrecv), back = self._host(send, recv, force=upcast)
+        (hsend, hrecv), back = self._host(send, recv, ctx=ctx, force=upcast)
         if upcast:
             s = hsend.view(_BF16).astype(np.float32)
             work = np.empty(hrecv.size, np.float32)
@@ -168,29 +178,34 @@ class MPIBackend:
 
         return Pending(req.Test, finish, req)
 
-    def allgather(self, send: Any, recv: Any, dtype: str) -> Pending:
+    def allgather(self, send: Any, recv: Any, dtype: str, ctx: CallerStream | None = None) -> Pending:
         if type(send) is np.ndarray and type(recv) is np.ndarray:
             req = self.comm.Iallgather(MPI.IN_PLACE if self._gathers_in_place(send, recv) else send, recv)
             return Pending(req.Test, None, req)
-        (hsend, hrecv), back = self._host(send, recv)
+        (hsend, hrecv), back = self._host(send, recv, ctx=ctx)
         inplace = not back and self._gathers_in_place(hsend, hrecv)
         req = self.comm.Iallgather(MPI.IN_PLACE if inplace else hsend, hrecv)
         return Pending(req.Test, lambda: self._copy_back(back, recv), req)
 
-    def allgatherv(self, send: Any, recv: Any, dtype: str, counts: Sequence[int]) -> Pending:
-        (hsend, hrecv), back = self._host(send, recv)
+    def allgatherv(self, send: Any, recv: Any, dtype: str, counts: Sequence[int],
+                   ctx: CallerStream | None = None) -> Pending:
+        (hsend, hrecv), back = self._host(send, recv, ctx=ctx)
         displs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(int).tolist()
         req = self.comm.Iallgatherv(hsend, [hrecv, list(counts), displs, None])
         return Pending(req.Test, lambda: self._copy_back(back, recv), req)
 
-    def broadcast(self, buf: Any, dtype: str, root: int) -> Pending:
-        (hbuf,), back = self._host(buf)
+    def broadcast(self, buf: Any, dtype: str, root: int, ctx: CallerStream | None = None) -> Pending:
+        (hbuf,), back = self._host(buf, ctx=ctx)
         req = self.comm.Ibcast(hbuf, root)
         return Pending(req.Test, lambda: self._copy_back(back), req)
 
-    def barrier(self) -> Pending:
+    def barrier(self, ctx: CallerStream | None = None) -> Pending:
         req = self.comm.Ibarrier()
         return Pending(req.Test, None, req)
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Nothing to do: MPI collectives cannot be cancelled.  An operation given up stays
+        posted, and the exit hook ends the job with ``MPI_Abort`` (``commlib.communicator``)."""
 
     def free(self) -> None:
         try:

@@ -1,0 +1,258 @@
+"""GPU figures on one GPU: the copy ceiling, NCCL through commlib against raw NCCL, ExDyna selection.
+
+Three parts, each with its contenders side by side in one run:
+
+* ``copy``: a device-to-device copy of ``--copy-mib`` MiB (cupy), counting
+  bytes read plus bytes written: the device's memory ceiling, and from it the
+  time of one read of the gradient (the floor of any selection).
+* ``collectives``: on an NCCL communicator of one rank, per size, a blocking
+  commlib call on a cupy array against the raw NCCL call (cupy's
+  ``NcclCommunicator`` on its own stream, then a stream synchronize): time per
+  call (the latency floor at small sizes), algorithm bandwidth (bytes / time;
+  a one-rank all-reduce is a device copy) and the ratio commlib / raw.
+* ``selection``: ExDyna (``--density``) on a ``--numel`` float32 gradient of
+  one rank, after ``--settle`` steps of real reductions (error feedback
+  included) so the threshold holds the density; the local selection (the
+  one-pass scan with its histogram, the boundary choice, the take of the
+  boundary bin) against ``torch.topk`` of ``|g|`` with the same k, in time
+  and GB/s of gradient read, with the ratio to one read at the copy ceiling.
+  Targets (issue 14): selection <= 3x one read, >= 10x faster than topk.
+
+Example (on a GPU machine; one rank):
+    python -m benchmarks.gpu --json gpu.json
+    python -m benchmarks.gpu --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from benchmarks import _common as bc
+
+SIZES = [8 << (3 * i) for i in range(9)]        # 8 B .. 128 MiB, by 8x
+OPS = ("allreduce", "allgather", "broadcast", "reduce_scatter")
+READ_TARGET, TOPK_TARGET = 3.0, 10.0
+
+
+def wall(fn: Callable[[], Any], sync: Callable[[], None], iters: int, rounds: int) -> float:
+    """Median over ``rounds`` of the seconds per call of ``iters`` back-to-back calls (synced)."""
+    fn()
+    sync()
+    per = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        per.append((time.perf_counter() - t0) / iters)
+    return statistics.median(per)
+
+
+def calibrated(fn: Callable[[], Any], sync: Callable[[], None], target_s: float, rounds: int) -> float:
+    """:func:`wall` with ``iters`` chosen so one batch lasts about ``target_s``."""
+    once = wall(fn, sync, 1, 3)
+    iters = max(1, min(2000, int(target_s / max(once, 1e-7))))
+    return wall(fn, sync, iters, rounds)
+
+
+def copy_ceiling(cupy: Any, mib: int, rounds: int) -> dict[str, float]:
+    """Device-to-device copy: bytes read + written per second (median of event-timed copies)."""
+    n = (mib << 20) // 4
+    a = cupy.random.standard_normal(n, dtype=cupy.float32)
+    b = cupy.empty_like(a)
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for i in range(rounds + 2):
+        start.record()
+        b[...] = a
+        stop.record()
+        stop.synchronize()
+        if i >= 2:
+            times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+    assert bool((b[:1000] == a[:1000]).all())
+    t = statistics.median(times)
+    return {"bytes": 2 * a.nbytes, "seconds": t, "bytes_per_s": 2 * a.nbytes / t}
+
+
+def _contenders(comm: Any, raw: Any, s: int, x: Any, out: Any, f32: int,
+                total: int) -> tuple[dict[str, Callable[[], Any]], dict[str, Callable[[], Any]]]:
+    """Per op: the raw NCCL call on stream ``s`` and the commlib call, on ``x`` and ``out``."""
+    n, xp, op = x.size, x.data.ptr, out.data.ptr
+    raws = {"allreduce": lambda: raw.allReduce(xp, op, n, f32, total, s),
+            "allgather": lambda: raw.allGather(xp, op, n, f32, s),
+            "broadcast": lambda: raw.bcast(xp, n, f32, 0, s),
+            "reduce_scatter": lambda: raw.reduceScatter(xp, op, n, f32, total, s)}
+    ours = {"allreduce": lambda: comm.allreduce(x, out=out),
+            "allgather": lambda: comm.allgather(x, out=out),
+            "broadcast": lambda: comm.broadcast(x, root=0),
+            "reduce_scatter": lambda: comm.reduce_scatter(x, out=out)}
+    return raws, ours
+
+
+def collectives(comm: Any, cupy: Any, sizes: list[int], target_s: float, rounds: int) -> list[dict]:
+    """commlib on NCCL against raw cupy NCCL calls, one rank, per op and size."""
+    from cupy.cuda import nccl
+
+    raw = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    rows = []
+    for nbytes in sizes:
+        n = max(1, nbytes // 4)
+        x = cupy.random.standard_normal(n, dtype=cupy.float32)
+        out = cupy.empty_like(x)
+        raws, ours = _contenders(comm, raw, stream.ptr, x, out, nccl.NCCL_FLOAT32, nccl.NCCL_SUM)
+        got = comm.allreduce(x)
+        assert bool((got == x).all()), "one-rank allreduce must return its input"
+        for op in OPS:
+            t_raw = calibrated(raws[op], stream.synchronize, target_s, rounds)
+            t_ours = calibrated(ours[op], cupy.cuda.get_current_stream().synchronize, target_s, rounds)
+            t_raw2 = calibrated(raws[op], stream.synchronize, target_s, rounds)   # the spread
+            rows.append({"op": op, "bytes": n * 4, "raw_us": 1e6 * min(t_raw, t_raw2),
+                         "raw_spread": max(t_raw, t_raw2) / min(t_raw, t_raw2),
+                         "commlib_us": 1e6 * t_ours, "ratio": t_ours / min(t_raw, t_raw2),
+                         "algbw_GBps": n * 4 / t_ours / 1e9})
+    raw.destroy()
+    return rows
+
+
+def selection(comm: Any, cupy: Any, numel: int, density: float, settle: int, rounds: int) -> dict:
+    """ExDyna's local selection on the GPU against torch.topk (see module docs)."""
+    from commlib import sparsify
+    from commlib.sparsify.kernels import scan_binned, take_above
+
+    sel = sparsify.ExDyna(density).setup(comm, numel, cupy)
+    fb = sparsify.ErrorFeedback(numel, np.float32, cupy)
+    rng = cupy.random.default_rng(7)
+    densities = []
+    for _ in range(settle):
+        out = sel.reduce(fb.accumulate(rng.standard_normal(numel, dtype=cupy.float32)))
+        fb.settle(out)
+        densities.append(out.stats.density)
+    acc = fb.accumulate(rng.standard_normal(numel, dtype=cupy.float32))
+    policy = sel.policy
+    sync = cupy.cuda.get_current_stream().synchronize
+
+    def scan() -> Any:
+        floor, _ = policy.window()
+        return scan_binned(cupy, acc, floor, *policy.grid(), policy.record_len)
+
+    def select() -> Any:
+        pos, mags, bins, hist = scan()
+        j, take = policy.choose(sel.k, hist[None, :])
+        return take_above(cupy, pos, mags, bins, j, take[0])
+
+    picked = select()
+    # reference: the same threshold rule on the host gives the same selection
+    host = cupy.asnumpy(acc)
+    floor, _ = policy.window()
+    hpos, hmags, hbins, hhist = scan_binned(np, host, floor, *policy.grid(), policy.record_len)
+    hj, htake = policy.choose(sel.k, hhist[None, :])
+    ref = take_above(np, hpos, hmags, hbins, hj, htake[0])
+    same = bool(np.array_equal(np.sort(cupy.asnumpy(picked)), np.sort(ref)))
+
+    t_scan = wall(scan, sync, 20, rounds)
+    t_select = wall(select, sync, 20, rounds)
+    row: dict[str, Any] = {"numel": numel, "density": density, "k": sel.k,
+                           "selected": int(picked.size), "matches_host": same,
+                           "settle_density_last": densities[-1] if densities else None,
+                           "scan_s": t_scan, "select_s": t_select}
+    try:
+        import torch
+        t = torch.as_tensor(acc, device="cuda")
+        k = int(sel.k)
+        topk = lambda: torch.topk(t.abs(), k, sorted=False)  # noqa: E731 - a contender
+        row["topk_s"] = wall(topk, torch.cuda.synchronize, 5, rounds)
+    except ImportError as exc:
+        row["topk_s"] = None
+        row["topk_why"] = str(exc)
+    return row
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import cupy
+    from mpi4py import MPI
+
+    import commlib
+
+    comm = commlib.init(comm=MPI.COMM_SELF, backend="nccl")
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+    doc: dict[str, Any] = {
+        "benchmark": "gpu", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(["python -m benchmarks.gpu", *sys.argv[1:]]),
+        "environment": {**bc.environment(MPI.COMM_SELF), "gpu": props["name"].decode(),
+                        "cupy": cupy.__version__, "nccl": cupy.cuda.nccl.get_version()},
+    }
+    doc["copy"] = copy_ceiling(cupy, args.copy_mib, args.rounds)
+    doc["collectives"] = collectives(comm, cupy, args.sizes, args.target_ms / 1e3, args.rounds)
+    sel = selection(comm, cupy, args.numel, args.density, args.settle, args.rounds)
+    one_read = 4 * args.numel / doc["copy"]["bytes_per_s"]
+    sel["one_read_s"] = one_read
+    sel["select_over_read"] = sel["select_s"] / one_read
+    sel["read_GBps"] = 4 * args.numel / sel["select_s"] / 1e9
+    sel["topk_over_select"] = sel["topk_s"] / sel["select_s"] if sel.get("topk_s") else None
+    sel["meets_read"] = sel["select_over_read"] <= READ_TARGET
+    sel["meets_topk"] = bool(sel["topk_over_select"] and sel["topk_over_select"] >= TOPK_TARGET)
+    doc["selection"] = sel
+    comm.close()
+    return doc
+
+
+def report(doc: dict[str, Any]) -> str:
+    env, cp, sel = doc["environment"], doc["copy"], doc["selection"]
+    out = [f"# GPU: {env['gpu']} (cupy {env['cupy']}, NCCL {env['nccl']})", "",
+           f"copy ceiling: {cp['bytes_per_s'] / 1e12:.2f} TB/s (read + written, "
+           f"{bc.size_label(cp['bytes'] // 2)} copied in {cp['seconds'] * 1e6:.0f} us)", "",
+           "## NCCL, one rank: commlib blocking call vs raw cupy NCCL call", ""]
+    rows = [[r["op"], bc.size_label(r["bytes"]), r["raw_us"], r["commlib_us"], r["ratio"], r["raw_spread"],
+             r["algbw_GBps"]] for r in doc["collectives"]]
+    out.append(bc.markdown_table(["op", "size", "raw us", "commlib us", "commlib/raw", "raw spread",
+                                  "commlib GB/s"], rows))
+    out += ["", f"## ExDyna selection, {sel['numel']:,} float32, density {sel['density']} (k = {sel['k']:,})",
+            ""]
+    rows = [["one read at the copy ceiling", sel["one_read_s"] * 1e6, 1.0, ""],
+            ["ExDyna scan (one pass + histogram)", sel["scan_s"] * 1e6, sel["scan_s"] / sel["one_read_s"],
+             4 * sel["numel"] / sel["scan_s"] / 1e9],
+            ["ExDyna selection (scan, choose, take)", sel["select_s"] * 1e6, sel["select_over_read"],
+             sel["read_GBps"]]]
+    if sel.get("topk_s"):
+        rows.append(["torch.topk(|g|, k)", sel["topk_s"] * 1e6, sel["topk_s"] / sel["one_read_s"],
+                     4 * sel["numel"] / sel["topk_s"] / 1e9])
+    out.append(bc.markdown_table(["what", "us", "x one read", "GB/s of gradient read"], rows))
+    out += ["", f"selected {sel['selected']:,} (the host rule picks the same: {sel['matches_host']}); "
+            f"selection / one read = {sel['select_over_read']:.2f} (target <= {READ_TARGET:g}: "
+            f"{'met' if sel['meets_read'] else 'NOT met'}); topk / selection = "
+            f"{bc.fmt(sel['topk_over_select'])} (target >= {TOPK_TARGET:g}: "
+            f"{'met' if sel['meets_topk'] else 'NOT met'})"]
+    return "\n".join(out)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = bc.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="bytes per collective")
+    p.add_argument("--numel", type=int, default=25_000_000, help="gradient elements for the selection")
+    p.add_argument("--density", type=float, default=0.001)
+    p.add_argument("--settle", type=int, default=40, help="reductions before the selection is timed")
+    p.add_argument("--copy-mib", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--target-ms", type=float, default=20.0)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.sizes, args.numel, args.settle, args.copy_mib, args.rounds = [8, 1 << 20], 1 << 20, 5, 64, 3
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    bc.publish(args, run(args), report)
+
+
+if __name__ == "__main__":
+    main()

@@ -58,7 +58,7 @@ def _nccl_plan(mpi_comm: Any, backend: str, requested: int | None) -> tuple[str,
     """
     from mpi4py import MPI
 
-    from .device import choose_device, local_gpus
+    from .device import choose_device, current_device, local_gpus
 
     if backend == "mpi":
         return "mpi", None
@@ -70,7 +70,7 @@ def _nccl_plan(mpi_comm: Any, backend: str, requested: int | None) -> tuple[str,
     if gpus < local_size:
         problem = f"{gpus} GPU(s) with cupy and NCCL for {local_size} rank(s) on its node"
     else:
-        device = choose_device(local_rank, gpus, requested)
+        device = choose_device(local_rank, gpus, requested, current_device())
         if not 0 <= device < gpus:
             problem = f"device {device} asked for, but {gpus} GPU(s) seen"
     problems = mpi_comm.allgather(problem)

@@ -74,22 +74,29 @@ def local_gpus() -> int:
         return 0
 
 
-def choose_device(local_rank: int, gpus: int, requested: int | None) -> int:
+def current_device() -> int:
+    """The calling thread's current CUDA device (``cudaGetDevice``; creates no context)."""
+    import cupy
+
+    return int(cupy.cuda.runtime.getDevice())
+
+
+def choose_device(local_rank: int, gpus: int, requested: int | None, current: int) -> int:
     """The GPU of a rank's NCCL communicator.
 
-    ``requested`` (the ``device`` setting) wins.  Otherwise the current CUDA
-    device when it is not 0 (the user chose it: ``torch.cuda.set_device``,
-    ``cupy.cuda.Device(i).use()``), else the local rank (modulo ``gpus``).
+    ``requested`` (the ``device`` setting) wins.  Otherwise ``current`` (the
+    current CUDA device, :func:`current_device`) when it is not 0: the user
+    chose it (``torch.cuda.set_device``, ``cupy.cuda.Device(i).use()``).
+    Otherwise the node-local rank, modulo ``gpus``.
 
     Example:
-        >>> choose_device(local_rank=3, gpus=8, requested=None)   # current device 0
+        >>> choose_device(local_rank=3, gpus=8, requested=None, current=0)
         3
+        >>> choose_device(local_rank=3, gpus=8, requested=None, current=5), choose_device(3, 8, 1, 5)
+        (5, 1)
     """
     if requested is not None:
         return int(requested)
-    import cupy
-
-    current = int(cupy.cuda.runtime.getDevice())
     if current != 0:
         return current
     return local_rank % max(gpus, 1)

@@ -118,3 +118,40 @@ def test_config_from_environment(monkeypatch):
         commlib.Config.from_env(backend="gloo")
     with pytest.raises(TypeError, match="unknown"):
         commlib.Config.from_env(timeuot=3)
+    monkeypatch.setenv("COMMLIB_DEVICE", "3")
+    assert commlib.Config.from_env().device == 3
+    assert commlib.Config.from_env(device=1).device == 1
+    monkeypatch.setenv("COMMLIB_DEVICE", "gpu0")
+    with pytest.raises(commlib.ValidationError, match="COMMLIB_DEVICE"):
+        commlib.Config.from_env()
+    monkeypatch.delenv("COMMLIB_DEVICE")
+    with pytest.raises(commlib.ValidationError, match="device"):
+        commlib.Config.from_env(device=-1)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_device_choice():
+    """The ``device`` setting wins, then a current device the user chose (not 0), then the local rank."""
+    from commlib.device import choose_device
+
+    assert [choose_device(r, 4, None, 0) for r in range(4)] == [0, 1, 2, 3]
+    assert choose_device(5, 4, None, 0) == 1                   # more ranks than GPUs: wraps
+    assert choose_device(2, 4, None, 3) == 3                   # torch.cuda.set_device(3) before init
+    assert choose_device(2, 4, 0, 3) == 0                      # device=0 asked for
+
+
+@pytest.mark.mpi(min_size=1)
+def test_nccl_without_a_gpu_per_rank_raises_on_every_rank_before_any_nccl_call():
+    """Every rank takes part in the detection whatever its cupy does: without cupy and a GPU per
+    rank, backend='nccl' raises the same error on every rank (no rank waits in NCCL's set-up),
+    and the communicator built after it on the same ranks works."""
+    from conftest import HAVE_GPU
+
+    if HAVE_GPU:
+        pytest.skip("this machine has a GPU per rank (tests/test_gpu.py covers NCCL there)")
+    with pytest.raises(commlib.ValidationError, match=r"backend 'nccl' needs .*rank 0: 0 GPU"):
+        commlib.init(comm=MPI.COMM_WORLD, backend="nccl")
+    c = commlib.init(comm=MPI.COMM_WORLD, backend="auto")
+    assert c.backend == "mpi"
+    np.testing.assert_array_equal(c.allreduce(np.ones(2)), np.full(2, c.size))
+    c.close()

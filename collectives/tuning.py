@@ -21,6 +21,16 @@ from commlib import Communicator
 from .buckets import MiB
 
 
+def _bayes_opt() -> tuple[Any, Any]:
+    """``bayes_opt``'s optimizer class and acquisition module, or a clear ImportError."""
+    try:
+        from bayes_opt import BayesianOptimization, acquisition
+    except ImportError as exc:
+        raise ImportError("bucket-cap tuning needs the 'bayesian-optimization' package "
+                          "(pip install commlib[tune])") from exc
+    return BayesianOptimization, acquisition
+
+
 class CapTuner:
     """Search the bucket cap in ``[low_mb, high_mb]`` MiB over ``trials`` trials of ``window`` steps.
 
@@ -47,13 +57,10 @@ class CapTuner:
         self.done = False
         self._times: list[float] = []
         self._seen = 0
+        _bayes_opt()     # on every rank, now: not on rank 0 alone, mid-training, with peers waiting
 
     def _optimizer(self) -> Any:
-        try:
-            from bayes_opt import BayesianOptimization, acquisition
-        except ImportError as exc:   # pragma: no cover - the tune extra is missing
-            raise ImportError("bucket-cap tuning needs the 'bayesian-optimization' package "
-                              "(pip install commlib[tune])") from exc
+        BayesianOptimization, acquisition = _bayes_opt()
         bo = BayesianOptimization(f=None, pbounds={"log2_mb": self.bounds}, random_state=self.seed,
                                   acquisition_function=acquisition.ExpectedImprovement(xi=0.01),
                                   verbose=0, allow_duplicate_points=True)

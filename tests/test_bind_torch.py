@@ -193,6 +193,19 @@ def test_tuned_cap_replans_mid_training_and_still_matches(comm, kind):
 
 
 @pytest.mark.mpi
+def test_tuning_without_its_package_raises_on_every_rank_at_construction(comm, monkeypatch):
+    """Seen on a GPU machine without the tune extra: rank 0 raised ImportError mid-training while
+    its peers waited in the tuner's broadcast (a 120 s timeout).  Every rank now raises at
+    construction, before the first step."""
+    monkeypatch.setitem(__import__("sys").modules, "bayes_opt", None)    # import fails as if missing
+    model = make_model(0)
+    with pytest.raises(ImportError, match="bayesian-optimization"):
+        DistributedOptimizer(make_optimizer("sgd", model), model, strategy=DeAR(tune={"trials": 2}),
+                             comm=comm)
+    assert float(comm.allreduce(np.ones(1))[0]) == comm.size
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("name", ["allreduce", "dear"])
 def test_consolidated_state_equals_reference_state(comm, name):
     model, opt = distributed(comm, "adamw", STRATEGIES[name](), 3)

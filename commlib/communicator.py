@@ -412,7 +412,7 @@ class Communicator:
             buf, value = out_buffer(v, None if out is x else out, v.count, "broadcast")
         copy = self.rank == root and buf is not v.data
         if copy and v.device != "cpu":
-            with CallerStream(v.device_id):   # on the caller's stream, before its event below
+            with v.data.device:       # on the caller's current stream, before the event _route records
                 buf[...] = v.data
             copy = False
         be, ctx = self._route(v, "broadcast")

@@ -228,3 +228,21 @@ def test_torch_cuda_bfloat16_through_nccl():
     assert got.dtype == torch.bfloat16 and got.device.type == "cuda"
     assert torch.equal(got.cpu(), x.cpu())
     c.close()
+
+
+@pytest.mark.mpi(min_size=1, max_size=1)
+def test_gpu_benchmark_quick_run(tmp_path):
+    """``benchmarks.gpu --quick`` runs every part; its selection is the host rule's selection."""
+    import json
+
+    from benchmarks import gpu
+
+    out = tmp_path / "gpu.json"
+    gpu.main(["--quick", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["copy"]["bytes_per_s"] > 0
+    assert {r["op"] for r in doc["collectives"]} == set(gpu.OPS)
+    assert all(r["commlib_us"] > 0 and r["raw_us"] > 0 for r in doc["collectives"])
+    sel = doc["selection"]
+    assert sel["matches_host"], sel
+    assert 0 < sel["selected"] <= sel["k"], sel

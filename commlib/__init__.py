@@ -14,6 +14,7 @@ Settings come from ``COMMLIB_*`` variables or keywords (see :mod:`commlib.config
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +46,8 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'commlib' has no attribute {name!r}")
 
 
-def _nccl_plan(mpi_comm: Any, backend: str, requested: int | None) -> tuple[str, int | None]:
+def _nccl_plan(mpi_comm: Any, backend: str, requested: int | None, gpus: int | None = None,
+               current: Callable[[], int] | None = None) -> tuple[str, int | None]:
     """The backend (``auto`` resolved, the same on every rank) and this rank's GPU for NCCL.
 
     Every rank takes part in the same collectives whatever its cupy does (a
@@ -54,7 +56,13 @@ def _nccl_plan(mpi_comm: Any, backend: str, requested: int | None) -> tuple[str,
     GPUs as its node runs ranks and its GPU (:func:`commlib.device.choose_device`)
     exists.  ``auto`` then picks NCCL, else MPI; ``nccl`` asked for where it
     does not fit raises :class:`ValidationError` on every rank, before any
-    NCCL call.  ``mpi`` needs no collective here.
+    NCCL call.  ``mpi`` needs no collective here.  ``gpus`` (default: what
+    cupy sees, :func:`commlib.device.local_gpus`) and ``current`` (default:
+    :func:`commlib.device.current_device`) are this rank's facts.
+
+    Example:
+        >>> _nccl_plan(MPI.COMM_WORLD, "auto", None, gpus=0)     # no cupy here
+        ('mpi', None)
     """
     from mpi4py import MPI
 
@@ -62,7 +70,7 @@ def _nccl_plan(mpi_comm: Any, backend: str, requested: int | None) -> tuple[str,
 
     if backend == "mpi":
         return "mpi", None
-    gpus = local_gpus()
+    gpus = local_gpus() if gpus is None else gpus
     local = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
     local_rank, local_size = local.rank, local.size
     local.Free()
@@ -70,7 +78,7 @@ def _nccl_plan(mpi_comm: Any, backend: str, requested: int | None) -> tuple[str,
     if gpus < local_size:
         problem = f"{gpus} GPU(s) with cupy and NCCL for {local_size} rank(s) on its node"
     else:
-        device = choose_device(local_rank, gpus, requested, current_device())
+        device = choose_device(local_rank, gpus, requested, (current or current_device)())
         if not 0 <= device < gpus:
             problem = f"device {device} asked for, but {gpus} GPU(s) seen"
     problems = mpi_comm.allgather(problem)

@@ -141,6 +141,30 @@ def test_device_choice():
 
 
 @pytest.mark.mpi(min_size=1)
+def test_nccl_plan_agrees_on_every_rank_whatever_each_rank_sees():
+    """The detection at init() is collective and its verdict the same everywhere, given each
+    rank's own GPU count and current device (here stated, as a GPU node would report them)."""
+    from commlib import _nccl_plan
+
+    world = MPI.COMM_WORLD
+    local = world.Split_type(MPI.COMM_TYPE_SHARED)
+    lrank, lsize = local.rank, local.size
+    local.Free()
+    assert _nccl_plan(world, "auto", None, gpus=lsize, current=lambda: 0) == ("nccl", lrank)
+    assert _nccl_plan(world, "nccl", None, gpus=lsize, current=lambda: lsize - 1) == (
+        "nccl", lsize - 1 if lsize > 1 else lrank)          # a device the user chose (not 0) is kept
+    assert _nccl_plan(world, "mpi", None) == ("mpi", None)  # no collective
+    # the last rank alone lacks cupy: every rank falls back to MPI, or refuses NCCL naming it
+    short = lsize if world.rank != world.size - 1 else 0
+    assert _nccl_plan(world, "auto", None, gpus=short, current=lambda: 0) == ("mpi", None)
+    with pytest.raises(commlib.ValidationError, match=rf"rank {world.size - 1}: 0 GPU"):
+        _nccl_plan(world, "nccl", None, gpus=short, current=lambda: 0)
+    with pytest.raises(commlib.ValidationError, match=r"rank 0: device 9 asked for, but \d+ GPU"):
+        _nccl_plan(world, "nccl", 9, gpus=lsize, current=lambda: 0)
+    assert world.allreduce(1) == world.size                  # nobody was left inside a collective
+
+
+@pytest.mark.mpi(min_size=1)
 def test_nccl_without_a_gpu_per_rank_raises_on_every_rank_before_any_nccl_call():
     """Every rank takes part in the detection whatever its cupy does: without cupy and a GPU per
     rank, backend='nccl' raises the same error on every rank (no rank waits in NCCL's set-up),

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -53,7 +52,7 @@ def wall(fn: Callable[[], Any], sync: Callable[[], None], iters: int, rounds: in
             fn()
         sync()
         per.append((time.perf_counter() - t0) / iters)
-    return statistics.median(per)
+    return bc.median(per)
 
 
 def calibrated(fn: Callable[[], Any], sync: Callable[[], None], target_s: float, rounds: int) -> float:
@@ -78,7 +77,7 @@ def copy_ceiling(cupy: Any, mib: int, rounds: int) -> dict[str, float]:
         if i >= 2:
             times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
     assert bool((b[:1000] == a[:1000]).all())
-    t = statistics.median(times)
+    t = bc.median(times)
     return {"bytes": 2 * a.nbytes, "seconds": t, "bytes_per_s": 2 * a.nbytes / t}
 
 
@@ -126,7 +125,7 @@ def collectives(comm: Any, cupy: Any, sizes: list[int], target_s: float, rounds:
 def selection(comm: Any, cupy: Any, numel: int, density: float, settle: int, rounds: int) -> dict:
     """ExDyna's local selection on the GPU against torch.topk (see module docs)."""
     from commlib import sparsify
-    from commlib.sparsify.kernels import scan_binned, take_above
+    from commlib.sparsify.exdyna import scan_partition, take_chosen
 
     sel = sparsify.ExDyna(density).setup(comm, numel, cupy)
     fb = sparsify.ErrorFeedback(numel, np.float32, cupy)
@@ -140,26 +139,21 @@ def selection(comm: Any, cupy: Any, numel: int, density: float, settle: int, rou
     policy = sel.policy
     sync = cupy.cuda.get_current_stream().synchronize
 
-    def scan() -> Any:
-        floor, _ = policy.window()
-        return scan_binned(cupy, acc, floor, *policy.grid(), policy.record_len)
+    def select(xp: Any, part: Any) -> Any:
+        """ExDyna's local selection, as one rank of one selects (its counts record is the table)."""
+        pos, mags, bins, fields = scan_partition(xp, part, policy)
+        table = np.concatenate(([0], np.asarray(fields[0]).ravel()))[None, :]
+        return take_chosen(xp, policy, sel.k, table, 0, pos, mags, bins)[0]
 
-    def select() -> Any:
-        pos, mags, bins, hist = scan()
-        j, take = policy.choose(sel.k, hist[None, :])
-        return take_above(cupy, pos, mags, bins, j, take[0])
-
-    picked = select()
-    # reference: the same threshold rule on the host gives the same selection
-    host = cupy.asnumpy(acc)
-    floor, _ = policy.window()
-    hpos, hmags, hbins, hhist = scan_binned(np, host, floor, *policy.grid(), policy.record_len)
-    hj, htake = policy.choose(sel.k, hhist[None, :])
-    ref = take_above(np, hpos, hmags, hbins, hj, htake[0])
+    picked = select(cupy, acc)
+    ref = select(np, cupy.asnumpy(acc))      # the same rule on the host picks the same elements
     same = bool(np.array_equal(np.sort(cupy.asnumpy(picked)), np.sort(ref)))
 
+    def scan() -> Any:
+        return scan_partition(cupy, acc, policy)
+
     t_scan = wall(scan, sync, 20, rounds)
-    t_select = wall(select, sync, 20, rounds)
+    t_select = wall(lambda: select(cupy, acc), sync, 20, rounds)
     row: dict[str, Any] = {"numel": numel, "density": density, "k": sel.k,
                            "selected": int(picked.size), "matches_host": same,
                            "settle_density_last": densities[-1] if densities else None,

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import atexit
-import sys
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI  # before our exit hook is registered, so that MPI finalizes after it
+from mpi4py import MPI
 
 from . import board as _board
+from . import shutdown
 from .arrays import View, as_view, host_pair
 from .backends.base import Backend, Pending, split_counts
 from .config import Config
@@ -21,43 +19,6 @@ from .ops import OPS, Op, check_agreement, check_reduce_op, fingerprint, out_buf
 from .runner import Runner
 from .tracing import Tracer
 from .work import Work
-
-#: every communicator made, oldest first, with its runner (which outlives a communicator
-#: dropped unclosed while its engine thread still waits): closed in reverse order at exit
-_OPEN: list[tuple[weakref.ref, Runner]] = []
-
-
-def _close_all() -> None:
-    """At exit: close every communicator; end the job if an operation is left dangling.
-
-    An operation given up after a timeout or a peer's failure stays posted in
-    MPI (collectives cannot be cancelled), and finalizing over it hangs: the
-    job is ended with ``MPI_Abort`` instead, so every rank exits (non-zero).
-    """
-    # an operation already given up: a peer may be stuck in it, and the collective frees of
-    # the other communicators could wait for that peer forever, so end the job first
-    dangling = [label for _, run in _OPEN for label in run.unfinished()]
-    for ref, run in reversed(_OPEN if not dangling else []):
-        comm = ref()
-        try:
-            if comm is not None:
-                comm.close()
-            else:   # dropped without close(): only its engine can still hold an operation
-                run.close_engine()
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
-        dangling += run.unfinished()
-        if dangling:
-            break
-    _OPEN.clear()
-    if dangling:
-        print(f"commlib: rank {MPI.COMM_WORLD.rank}: ending the job (MPI_Abort): operations left "
-              f"unfinished after an error: {', '.join(dangling)}", file=sys.stderr, flush=True)
-        MPI.COMM_WORLD.Abort(1)
-
-
-# registered after mpi4py's own exit hook (imported above us), so it runs before MPI_Finalize
-atexit.register(_close_all)
 
 
 class Communicator:
@@ -119,7 +80,7 @@ class Communicator:
         # blocking calls on plain numpy arrays skip the Op and View layers (Runner.call_host)
         # unless a check or a trace needs them
         self._host = not config.check and not self._tracer.active
-        _OPEN.append((weakref.ref(self), self._run))
+        shutdown.track(self, self._run)
 
     # ------------------------------------------------------------------ state
     @property

@@ -38,6 +38,45 @@ from .partitions import DEFAULT_BALANCE, BlockPartitions, EqualPartitions, Parti
 from .threshold import INIT_FRACTIONS, ThresholdPolicy, make_policy, sample_tail, solve_initial
 
 
+def scan_partition(xp: Any, seg: Any, policy: ThresholdPolicy) -> tuple[Any, Any, Any, list[Any]]:
+    """One rank's candidates in its partition ``seg`` under ``policy``'s window, and its counts record.
+
+    Returns ``(positions, magnitudes, bins, fields)``: histogram rules bin the
+    candidates and their histogram is the record (one pass on the GPU,
+    :func:`~sparsify.kernels.scan_binned`); plain rules record the count
+    (``bins`` is ``None``).
+
+    Example:
+        >>> pos, mags, bins, fields = scan_partition(np, acc[lo:hi], sel.policy)
+    """
+    floor, _ = policy.window()
+    if policy.record_len > 0:
+        pos, mags, bins, hist = scan_binned(xp, seg, floor, *policy.grid(), policy.record_len)
+        return pos, mags, bins, [hist]
+    pos, mags = threshold_scan(xp, seg, floor)
+    return pos, mags, None, [int(pos.size)]
+
+
+def take_chosen(xp: Any, policy: ThresholdPolicy, k: int, table: Any, rank: int, pos: Any, mags: Any,
+                bins: Any) -> tuple[Any, list[int], float, int | None, Any]:
+    """From every rank's counts record (``table``, all-gathered), what rank ``rank`` keeps of the
+    candidates :func:`scan_partition` found, identically decided on every rank.
+
+    Returns ``(positions kept, every rank's count, threshold, boundary bin, summed histogram)``;
+    plain rules keep every candidate (boundary and histogram ``None``).
+
+    Example:
+        >>> kept, counts, thr, chosen, hist = take_chosen(np, sel.policy, sel.k, table, 0, pos, mags, bins)
+    """
+    if policy.record_len == 0:
+        return pos, [int(c) for c in table[:, 1]], policy.window()[1], None, None
+    hists = table[:, 1:]                      # every rank: the same boundary, every rank's count
+    chosen, take = policy.choose(k, hists)
+    counts = [int(hists[r, chosen + 1:].sum()) + take[r] for r in range(hists.shape[0])]
+    kept = take_above(xp, pos, mags, bins, chosen, take[rank])
+    return kept, counts, policy.grid_threshold(chosen), chosen, hists.sum(axis=0)
+
+
 class PartitionedThreshold(Selector):
     """Threshold selection inside one exclusive, rotating partition per rank (ExDyna, MiCRO)."""
 
@@ -94,32 +133,16 @@ class PartitionedThreshold(Selector):
             problem = None                     # raised above on every rank otherwise
         p = self.partition_of(comm.rank)
         lo, hi = self.partitions.range(p)
-        floor, thr = policy.window()
-        curve = policy.record_len > 0
         t0 = time.perf_counter()
+        pos = mags = bins = None
         fields: list[Any] = []
         if problem is None:
-            if curve:                          # the histogram is the counts record
-                pos, mags, bins, hist = scan_binned(xp, acc[lo:hi], floor, *policy.grid(),
-                                                    policy.record_len)
-                fields = [hist]
-            else:
-                pos, mags = threshold_scan(xp, acc[lo:hi], floor)
-                fields = [int(pos.size)]
+            pos, mags, bins, fields = scan_partition(xp, acc[lo:hi], policy)
         select_s = time.perf_counter() - t0
         table = exchange_records(comm, xp, fields, 1 + max(policy.record_len, 1), problem,
                                  self.name, traffic)
         t0 = time.perf_counter()
-        chosen, hist = None, None
-        if curve:                              # every rank: the same boundary, every rank's count
-            hists = table[:, 1:]
-            hist = hists.sum(axis=0)
-            chosen, take = policy.choose(self.k, hists)
-            counts = [int(hists[r, chosen + 1:].sum()) + take[r] for r in range(n)]
-            thr = policy.grid_threshold(chosen)
-            pos = take_above(xp, pos, mags, bins, chosen, take[comm.rank])
-        else:
-            counts = [int(c) for c in table[:, 1]]
+        pos, counts, thr, chosen, hist = take_chosen(xp, policy, self.k, table, comm.rank, pos, mags, bins)
         pos += lo
         idx = pos.astype(self.index_dtype, copy=False)
         select_s += time.perf_counter() - t0

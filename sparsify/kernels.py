@@ -187,29 +187,24 @@ def _gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int,
     n = int(seg.size)
     seg = xp.ascontiguousarray(seg)
     with seg.device:
-        return _gpu_scan_here(xp, seg, n, floor, resolution, points, length)
-
-
-def _gpu_scan_here(xp: Any, seg: Any, n: int, floor: float, resolution: float, points: int,
-                   length: int) -> tuple[Any, Any, Any, Any]:
-    kernel, sms = _gpu_kernel(xp, seg.dtype.name)
-    cap = _GPU_CAPACITY.get(n, max(1024, n // 256))
-    threads = 256
-    blocks = max(1, min(sms * 8, -(-n // (threads * 4))))
-    while True:
-        pos = xp.empty(cap, xp.int64)
-        mag = xp.empty(cap, seg.dtype)
-        bins = xp.empty(cap if points else 1, xp.int32)
-        head = xp.zeros(1 + max(points, 0), xp.uint64)
-        kernel((blocks,), (threads,),
-               (seg, np.int64(n), seg.dtype.type(floor), np.float32(floor), np.float32(resolution),
-                np.int32(points), np.int64(cap), pos, mag, bins, head),
-               shared_mem=4 * max(points, 1))
-        counts = head.get()                     # the one host synchronisation
-        found = int(counts[0])
-        if found <= cap:
-            break
-        cap = _GPU_CAPACITY[n] = 2 * found      # more candidates than room: grow and rescan
+        kernel, sms = _gpu_kernel(xp, seg.dtype.name)
+        cap = _GPU_CAPACITY.get(n, max(1024, n // 256))
+        threads = 256
+        blocks = max(1, min(sms * 8, -(-n // (threads * 4))))
+        while True:
+            pos = xp.empty(cap, xp.int64)
+            mag = xp.empty(cap, seg.dtype)
+            bins = xp.empty(cap if points else 1, xp.int32)
+            head = xp.zeros(1 + points, xp.uint64)
+            kernel((blocks,), (threads,),
+                   (seg, np.int64(n), seg.dtype.type(floor), np.float32(floor), np.float32(resolution),
+                    np.int32(points), np.int64(cap), pos, mag, bins, head),
+                   shared_mem=4 * max(points, 1))
+            counts = head.get()                     # the one host synchronisation
+            found = int(counts[0])
+            if found <= cap:
+                break
+            cap = _GPU_CAPACITY[n] = 2 * found      # more candidates than room: grow and rescan
     hist = None
     if length:
         hist = np.zeros(length, np.int64)
@@ -219,7 +214,7 @@ def _gpu_scan_here(xp: Any, seg: Any, n: int, floor: float, resolution: float, p
 
 def take_above(xp: Any, pos: Any, mags: Any, bins: Any, j: int, take: int) -> Any:
     """``pos`` of the candidates in bins above ``j`` plus the ``take`` largest of bin ``j``, in
-    position order."""
+    the candidates' order."""
     above = bins > j
     if take > 0:
         at = xp.flatnonzero(bins == j)

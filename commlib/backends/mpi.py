@@ -205,7 +205,7 @@ class MPIBackend:
 
     def abort(self, reason: str = "aborted") -> None:
         """Nothing to do: MPI collectives cannot be cancelled.  An operation given up stays
-        posted, and the exit hook ends the job with ``MPI_Abort`` (``commlib.communicator``)."""
+        posted, and the exit hook ends the job with ``MPI_Abort`` (``commlib.shutdown``)."""
 
     def free(self) -> None:
         try:

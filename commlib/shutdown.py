@@ -1,0 +1,63 @@
+"""At interpreter exit: close every communicator, or end the job when an operation is left dangling.
+
+Importing this module registers the hook; mpi4py is imported first, so the
+hook runs before mpi4py's ``MPI_Finalize`` (exit hooks run in reverse order).
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from mpi4py import MPI  # before our exit hook is registered, so that MPI finalizes after it
+
+if TYPE_CHECKING:
+    from .runner import Runner
+
+#: every communicator made, oldest first, with its runner (which outlives a communicator
+#: dropped unclosed while its engine thread still waits): closed in reverse order at exit
+_OPEN: list[tuple[weakref.ref, Runner]] = []
+
+
+def _close_all() -> None:
+    """At exit: close every communicator; end the job if an operation is left dangling.
+
+    An operation given up after a timeout or a peer's failure stays posted in
+    MPI (collectives cannot be cancelled), and finalizing over it hangs: the
+    job is ended with ``MPI_Abort`` instead, so every rank exits (non-zero).
+    """
+    # an operation already given up: a peer may be stuck in it, and the collective frees of
+    # the other communicators could wait for that peer forever, so end the job first
+    dangling = [label for _, run in _OPEN for label in run.unfinished()]
+    for ref, run in reversed(_OPEN if not dangling else []):
+        comm = ref()
+        try:
+            if comm is not None:
+                comm.close()
+            else:   # dropped without close(): only its engine can still hold an operation
+                run.close_engine()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+        dangling += run.unfinished()
+        if dangling:
+            break
+    _OPEN.clear()
+    if dangling:
+        print(f"commlib: rank {MPI.COMM_WORLD.rank}: ending the job (MPI_Abort): operations left "
+              f"unfinished after an error: {', '.join(dangling)}", file=sys.stderr, flush=True)
+        MPI.COMM_WORLD.Abort(1)
+
+
+# registered after mpi4py's own exit hook (imported above us), so it runs before MPI_Finalize
+atexit.register(_close_all)
+
+
+def track(comm: Any, run: Runner) -> None:
+    """Close ``comm`` (with its :class:`~commlib.runner.Runner` ``run``) at exit, newest first.
+
+    Example (what :class:`~commlib.communicator.Communicator` does when it is made):
+        >>> track(self, self._run)
+    """
+    _OPEN.append((weakref.ref(comm), run))

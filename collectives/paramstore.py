@@ -221,6 +221,8 @@ class ParamStore:
         self.stats = {"pushes": 0, "pulls": 0, "bytes_pushed": 0, "bytes_pulled": 0,
                       "push_s": 0.0, "pull_s": 0.0, "ssp_wait_s": 0.0}
         _OPEN.append(weakref.ref(self))
+        if isinstance(comm, Communicator):     # its windows are freed when comm closes, at exit too
+            comm.close_with(self)
 
     # ------------------------------------------------------------------ progress
     def activate(self) -> None:
@@ -436,7 +438,8 @@ class ParamStore:
 
     # ------------------------------------------------------------------ end
     def close(self) -> None:
-        """Collective: complete everything and free the windows."""
+        """Collective: complete everything and free the windows (a :class:`Communicator` it was
+        made over does this when it closes, at interpreter exit too)."""
         if self._closed:
             return
         self.deactivate()
@@ -448,6 +451,9 @@ class ParamStore:
             w.Free()
         self._mpi.Free()
         self._closed = True
+        # no view of freed window memory stays reachable; the buffers go (comm keeps this object)
+        self.local = self._clock = self._board = self._scratch = np.empty(0, self.dtype)
+        self._upd = None
 
     def __enter__(self) -> ParamStore:
         return self

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from mpi4py import MPI
@@ -19,6 +19,12 @@ from .ops import OPS, Op, check_agreement, check_reduce_op, fingerprint, out_buf
 from .runner import Runner
 from .tracing import Tracer
 from .work import Work
+
+
+class Closable(Protocol):
+    """What :meth:`Communicator.close_with` takes: a collective ``close()``, a no-op when repeated."""
+
+    def close(self) -> None: ...
 
 
 class Communicator:
@@ -80,6 +86,8 @@ class Communicator:
         # blocking calls on plain numpy arrays skip the Op and View layers (Runner.call_host)
         # unless a check or a trace needs them
         self._host = not config.check and not self._tracer.active
+        #: what close() closes first (newest first): objects made over this communicator
+        self._resources: list[Closable] = []
         shutdown.track(self, self._run)
 
     # ------------------------------------------------------------------ state
@@ -436,7 +444,8 @@ class Communicator:
         self._run.engine.drain()
 
     def close(self) -> None:
-        """Finish pending operations, free MPI resources and write the timeline.
+        """Finish pending operations, close what :meth:`close_with` was given, free MPI resources
+        and write the timeline.
 
         Collective, like ``MPI_Comm_free``: every rank closes its communicators
         in the same order.  Done for every open communicator at interpreter exit
@@ -451,6 +460,10 @@ class Communicator:
             run.aborted = CommAbortedError("a peer aborted this communicator")
         if run.aborted is None:
             run.close_engine()
+        if run.aborted is None:
+            resources, self._resources = self._resources, []
+            for resource in reversed(resources):
+                resource.close()
         run.closed = True
         self._tracer.write()
         if run.aborted is None:
@@ -460,6 +473,22 @@ class Communicator:
             self._host_backend.free()
             self._ctl.Free()
             self._user.Free()
+
+    def close_with(self, resource: Closable) -> None:
+        """Have :meth:`close` (explicit, or at interpreter exit) close ``resource`` first.
+
+        For objects made collectively over this communicator whose ``close()`` is
+        collective too (MPI windows, duplicated communicators): they are closed
+        newest first, on every rank in the same order, before this communicator's
+        own frees, and not at all when it is aborted.  ``close()`` must do nothing
+        when already called, so closing early stays allowed.
+
+        Example:
+            >>> store = ParamStore(comm, 1000)      # calls comm.close_with(store)
+            >>> comm.close()                        # closes the store, then the communicator
+        """
+        self._run.check_alive()
+        self._resources.append(resource)
 
     def __enter__(self) -> "Communicator":
         return self

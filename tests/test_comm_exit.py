@@ -1,8 +1,10 @@
-"""A broken job ends: every rank raises its error, then the job exits non-zero in bounded time.
+"""How jobs end: a broken job raises on every rank, then exits non-zero in bounded time; a job
+that leaves its collective objects open exits 0, cleanly.
 
-Each case of ``tests/jobs/broken.py`` runs as its own ``mpiexec`` job (a job left with
-an operation given up while posted is ended with ``MPI_Abort``, which would end a
-pytest run too).  Single-process tests: they launch the jobs themselves.
+Each case of ``tests/jobs/broken.py`` and ``tests/jobs/unclosed.py`` runs as its own
+``mpiexec`` job (a job left with an operation given up while posted is ended with
+``MPI_Abort``, which would end a pytest run too).  Single-process tests: they launch the
+jobs themselves.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 
-def run_job(case: str, ranks: int, timeout: float, tmp_path,
+def run_job(case: str, ranks: int, timeout: float, tmp_path, job: str = "broken.py",
             **env: str) -> tuple[subprocess.CompletedProcess, float, list[int]]:
-    """Run the case; return the job, its seconds, and the ranks whose checks passed."""
+    """Run the case of ``tests/jobs/JOB``; return the job, its seconds, and the ranks whose checks passed."""
     t0 = time.monotonic()
-    proc = subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable, os.path.join(HERE, "jobs", "broken.py"),
+    proc = subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable, os.path.join(HERE, "jobs", job),
                            case, str(tmp_path)], capture_output=True, text=True, timeout=timeout + 60,
                           env={**os.environ, **env})
     ok = sorted(int(name.split(".")[1]) for name in os.listdir(tmp_path) if name.startswith("ok."))
@@ -46,3 +48,14 @@ def test_timed_out_job_exits_within_timeout_plus_10s(tmp_path):
     assert ok == [0, 1], proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert took < 5 + 10, f"{took:.1f} s"
+
+
+@pytest.mark.parametrize("case", ["store", "syncswitch_asp"])
+def test_what_a_job_leaves_open_is_freed_at_exit(case, tmp_path):
+    """One-sided windows left open (a SyncSwitch job never closes its strategy) are freed
+    before MPI_Finalize: the job ends with 0 and MPI warns of no leaked object."""
+    proc, _, ok = run_job(case, 2, 60, tmp_path, job="unclosed.py")
+    out = proc.stdout + proc.stderr
+    assert ok == [0, 1], out
+    assert proc.returncode == 0, out
+    assert "WARN" not in out and "leak" not in out.lower(), out

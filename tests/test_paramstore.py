@@ -131,3 +131,17 @@ def test_board_and_command(comm):
         assert store.read_command() == 3.0
     finally:
         store.close()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_closing_the_communicator_closes_its_stores(comm):
+    own = comm.split(0)            # a communicator of its own, closed here
+    early = ParamStore(own, 8, "float32")
+    late = ParamStore(own, 8, "float64", init=np.arange(8.0))
+    early.close()                  # closed by hand first: not closed twice
+    own.close()                    # closes late, then itself (what the exit hook calls)
+    with pytest.raises(commlib.ValidationError, match="closed"):
+        late.pull(np.empty(8))
+    late.close()                   # a no-op now
+    with pytest.raises(commlib.CommAbortedError, match="closed"):
+        own.close_with(early)

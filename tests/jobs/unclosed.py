@@ -1,0 +1,58 @@
+"""Jobs that end without closing what they made, run by tests/test_comm_exit.py under ``mpiexec``.
+
+Each case makes collective objects and leaves them open, as a training script
+does; commlib must free them at exit (before ``MPI_Finalize``), so the job ends
+with status 0 and MPI prints no leak warnings.  Every rank writes ``DIR/ok.RANK``
+when its case ran.
+
+Usage: mpiexec -n 2 python tests/jobs/unclosed.py CASE DIR
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+import commlib
+from commlib.collectives.paramstore import ParamStore
+
+
+def store() -> None:
+    """A parameter store over the world communicator, pushed to and pulled, never closed."""
+    comm = commlib.init()
+    s = ParamStore(comm, 1000, "float32", init=np.zeros(1000, np.float32))
+    s.activate()
+    s.push(np.ones(1000, np.float32))
+    comm.barrier()
+    out = np.empty(1000, np.float32)
+    s.pull(out)
+    assert np.all(out == comm.size), out[:4]
+
+
+def syncswitch_asp() -> None:
+    """The offline policy's usual job: BSP, then ASP to the end; the strategy is never closed."""
+    import torch
+
+    from commlib.bindings.torch import DistributedOptimizer
+    from commlib.collectives import OfflinePolicy, SyncSwitch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                               strategy=SyncSwitch(policy=OfflinePolicy(0.5, total_steps=6)))
+    for _ in range(6):
+        opt.zero_grad()
+        model(torch.randn(4, 6)).square().mean().backward()
+        opt.step()
+    assert opt.strategy.phase == "asp", opt.strategy.phase
+
+
+CASES = {f.__name__: f for f in (store, syncswitch_asp)}
+
+if __name__ == "__main__":
+    CASES[sys.argv[1]]()
+    with open(os.path.join(sys.argv[2], f"ok.{MPI.COMM_WORLD.rank}"), "w") as f:
+        f.write(sys.argv[1])

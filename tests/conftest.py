@@ -8,6 +8,7 @@ Every skip condition here is the same on every rank, so ranks never diverge.
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -28,6 +29,15 @@ def _have_gpu() -> bool:
 
 
 HAVE_GPU = _have_gpu()
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_example(heading: str) -> str:
+    """The first python block of README.md under the section titled ``heading``, as it stands."""
+    text = README.read_text()
+    section = text[text.index(f"# {heading}\n"):]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start:section.index("\n```", start)]
 NO_GPU_REASON = "no CUDA device with cupy on this machine (GPU tests run on a lent GPU machine)"
 
 NUMPY_DTYPES = {

@@ -13,12 +13,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH
+from conftest import HAVE_TORCH, readme_example
 
 pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 
@@ -257,13 +256,6 @@ def test_second_backward_before_step_raises(comm):
     opt.step()
 
 
-def readme_loop() -> str:
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = text[text.index("## Training with a strategy (PyTorch)"):]
-    start = section.index("```python\n") + len("```python\n")
-    return section[start:section.index("\n```", start)]
-
-
 @pytest.mark.mpi
 def test_readme_loop_runs_verbatim(comm, tmp_path):
     """README's torch example, run as it stands, against the same loop in one process on whole batches."""
@@ -277,7 +269,7 @@ def test_readme_loop_runs_verbatim(comm, tmp_path):
     ns = {"model": model, "loss_fn": torch.nn.functional.mse_loss, "loader": loader(0, 3, mine),
           "val_loader": loader(50, 2, mine), "epochs": 2, "device": "cpu", "amp_dtype": torch.bfloat16,
           "path": tmp_path / "ckpt.pt"}
-    exec(compile(readme_loop(), "README.md", "exec"), ns)
+    exec(compile(readme_example("Training with a strategy (PyTorch)"), "README.md", "exec"), ns)
 
     ref, _ = make(0, "plain")
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)

@@ -2,7 +2,7 @@
 
 The one table of them is in README.md ("Settings"); in short:
 ``COMMLIB_BACKEND`` (``backend``: auto, mpi, nccl), ``COMMLIB_TIMEOUT``
-(``timeout``, seconds, 0 = forever, default 300), ``COMMLIB_CHECK`` (``check``:
+(``timeout``, seconds, 0 = forever, default 1800 as torch.distributed's), ``COMMLIB_CHECK`` (``check``:
 all ranks compare each call before entering it), ``COMMLIB_TIMELINE``
 (``timeline``: Chrome-trace path per rank), ``COMMLIB_NVTX`` (``nvtx``) and
 ``COMMLIB_MPI_CUDA_AWARE`` (``cuda_aware``: auto, 0, 1), ``COMMLIB_POLL_SPIN``
@@ -46,7 +46,7 @@ class Config:
     """
 
     backend: str = "auto"
-    timeout: float = 300.0
+    timeout: float = 1800.0
     check: bool = False
     timeline: str | None = None
     nvtx: bool = True
@@ -61,7 +61,7 @@ class Config:
         if aware_raw not in ("auto", "0", "1"):
             raise ValidationError(f"COMMLIB_MPI_CUDA_AWARE={aware_raw!r}: expected auto, 0 or 1")
         try:
-            timeout = float(os.environ.get("COMMLIB_TIMEOUT", "300"))
+            timeout = float(os.environ.get("COMMLIB_TIMEOUT", "1800"))
         except ValueError:
             raise ValidationError(
                 f"COMMLIB_TIMEOUT={os.environ['COMMLIB_TIMEOUT']!r}: expected seconds") from None

@@ -104,6 +104,15 @@ def test_work_wait_timeout_does_not_abort(comm):
 
 
 @pytest.mark.mpi(min_size=1)
+def test_default_timeout_is_torch_distributeds(monkeypatch):
+    """Long enough for a rank-0-only evaluation or checkpoint that DDP survives."""
+    torch_constants = pytest.importorskip("torch.distributed.constants")
+    monkeypatch.delenv("COMMLIB_TIMEOUT", raising=False)
+    assert commlib.Config.from_env().timeout == torch_constants.default_pg_timeout.total_seconds()
+    assert commlib.Config().timeout == commlib.Config.from_env().timeout
+
+
+@pytest.mark.mpi(min_size=1)
 def test_config_from_environment(monkeypatch):
     monkeypatch.setenv("COMMLIB_TIMEOUT", "7.5")
     monkeypatch.setenv("COMMLIB_CHECK", "1")

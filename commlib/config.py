@@ -61,12 +61,12 @@ class Config:
         if aware_raw not in ("auto", "0", "1"):
             raise ValidationError(f"COMMLIB_MPI_CUDA_AWARE={aware_raw!r}: expected auto, 0 or 1")
         try:
-            timeout = float(os.environ.get("COMMLIB_TIMEOUT", "1800"))
+            timeout = float(os.environ.get("COMMLIB_TIMEOUT", cls.timeout))
         except ValueError:
             raise ValidationError(
                 f"COMMLIB_TIMEOUT={os.environ['COMMLIB_TIMEOUT']!r}: expected seconds") from None
         try:
-            poll_spin = float(os.environ.get("COMMLIB_POLL_SPIN", "0.001"))
+            poll_spin = float(os.environ.get("COMMLIB_POLL_SPIN", cls.poll_spin))
         except ValueError:
             raise ValidationError(
                 f"COMMLIB_POLL_SPIN={os.environ['COMMLIB_POLL_SPIN']!r}: expected seconds") from None
@@ -76,7 +76,7 @@ class Config:
         cfg = cls(
             device=int(raw_device) if raw_device else None,
             poll_spin=poll_spin,
-            backend=os.environ.get("COMMLIB_BACKEND", "auto").lower(),
+            backend=os.environ.get("COMMLIB_BACKEND", cls.backend).lower(),
             timeout=timeout,
             check=_env_bool("COMMLIB_CHECK", False),
             timeline=os.environ.get("COMMLIB_TIMELINE") or None,

@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, Any
 from .arrays import DTYPES
 from .backends.base import REDUCE_OPS, split_counts
 from .config import Config
-from .errors import CommAbortedError, CommlibError, CommTimeoutError, MismatchError, ValidationError
+from .errors import (
+    CommAbortedError,
+    CommlibError,
+    CommStallWarning,
+    CommTimeoutError,
+    MismatchError,
+    ValidationError,
+)
 from .ops import OPS
 from .work import Work
 
@@ -31,7 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "init", "world", "Communicator", "Work", "Config", "split_counts", "DTYPES", "OPS",
     "REDUCE_OPS", "CommlibError", "ValidationError", "MismatchError", "CommTimeoutError",
-    "CommAbortedError",
+    "CommAbortedError", "CommStallWarning",
 ]
 __version__ = "0.1.0"
 

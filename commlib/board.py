@@ -102,20 +102,27 @@ class Board:
         """Peers whose communicator was aborted (they will not call again)."""
         return [p for p in self.peers() if p.state == ABORTED]
 
-    def timeout_error(self, name: str, seq: int, timeout: float, rank: int,
-                      size: int) -> CommTimeoutError:
-        """The error for operation ``seq`` timing out on ``rank``: who waits, who is elsewhere."""
+    def who_waits(self, name: str, seq: int, size: int) -> tuple[list[int], list[int], list[int], str]:
+        """For operation ``seq``: the ranks waiting in it, the node-local ranks not in it, the
+        ranks on other nodes, and a sentence saying so (what each missing rank is doing)."""
         peers = {p.rank: p for p in self.peers()}
         waiting = sorted(r for r, p in peers.items()
                          if p.seq == seq and p.op == name and p.state in (IN_OP, ABORTED))
         missing = [r for r in range(size) if r in peers and r not in waiting]
         unknown = [r for r in range(size) if r not in peers]
-        msg = f"{name} #{seq} timed out after {timeout:g} s on rank {rank}: ranks {waiting} are waiting in it"
+        text = f"ranks {waiting} are waiting in it"
         if missing:
-            msg += "; not arrived: " + ", ".join(peers[r].describe() for r in missing)
+            text += "; not arrived: " + ", ".join(peers[r].describe() for r in missing)
         if unknown:
-            msg += f"; ranks {unknown} are on other nodes (state unknown)"
-        msg += " (COMMLIB_TIMEOUT sets the limit; COMMLIB_CHECK=1 catches mismatched calls)"
+            text += f"; ranks {unknown} are on other nodes (state unknown)"
+        return waiting, missing, unknown, text
+
+    def timeout_error(self, name: str, seq: int, timeout: float, rank: int,
+                      size: int) -> CommTimeoutError:
+        """The error for operation ``seq`` timing out on ``rank``: who waits, who is elsewhere."""
+        waiting, missing, unknown, text = self.who_waits(name, seq, size)
+        msg = (f"{name} #{seq} timed out after {timeout:g} s on rank {rank}: {text} "
+               "(COMMLIB_TIMEOUT sets the limit; COMMLIB_CHECK=1 catches mismatched calls)")
         return CommTimeoutError(msg, name, seq, waiting, missing if not unknown else None)
 
     def free(self) -> None:

@@ -95,8 +95,9 @@ class Communicator:
     def timeout(self) -> float:
         """Seconds an operation may take before :class:`CommTimeoutError` (0: no limit).
 
-        With 0 no watchdog looks at a wait: a hang then stays a hang, and a
-        peer's rejected input is not noticed either.
+        With 0 a hang stays a hang (after ``stall_warning`` seconds a
+        :class:`~commlib.errors.CommStallWarning` still names who is missing); a peer's
+        rejected input or abort still ends the wait.
         """
         return self._run.timeout
 

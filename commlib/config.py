@@ -2,7 +2,9 @@
 
 The one table of them is in README.md ("Settings"); in short:
 ``COMMLIB_BACKEND`` (``backend``: auto, mpi, nccl), ``COMMLIB_TIMEOUT``
-(``timeout``, seconds, 0 = forever, default 1800 as torch.distributed's), ``COMMLIB_CHECK`` (``check``:
+(``timeout``, seconds, 0 = forever, default 1800 as torch.distributed's),
+``COMMLIB_STALL_WARNING`` (``stall_warning``: seconds a wait may take before a
+:class:`CommStallWarning` naming the missing ranks, default 60, 0 = none), ``COMMLIB_CHECK`` (``check``:
 all ranks compare each call before entering it), ``COMMLIB_TIMELINE``
 (``timeline``: Chrome-trace path per rank), ``COMMLIB_NVTX`` (``nvtx``) and
 ``COMMLIB_MPI_CUDA_AWARE`` (``cuda_aware``: auto, 0, 1), ``COMMLIB_POLL_SPIN``
@@ -47,6 +49,7 @@ class Config:
 
     backend: str = "auto"
     timeout: float = 1800.0
+    stall_warning: float = 60.0
     check: bool = False
     timeline: str | None = None
     nvtx: bool = True
@@ -66,6 +69,11 @@ class Config:
             raise ValidationError(
                 f"COMMLIB_TIMEOUT={os.environ['COMMLIB_TIMEOUT']!r}: expected seconds") from None
         try:
+            stall_warning = float(os.environ.get("COMMLIB_STALL_WARNING", cls.stall_warning))
+        except ValueError:
+            raise ValidationError(
+                f"COMMLIB_STALL_WARNING={os.environ['COMMLIB_STALL_WARNING']!r}: expected seconds") from None
+        try:
             poll_spin = float(os.environ.get("COMMLIB_POLL_SPIN", cls.poll_spin))
         except ValueError:
             raise ValidationError(
@@ -78,6 +86,7 @@ class Config:
             poll_spin=poll_spin,
             backend=os.environ.get("COMMLIB_BACKEND", cls.backend).lower(),
             timeout=timeout,
+            stall_warning=stall_warning,
             check=_env_bool("COMMLIB_CHECK", False),
             timeline=os.environ.get("COMMLIB_TIMELINE") or None,
             nvtx=os.environ.get("COMMLIB_NVTX") == "force" or _env_bool("COMMLIB_NVTX", True),
@@ -97,6 +106,8 @@ class Config:
             raise ValidationError(f"backend {self.backend!r}: expected one of {_BACKENDS}")
         if not self.timeout >= 0:
             raise ValidationError(f"timeout {self.timeout!r}: expected seconds >= 0")
+        if not self.stall_warning >= 0:
+            raise ValidationError(f"stall_warning {self.stall_warning!r}: expected seconds >= 0")
         if self.device is not None and (not isinstance(self.device, int) or self.device < 0):
             raise ValidationError(f"device {self.device!r}: expected a GPU index >= 0")
         if not self.poll_spin >= 0:

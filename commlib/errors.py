@@ -59,5 +59,16 @@ class CommTimeoutError(CommlibError, TimeoutError):
         self.missing = None if missing is None else list(missing)
 
 
+class CommStallWarning(UserWarning):
+    """An operation has waited ``stall_warning`` seconds (``COMMLIB_STALL_WARNING``) for its
+    peers: it names who waits and what the missing ranks are doing, once per operation, and
+    the operation goes on until it completes or the timeout ends it.
+
+    Example:
+        >>> import warnings
+        >>> warnings.simplefilter("error", CommStallWarning)    # give up there, as on a timeout
+    """
+
+
 class CommAbortedError(CommlibError):
     """The communicator was aborted (after a timeout, a peer's failure or abort())."""

@@ -15,13 +15,14 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 from . import board as _board
 from .backends.base import Pending
 from .config import Config
-from .errors import CommAbortedError, CommlibError, ValidationError
+from .errors import CommAbortedError, CommlibError, CommStallWarning, ValidationError
 from .ops import Op
 from .poll import CHECK_EVERY_S, poll_until
 from .tracing import Tracer
@@ -41,6 +42,9 @@ class Runner:
         self.config = config
         #: seconds an operation may take (0: no limit); the communicator's ``timeout``
         self.timeout = config.timeout
+        #: seconds a wait may take before a :class:`CommStallWarning` (0: none)
+        self.stall_warning = config.stall_warning
+        self._stall_warned = 0      # the last operation warned about (its sequence number)
         self.backend = backend
         self.board = board
         # the last operation posted (what the board shows).  start() and finish() need no
@@ -93,8 +97,9 @@ class Runner:
         work = self.engine.submit(Work(op, self.wait_work), self.start_work)
         return work.wait() if blocking else work
 
-    def verdict(self, seq: int, name: str, late: bool) -> CommlibError | None:
-        """Whether a wait for operation ``seq`` must be given up (the watchdog asks)."""
+    def verdict(self, seq: int, name: str, waited: float) -> CommlibError | None:
+        """Whether a wait for operation ``seq``, ``waited`` seconds so far, must be given up
+        (the watchdog asks); warns once when it has waited ``stall_warning`` seconds."""
         rejected = self.board.rejected(seq)
         if rejected:
             return ValidationError(f"{name} #{seq}: " + "; ".join(
@@ -108,8 +113,19 @@ class Runner:
                 for r in aborted))
         if self.aborted is not None:
             return CommAbortedError(f"{name} #{seq}: communicator aborted: {self.aborted}")
-        if late:
+        if self.timeout > 0 and waited >= self.timeout:
             return self.board.timeout_error(name, seq, self.timeout, self.rank, self.size)
+        if 0 < self.stall_warning <= waited and self._stall_warned != seq:
+            self._stall_warned = seq
+            text = self.board.who_waits(name, seq, self.size)[3]
+            limit = f"CommTimeoutError after {self.timeout:g} s" if self.timeout > 0 else "no timeout"
+            try:    # explicit: no commlib source line under the message
+                warnings.warn_explicit(
+                    f"{name} #{seq} has waited {waited:.3g} s on rank {self.rank}: {text}; it goes on "
+                    f"({limit}; COMMLIB_STALL_WARNING sets this warning)", CommStallWarning, "commlib", 0,
+                    module="commlib")
+            except CommStallWarning:    # a filter made it an error: given up as on a timeout
+                return self.board.timeout_error(name, seq, self.stall_warning, self.rank, self.size)
         return None
 
     def wait(self, p: Pending, name: str, seq: int) -> None:
@@ -122,13 +138,12 @@ class Runner:
         every :data:`~commlib.poll.CHECK_EVERY_S` it asks :meth:`verdict`.
         Device-stream operations (NCCL) may back off after ``poll_spin``.
         """
-        deadline = time.monotonic() + self.timeout if self.timeout > 0 else math.inf
         poll_until(p.test, math.inf if p.request is not None else self.config.poll_spin,
-                   self._give_up_if, (p, name, seq, deadline))
+                   self._give_up_if, (p, name, seq, time.monotonic()))
 
-    def _give_up_if(self, now: float, p: Pending, name: str, seq: int, deadline: float) -> None:
+    def _give_up_if(self, now: float, p: Pending, name: str, seq: int, since: float) -> None:
         """:meth:`wait`'s periodic check: fail (and remember ``p`` as dangling) if it must be given up."""
-        err = self.verdict(seq, name, now >= deadline)
+        err = self.verdict(seq, name, now - since)
         if err is not None:
             self.dangling.append((f"{name} #{seq}", p.test))
             self.fail(err, name, seq)
@@ -282,8 +297,7 @@ class Runner:
                 if now >= until:
                     raise TimeoutError(f"{op} still running after wait(timeout={timeout})")
                 stuck = self.running or op
-                late = self.timeout > 0 and now >= work.submitted + self.timeout
-                err = self.verdict(stuck.seq, stuck.name, late)
+                err = self.verdict(stuck.seq, stuck.name, now - work.submitted)
                 if err is not None:
                     self.dangling.append((str(stuck), done))
                     self.fail(err, stuck.name, stuck.seq)

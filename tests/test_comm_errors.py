@@ -10,6 +10,10 @@ guarantees that a regression ends the run instead of hanging it.
 
 from __future__ import annotations
 
+import re
+import time
+import warnings
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -103,6 +107,34 @@ def test_work_wait_timeout_does_not_abort(comm):
     assert w.test()
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("form", ["blocking", "nonblocking"])
+def test_a_stall_warns_once_naming_the_missing_rank_and_the_operation_goes_on(form):
+    c = fresh(timeout=60, stall_warning=0.2)
+    late = c.size - 1
+    c.barrier()                                    # #1: everybody; then the last rank dawdles
+
+    def allreduce() -> np.ndarray:
+        return c.allreduce(np.ones(4)) if form == "blocking" else c.iallreduce(np.ones(4)).wait()
+
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        if c.rank == late:
+            time.sleep(1.0)
+        out = allreduce()
+        quiet = allreduce()                       # #3: nobody waits long
+    stalls = [str(w.message) for w in got if issubclass(w.category, commlib.CommStallWarning)]
+    if c.rank == late:
+        assert stalls == []
+    else:
+        assert len(stalls) == 1, stalls
+        assert re.match(rf"allreduce #2 has waited 0\.[2-9]\d* s on rank {c.rank}: ", stalls[0]), stalls[0]
+        assert f"not arrived: rank {late} idle after barrier #1" in stalls[0], stalls[0]
+        assert "it goes on (CommTimeoutError after 60 s" in stalls[0], stalls[0]
+    assert np.all(out == c.size) and np.all(quiet == c.size)
+    c.close()
+
+
 @pytest.mark.mpi(min_size=1)
 def test_default_timeout_is_torch_distributeds(monkeypatch):
     """Long enough for a rank-0-only evaluation or checkpoint that DDP survives."""
@@ -127,6 +159,14 @@ def test_config_from_environment(monkeypatch):
         commlib.Config.from_env(backend="gloo")
     with pytest.raises(TypeError, match="unknown"):
         commlib.Config.from_env(timeuot=3)
+    monkeypatch.setenv("COMMLIB_STALL_WARNING", "0")
+    assert commlib.Config.from_env().stall_warning == 0
+    monkeypatch.setenv("COMMLIB_STALL_WARNING", "soon")
+    with pytest.raises(commlib.ValidationError, match="COMMLIB_STALL_WARNING"):
+        commlib.Config.from_env()
+    monkeypatch.delenv("COMMLIB_STALL_WARNING")
+    with pytest.raises(commlib.ValidationError, match="stall_warning"):
+        commlib.Config.from_env(stall_warning=-1)
     monkeypatch.setenv("COMMLIB_DEVICE", "3")
     assert commlib.Config.from_env().device == 3
     assert commlib.Config.from_env(device=1).device == 1

@@ -33,6 +33,7 @@ def run_job(case: str, ranks: int, timeout: float, tmp_path, job: str = "broken.
 
 @pytest.mark.parametrize("case,ranks,timeout", [
     ("rejected", 2, 60), ("deadlock", 3, 1), ("never_arrives", 2, 0.5), ("unwaited", 2, 1),
+    ("stall_made_an_error", 3, 2.3),
 ])
 def test_broken_job_raises_everywhere_then_exits(case, ranks, timeout, tmp_path):
     proc, took, ok = run_job(case, ranks, timeout, tmp_path)

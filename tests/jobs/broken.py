@@ -72,6 +72,20 @@ def never_arrives() -> None:
     assert 0 in err.missing and "rank 0 has not called any operation" in str(err)
 
 
+def stall_made_an_error() -> None:
+    """``warnings.simplefilter("error", CommStallWarning)``: the stall gives up as a timeout would."""
+    import warnings
+
+    c = fresh(timeout=60, stall_warning=0.3)
+    warnings.simplefilter("error", commlib.CommStallWarning)
+    if c.rank == 0:       # never arrives
+        time.sleep(2.0)
+        return
+    err = expect(commlib.CommTimeoutError, lambda: c.allreduce(np.ones(4)),
+                 "allreduce #1 timed out after 0.3 s")
+    assert err.missing == [0], err.missing
+
+
 def only_rank0() -> None:
     """The issue's job: COMMLIB_TIMEOUT from the environment, rank 0 alone calls."""
     c = commlib.init()
@@ -86,7 +100,8 @@ def unwaited() -> None:
         c.iallreduce(np.ones(4))
 
 
-CASES = {f.__name__: f for f in (rejected, deadlock, never_arrives, only_rank0, unwaited)}
+CASES = {f.__name__: f for f in (rejected, deadlock, never_arrives, stall_made_an_error, only_rank0,
+                                  unwaited)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]]()

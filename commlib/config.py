@@ -38,6 +38,16 @@ def _env_bool(name: str, default: bool) -> bool:
     raise ValidationError(f"{name}={raw!r}: expected 0 or 1")
 
 
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValidationError(f"{name}={raw!r}: expected seconds") from None
+
+
 @dataclass(frozen=True)
 class Config:
     """Resolved settings of one communicator.
@@ -63,30 +73,15 @@ class Config:
         aware_raw = os.environ.get("COMMLIB_MPI_CUDA_AWARE", "auto").lower()
         if aware_raw not in ("auto", "0", "1"):
             raise ValidationError(f"COMMLIB_MPI_CUDA_AWARE={aware_raw!r}: expected auto, 0 or 1")
-        try:
-            timeout = float(os.environ.get("COMMLIB_TIMEOUT", cls.timeout))
-        except ValueError:
-            raise ValidationError(
-                f"COMMLIB_TIMEOUT={os.environ['COMMLIB_TIMEOUT']!r}: expected seconds") from None
-        try:
-            stall_warning = float(os.environ.get("COMMLIB_STALL_WARNING", cls.stall_warning))
-        except ValueError:
-            raise ValidationError(
-                f"COMMLIB_STALL_WARNING={os.environ['COMMLIB_STALL_WARNING']!r}: expected seconds") from None
-        try:
-            poll_spin = float(os.environ.get("COMMLIB_POLL_SPIN", cls.poll_spin))
-        except ValueError:
-            raise ValidationError(
-                f"COMMLIB_POLL_SPIN={os.environ['COMMLIB_POLL_SPIN']!r}: expected seconds") from None
         raw_device = os.environ.get("COMMLIB_DEVICE", "")
         if raw_device and not raw_device.isdigit():
             raise ValidationError(f"COMMLIB_DEVICE={raw_device!r}: expected a GPU index (0, 1, ...)")
         cfg = cls(
             device=int(raw_device) if raw_device else None,
-            poll_spin=poll_spin,
+            poll_spin=_env_seconds("COMMLIB_POLL_SPIN", cls.poll_spin),
             backend=os.environ.get("COMMLIB_BACKEND", cls.backend).lower(),
-            timeout=timeout,
-            stall_warning=stall_warning,
+            timeout=_env_seconds("COMMLIB_TIMEOUT", cls.timeout),
+            stall_warning=_env_seconds("COMMLIB_STALL_WARNING", cls.stall_warning),
             check=_env_bool("COMMLIB_CHECK", False),
             timeline=os.environ.get("COMMLIB_TIMELINE") or None,
             nvtx=os.environ.get("COMMLIB_NVTX") == "force" or _env_bool("COMMLIB_NVTX", True),

@@ -57,6 +57,7 @@ from .torch_comm import (
     register_comm_hook,
 )
 from .torch_loop import TrainingLoop
+from .torch_state import ConsolidatedState
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "register_comm_hook"]
 
@@ -74,7 +75,7 @@ class _Flush:
         return None
 
 
-class DistributedOptimizer(TrainingLoop, torch.optim.Optimizer):
+class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimizer):
     """Wrap ``optimizer`` so that ``step()`` trains ``model`` data-parallel over ``comm``.
 
     ``strategy``: a :class:`collectives.Strategy` (default :class:`collectives.AllReduce`).
@@ -122,34 +123,7 @@ class DistributedOptimizer(TrainingLoop, torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups     # one truth: schedulers may hold either object
         self.state = optimizer.state
 
-        # the parameters that train, in optimizer order, and the group of each
-        self._params: list[torch.nn.Parameter] = []
-        self._group_of: list[int] = []
-        problems = []
-        for gi, g in enumerate(optimizer.param_groups):
-            for p in g["params"]:
-                if not p.requires_grad:
-                    continue
-                if any(p is q for q in self._params):
-                    problems.append("a parameter appears twice in the optimizer")
-                if p.is_sparse or not p.is_contiguous():
-                    problems.append(f"parameter {tuple(p.shape)} is sparse or not contiguous")
-                self._params.append(p)
-                self._group_of.append(gi)
-        model_ids = {id(p): i for i, p in enumerate(model.parameters())}
-        if not self._params:
-            problems.append("the optimizer has no parameter that requires a gradient")
-        if self.strategy.sharded and isinstance(optimizer, torch.optim.LBFGS):
-            problems.append(f"{self.strategy.name} updates shards: LBFGS is not elementwise")
-        # every rank learns about every rank's problem, or a difference, before anything else runs
-        agree_tensors(self.comm, "DistributedOptimizer", self._params,
-               f"groups {self._group_of}|{self.strategy!r}|{backward_passes_per_step}|"
-               f"{find_unused_parameters}",
-               "; ".join(problems) or None)
-        # gradients become ready in reverse order of the model's parameters (as DDP assumes)
-        order = sorted(range(len(self._params)),
-                       key=lambda i: -model_ids.get(id(self._params[i]), -1 - i))
-        self._ready_order = order
+        self._collect_params()
         self._hooks: list[Any] = []
         self.strategy.on_switch(self._on_switch)
         self._build(self.strategy.cap_bytes, broadcast=broadcast)
@@ -163,6 +137,39 @@ class DistributedOptimizer(TrainingLoop, torch.optim.Optimizer):
         self._last_step: float | None = None
 
     # ------------------------------------------------------------------ buckets and views
+    def _collect_params(self) -> None:
+        """The parameters that train (``requires_grad``), in optimizer order, the group of each and
+        their gradient-ready order; every rank learns of every rank's problem, or a difference,
+        before anything else runs (one small all-gather)."""
+        self._params: list[torch.nn.Parameter] = []
+        self._group_of: list[int] = []
+        #: the optimizer's parameters that do not train now (watched for requires_grad changes)
+        self._frozen: list[torch.nn.Parameter] = []
+        problems = []
+        for gi, g in enumerate(self._inner.param_groups):
+            for p in g["params"]:
+                if not p.requires_grad:
+                    self._frozen.append(p)
+                    continue
+                if any(p is q for q in self._params):
+                    problems.append("a parameter appears twice in the optimizer")
+                if p.is_sparse or not p.is_contiguous():
+                    problems.append(f"parameter {tuple(p.shape)} is sparse or not contiguous")
+                self._params.append(p)
+                self._group_of.append(gi)
+        if not self._params:
+            problems.append("the optimizer has no parameter that requires a gradient")
+        if self.strategy.sharded and isinstance(self._inner, torch.optim.LBFGS):
+            problems.append(f"{self.strategy.name} updates shards: LBFGS is not elementwise")
+        agree_tensors(self.comm, "DistributedOptimizer", self._params,
+                      f"groups {self._group_of}|{self.strategy!r}|{self.backward_passes_per_step}|"
+                      f"{self.find_unused_parameters}",
+                      "; ".join(problems) or None)
+        # gradients become ready in reverse order of the model's parameters (as DDP assumes)
+        model_ids = {id(p): i for i, p in enumerate(self.model.parameters())}
+        self._ready_order = sorted(range(len(self._params)),
+                                   key=lambda i: -model_ids.get(id(self._params[i]), -1 - i))
+
     def _build(self, cap_bytes: int, broadcast: bool) -> None:
         s = self.strategy
         self._planned_cap = cap_bytes
@@ -246,7 +253,11 @@ class DistributedOptimizer(TrainingLoop, torch.optim.Optimizer):
         return hook
 
     def _make_forward_hook(self, bs: list[int]) -> Any:
+        installed = self._hooks
+
         def hook(module: torch.nn.Module, args: Any) -> None:
+            if installed is not self._hooks:    # removed by a replan during this forward's hooks
+                return
             for b in bs:
                 self.strategy.before_forward(b)
         return hook
@@ -318,17 +329,36 @@ class DistributedOptimizer(TrainingLoop, torch.optim.Optimizer):
         self._last_step = now
         return loss
 
-    def replan(self, cap_bytes: int) -> None:
-        """Rebuild the buckets with a new cap (a collective: the same call on every rank).
+    def replan(self, cap_bytes: int | None = None) -> None:
+        """Rebuild the buckets, with a new cap if given, over the parameters that train now
+        (a collective: the same call on every rank).
 
-        Parameters keep their values and the optimizer its state (re-sharded for sharded strategies).
+        Parameters keep their values and the optimizer its state (re-sharded for sharded
+        strategies).  The first training forward after a change of ``requires_grad`` calls it
+        (gradual unfreezing): a parameter that starts training is averaged from then on, and one
+        that stops is left out of the update (its ``.grad`` is ``None``, as after ``zero_grad()``
+        in one process; a sharded strategy drops its optimizer state).
+
+        Example:
+            >>> model.backbone.requires_grad_(True)     # the next forward re-plans on every rank
+            >>> opt.replan(64 << 20)                    # or by hand, with a 64 MiB cap
         """
         self.strategy.flush()
         full = self._full_state()
-        self.strategy.cap_bytes = int(cap_bytes)
-        self._build(int(cap_bytes), broadcast=False)
-        self._set_full_state(full)
+        before = self._params
+        kept = {id(before[i]): d for i, d in full.items()}
+        self._collect_params()
+        for p in before:
+            if not p.requires_grad:
+                p.grad = None
+        if cap_bytes is not None:
+            self.strategy.cap_bytes = int(cap_bytes)
+        self._build(self.strategy.cap_bytes, broadcast=False)
+        self._set_full_state({i: kept[id(p)] for i, p in enumerate(self._params) if id(p) in kept})
         self._install_hooks()
+        if [id(p) for p in self._params] != [id(p) for p in before]:
+            self._unused, self._unused_checked = set(), False   # indices changed: check again
+            self._end_step()
 
     @contextmanager
     def _scaled_hyperparameters(self) -> Iterator[None]:
@@ -378,103 +408,6 @@ class DistributedOptimizer(TrainingLoop, torch.optim.Optimizer):
         """
         self.strategy.flush()
         return _Flush(self)
-
-    # ------------------------------------------------------------------ state
-    def _full_state(self) -> dict[int, dict[str, Any]]:
-        """Per parameter (index in ``self._params``): its optimizer state, gathered from the shards
-        (a collective for sharded strategies: identical calls on every rank)."""
-        if not self.strategy.sharded:
-            return {i: self._inner.state[p] for i, p in enumerate(self._params) if p in self._inner.state}
-        keys: set[str] = set()
-        scalars: dict[int, dict[str, Any]] = {}
-        for piece, idx, *_ in self._pieces:
-            st = self._shard_opt.state.get(piece)
-            if st is None:
-                continue
-            d = scalars.setdefault(idx, {})
-            for k, v in st.items():
-                if torch.is_tensor(v) and v.dim() > 0:
-                    keys.add(k)
-                elif torch.is_tensor(v):
-                    d[k] = ("tensor", v.item(), dtype_name(v))
-                else:
-                    d[k] = ("value", v, None)
-        gathered = self.comm.mpi_comm.allgather((sorted(keys), scalars))
-        all_keys = sorted(set().union(*(set(k) for k, _ in gathered)))
-        out: dict[int, dict[str, Any]] = {}
-        for _, part in gathered:
-            for i, d in part.items():
-                st = out.setdefault(i, {})
-                for k, (kind, v, dt) in d.items():
-                    st[k] = torch.tensor(v, dtype=getattr(torch, dt)) if kind == "tensor" else v
-        rank = self.comm.rank
-        for key in all_keys:
-            for b in self.buckets:
-                fp = self._flat_params[b.index]
-                flat = torch.zeros(b.padded, dtype=fp.dtype, device=fp.device)
-                for piece, _, _, bi, bslice in self._pieces:
-                    v = self._shard_opt.state.get(piece, {}).get(key) if bi == b.index else None
-                    if v is not None:
-                        flat[bslice] = v
-                base = b.shard(rank).start
-                self.comm.allgather(flat[base:base + b.shard_numel], out=flat, tag="state")
-                for sl in b.slots:
-                    if sl.index in out:
-                        view = flat[sl.offset:sl.offset + sl.numel].view_as(self._params[sl.index])
-                        out[sl.index][key] = view.clone()
-        return out
-
-    def _set_full_state(self, full: dict[int, dict[str, Any]]) -> None:
-        if not self.strategy.sharded:
-            for i, d in full.items():
-                self._inner.state[self._params[i]] = d
-            return
-        self._shard_opt.state.clear()
-        for piece, idx, pslice, *_ in self._pieces:
-            d = full.get(idx)
-            if d is None:
-                continue
-            self._shard_opt.state[piece] = {
-                k: (v.reshape(-1)[pslice].to(piece.dtype).clone() if torch.is_tensor(v) and v.dim() > 0
-                    else v.clone() if torch.is_tensor(v) else v)
-                for k, v in d.items()}
-
-    def state_dict(self) -> dict[str, Any]:
-        """The consolidated optimizer state (``optimizer``'s format) plus the strategy's.
-
-        A collective for sharded strategies: call it on every rank.
-        """
-        self.strategy.complete()
-        full = self._full_state()
-        saved = dict(self._inner.state)
-        try:
-            self._inner.state.clear()
-            for i, d in full.items():
-                self._inner.state[self._params[i]] = d
-            sd = self._inner.state_dict()
-        finally:
-            self._inner.state.clear()
-            self._inner.state.update(saved)
-        sd["commlib"] = {"strategy": self.strategy.state_dict(), "world_size": self.comm.size}
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict` (from any number of ranks, or a plain optimizer's)."""
-        sd = dict(state_dict)
-        extra = sd.pop("commlib", None)
-        self._inner.load_state_dict(sd)
-        self.param_groups = self._inner.param_groups     # torch replaced the group list
-        self.state = self._inner.state
-        if extra is not None:
-            self.strategy.load_state_dict(extra["strategy"])
-            if self.strategy.cap_bytes != self._planned_cap:     # the checkpoint was tuned
-                self.strategy.flush()
-                self._build(self.strategy.cap_bytes, broadcast=False)
-                self._install_hooks()
-        if self.strategy.sharded:
-            full = {i: self._inner.state[p] for i, p in enumerate(self._params) if p in self._inner.state}
-            self._inner.state.clear()
-            self._set_full_state(full)
 
     def __repr__(self) -> str:
         inner = type(self._inner).__name__

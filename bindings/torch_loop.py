@@ -16,7 +16,9 @@ between ``backward()`` and ``step()`` meet:
   and evaluation forwards (``model.eval()`` or ``torch.no_grad()``) wait
   for the communication in flight (DeAR's all-gathers) first;
 * parameters no rank gave a gradient at the first step are found (one small
-  all-reduce, once) and left out of the update, as one process would.
+  all-reduce, once) and left out of the update, as one process would;
+* a parameter that starts or stops training (``requires_grad``, gradual
+  unfreezing) re-plans the buckets at the next training forward, on every rank.
 
 Example (the full loop; ``scaler`` may be ``GradScaler("cpu", enabled=False)``):
     >>> for x, y in loader:
@@ -32,6 +34,7 @@ Example (the full loop; ``scaler`` may be ``GradScaler("cpu", enabled=False)``):
 from __future__ import annotations
 
 import numbers
+import operator
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,6 +44,8 @@ import numpy as np
 import torch
 
 __all__ = ["TrainingLoop"]
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 class TrainingLoop:
@@ -53,6 +58,7 @@ class TrainingLoop:
     backward_passes_per_step: int
     find_unused_parameters: bool
     _params: list[torch.nn.Parameter]
+    _frozen: list[torch.nn.Parameter]
     _flat_grads: list[torch.Tensor]
     _shard_grads: list[torch.Tensor]
     _grad_views: list[torch.Tensor]
@@ -67,11 +73,14 @@ class TrainingLoop:
         for m in model.modules():
             m.register_state_dict_pre_hook(lambda *_: self.strategy.complete())
             m.register_load_state_dict_pre_hook(lambda *_: self.strategy.complete())
-        model.register_forward_pre_hook(self._evaluation_forward)
+        model.register_forward_pre_hook(self._before_forward)
 
-    def _evaluation_forward(self, module: torch.nn.Module, args: Any) -> None:
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        """Evaluation sees the last update; training re-plans when ``requires_grad`` changed."""
         if not module.training or not torch.is_grad_enabled():
             self.strategy.complete()
+        elif not all(map(_REQUIRES_GRAD, self._params)) or any(map(_REQUIRES_GRAD, self._frozen)):
+            self.replan()       # a collective: every rank changes requires_grad at the same point
 
     def _end_step(self) -> None:
         n = len(self._params)

@@ -4,7 +4,7 @@ One body, looped over strategies and patterns: every rank trains on its slice
 of each global batch; the reference is plain torch training the same model on
 the concatenated batch with the same loop (clipping, autocast, GradScaler with
 an inf injected on the last rank, accumulation, a checkpoint resumed without
-``flush()``, evaluation mid-training, an unused head).  Parameters must match
+``flush()``, evaluation mid-training, an unused head, gradual unfreezing).  Parameters must match
 the reference and be bitwise equal across ranks.
 """
 
@@ -43,7 +43,8 @@ STRATEGIES = {
     "syncswitch-bsp": lambda: SyncSwitch(bsp=AllReduce(**SMALL)),
     "sparse-dense": lambda: SparseAllReduce(selector=Dense()),
 } if HAVE_TORCH else {}
-PATTERNS = ["clip-horovod", "clip", "bf16", "fp16-scaler", "no_sync", "checkpoint", "eval", "unused-head"]
+PATTERNS = ["clip-horovod", "clip", "bf16", "fp16-scaler", "no_sync", "checkpoint", "eval", "unused-head",
+            "unfreeze"]
 
 # Mixed precision is compared with a single-process run under the same autocast.  The ranks'
 # weight gradients come from 16-bit matmuls over their own slice, averaged afterwards, where the
@@ -91,6 +92,8 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
     """``strategy=None``: the single-process reference on the whole batch."""
     rank, size = comm.rank, comm.size
     model, opt = make(rank if strategy else 0, pattern)
+    if pattern == "unfreeze":       # gradual unfreezing: fc1 frozen when wrapped, then fc2 frozen
+        model.fc1.requires_grad_(False)
     if strategy:
         opt = wrap(comm, strategy, model, opt)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=pattern == "fp16-scaler")
@@ -107,6 +110,8 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
             opt = wrap(comm, strategy, model, base)
             model.load_state_dict(msd)
             opt.load_state_dict(osd)
+        if pattern == "unfreeze" and step in (1, 3):
+            (model.fc1 if step == 1 else model.fc2).requires_grad_(step == 1)
         opt.zero_grad()
         loss_fn = torch.nn.functional.mse_loss
         if pattern == "no_sync":

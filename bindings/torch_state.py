@@ -1,0 +1,133 @@
+"""The optimizer state of :class:`bindings.torch.DistributedOptimizer`, whole whatever the sharding.
+
+:class:`ConsolidatedState` is the part of ``DistributedOptimizer`` that gathers
+the optimizer state a sharded strategy (``DeAR``) keeps in 1/size pieces into
+the wrapped optimizer's own per-parameter format, and spreads it back: for
+``state_dict()`` / ``load_state_dict()`` (a checkpoint loadable on any number of
+ranks, or by a plain optimizer) and for re-planning the buckets.
+
+Example:
+    >>> sd = opt.state_dict()            # a collective under DeAR: every rank
+    >>> torch.optim.AdamW(model.parameters()).load_state_dict(
+    ...     {k: v for k, v in sd.items() if k != "commlib"})
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .torch_comm import dtype_name
+
+__all__ = ["ConsolidatedState"]
+
+
+class ConsolidatedState:
+    """Mixin of :class:`bindings.torch.DistributedOptimizer` (uses its buckets, pieces and strategy)."""
+
+    comm: Any
+    strategy: Any
+    buckets: list[Any]
+    _inner: torch.optim.Optimizer
+    _params: list[torch.nn.Parameter]
+    _flat_params: list[torch.Tensor]
+    _pieces: list[tuple[torch.Tensor, int, slice, int, slice]]
+    _shard_opt: torch.optim.Optimizer
+    _planned_cap: int
+
+    def _full_state(self) -> dict[int, dict[str, Any]]:
+        """Per parameter (index in ``self._params``): its optimizer state, gathered from the shards
+        (a collective for sharded strategies: identical calls on every rank)."""
+        if not self.strategy.sharded:
+            return {i: self._inner.state[p] for i, p in enumerate(self._params) if p in self._inner.state}
+        keys: set[str] = set()
+        scalars: dict[int, dict[str, Any]] = {}
+        for piece, idx, *_ in self._pieces:
+            st = self._shard_opt.state.get(piece)
+            if st is None:
+                continue
+            d = scalars.setdefault(idx, {})
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    keys.add(k)
+                elif torch.is_tensor(v):
+                    d[k] = ("tensor", v.item(), dtype_name(v))
+                else:
+                    d[k] = ("value", v, None)
+        gathered = self.comm.mpi_comm.allgather((sorted(keys), scalars))
+        all_keys = sorted(set().union(*(set(k) for k, _ in gathered)))
+        out: dict[int, dict[str, Any]] = {}
+        for _, part in gathered:
+            for i, d in part.items():
+                st = out.setdefault(i, {})
+                for k, (kind, v, dt) in d.items():
+                    st[k] = torch.tensor(v, dtype=getattr(torch, dt)) if kind == "tensor" else v
+        rank = self.comm.rank
+        for key in all_keys:
+            for b in self.buckets:
+                fp = self._flat_params[b.index]
+                flat = torch.zeros(b.padded, dtype=fp.dtype, device=fp.device)
+                for piece, _, _, bi, bslice in self._pieces:
+                    v = self._shard_opt.state.get(piece, {}).get(key) if bi == b.index else None
+                    if v is not None:
+                        flat[bslice] = v
+                base = b.shard(rank).start
+                self.comm.allgather(flat[base:base + b.shard_numel], out=flat, tag="state")
+                for sl in b.slots:
+                    if sl.index in out:
+                        view = flat[sl.offset:sl.offset + sl.numel].view_as(self._params[sl.index])
+                        out[sl.index][key] = view.clone()
+        return out
+
+    def _set_full_state(self, full: dict[int, dict[str, Any]]) -> None:
+        if not self.strategy.sharded:
+            for i, d in full.items():
+                self._inner.state[self._params[i]] = d
+            return
+        self._shard_opt.state.clear()
+        for piece, idx, pslice, *_ in self._pieces:
+            d = full.get(idx)
+            if d is None:
+                continue
+            self._shard_opt.state[piece] = {
+                k: (v.reshape(-1)[pslice].to(piece.dtype).clone() if torch.is_tensor(v) and v.dim() > 0
+                    else v.clone() if torch.is_tensor(v) else v)
+                for k, v in d.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The consolidated optimizer state (``optimizer``'s format) plus the strategy's.
+
+        A collective for sharded strategies: call it on every rank.
+        """
+        self.strategy.complete()
+        full = self._full_state()
+        saved = dict(self._inner.state)
+        try:
+            self._inner.state.clear()
+            for i, d in full.items():
+                self._inner.state[self._params[i]] = d
+            sd = self._inner.state_dict()
+        finally:
+            self._inner.state.clear()
+            self._inner.state.update(saved)
+        sd["commlib"] = {"strategy": self.strategy.state_dict(), "world_size": self.comm.size}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` (from any number of ranks, or a plain optimizer's)."""
+        sd = dict(state_dict)
+        extra = sd.pop("commlib", None)
+        self._inner.load_state_dict(sd)
+        self.param_groups = self._inner.param_groups     # torch replaced the group list
+        self.state = self._inner.state
+        if extra is not None:
+            self.strategy.load_state_dict(extra["strategy"])
+            if self.strategy.cap_bytes != self._planned_cap:     # the checkpoint was tuned
+                self.strategy.flush()
+                self._build(self.strategy.cap_bytes, broadcast=False)
+                self._install_hooks()
+        if self.strategy.sharded:
+            full = {i: self._inner.state[p] for i, p in enumerate(self._params) if p in self._inner.state}
+            self._inner.state.clear()
+            self._set_full_state(full)

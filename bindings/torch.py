@@ -255,6 +255,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
     def _make_forward_hook(self, bs: list[int]) -> Any:
         installed = self._hooks
 
+        @torch.compiler.disable     # waits on communication: never traced (see _before_forward)
         def hook(module: torch.nn.Module, args: Any) -> None:
             if installed is not self._hooks:    # removed by a replan during this forward's hooks
                 return

@@ -75,8 +75,13 @@ class TrainingLoop:
             m.register_load_state_dict_pre_hook(lambda *_: self.strategy.complete())
         model.register_forward_pre_hook(self._before_forward)
 
+    @torch.compiler.disable
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
-        """Evaluation sees the last update; training re-plans when ``requires_grad`` changed."""
+        """Evaluation sees the last update; training re-plans when ``requires_grad`` changed.
+
+        Like every hook that waits on communication, never traced by ``torch.compile``:
+        Dynamo would replay the Python state it saw while tracing (a wait found
+        nothing to wait for) instead of waiting."""
         if not module.training or not torch.is_grad_enabled():
             self.strategy.complete()
         elif not all(map(_REQUIRES_GRAD, self._params)) or any(map(_REQUIRES_GRAD, self._frozen)):

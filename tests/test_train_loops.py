@@ -302,3 +302,34 @@ def test_readme_loop_runs_verbatim(comm, tmp_path):
         np.testing.assert_array_equal(saved_params, vec)
         plain = torch.optim.AdamW(make(0, "plain")[0].parameters(), lr=1e-3)
         plain.load_state_dict({k: v for k, v in saved["opt"].items() if k != "commlib"})
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
+def test_compiled_forward_with_unfreezing_trains_as_one_process(comm, strategy):
+    """``torch.compile`` (aot_eager: Dynamo and AOTAutograd, no C++ build): DeAR's waits and
+    the re-plan after unfreezing run outside the traced code (traced, the re-plan failed)."""
+
+    def run(dist: bool) -> Net:
+        # Dynamo does not guard on module hooks: code compiled for an earlier test's model
+        # would run this one's without DeAR's waits, so each model starts from a clean cache
+        torch._dynamo.reset()
+        model, opt = make(comm.rank if dist else 0, "unfreeze")
+        model.fc1.requires_grad_(False)
+        if dist:
+            opt = wrap(comm, strategy, model, opt)
+        forward = torch.compile(model, backend="aot_eager")
+        for step in range(STEPS):
+            if step == 1:
+                model.fc1.requires_grad_(True)
+            x, y = batch(step, comm.size)
+            mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL) if dist else slice(None)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(forward(x[mine]), y[mine]).backward()
+            opt.step()
+        return model
+
+    vec = params_of(run(True))
+    for r, other in enumerate(comm.allgather(vec)):
+        np.testing.assert_array_equal(other, vec, err_msg=f"rank {r} differs from rank {comm.rank}")
+    np.testing.assert_allclose(vec, params_of(run(False)), rtol=2e-5, atol=2e-6)

@@ -140,35 +140,36 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
     def _collect_params(self) -> None:
         """The parameters that train (``requires_grad``), in optimizer order, the group of each and
         their gradient-ready order; every rank learns of every rank's problem, or a difference,
-        before anything else runs (one small all-gather)."""
-        self._params: list[torch.nn.Parameter] = []
-        self._group_of: list[int] = []
-        #: the optimizer's parameters that do not train now (watched for requires_grad changes)
-        self._frozen: list[torch.nn.Parameter] = []
+        before anything else runs (one small all-gather), and nothing changes where one is found."""
+        params: list[torch.nn.Parameter] = []
+        group_of: list[int] = []
+        frozen: list[torch.nn.Parameter] = []
         problems = []
         for gi, g in enumerate(self._inner.param_groups):
             for p in g["params"]:
                 if not p.requires_grad:
-                    self._frozen.append(p)
+                    frozen.append(p)
                     continue
-                if any(p is q for q in self._params):
+                if any(p is q for q in params):
                     problems.append("a parameter appears twice in the optimizer")
                 if p.is_sparse or not p.is_contiguous():
                     problems.append(f"parameter {tuple(p.shape)} is sparse or not contiguous")
-                self._params.append(p)
-                self._group_of.append(gi)
-        if not self._params:
+                params.append(p)
+                group_of.append(gi)
+        if not params:
             problems.append("the optimizer has no parameter that requires a gradient")
         if self.strategy.sharded and isinstance(self._inner, torch.optim.LBFGS):
             problems.append(f"{self.strategy.name} updates shards: LBFGS is not elementwise")
-        agree_tensors(self.comm, "DistributedOptimizer", self._params,
-                      f"groups {self._group_of}|{self.strategy!r}|{self.backward_passes_per_step}|"
+        agree_tensors(self.comm, "DistributedOptimizer", params,
+                      f"groups {group_of}|{self.strategy!r}|{self.backward_passes_per_step}|"
                       f"{self.find_unused_parameters}",
                       "; ".join(problems) or None)
+        self._params, self._group_of = params, group_of
+        #: the optimizer's parameters that do not train now (watched for requires_grad changes)
+        self._frozen = frozen
         # gradients become ready in reverse order of the model's parameters (as DDP assumes)
         model_ids = {id(p): i for i, p in enumerate(self.model.parameters())}
-        self._ready_order = sorted(range(len(self._params)),
-                                   key=lambda i: -model_ids.get(id(self._params[i]), -1 - i))
+        self._ready_order = sorted(range(len(params)), key=lambda i: -model_ids.get(id(params[i]), -1 - i))
 
     def _build(self, cap_bytes: int, broadcast: bool) -> None:
         s = self.strategy
@@ -345,10 +346,9 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
             >>> opt.replan(64 << 20)                    # or by hand, with a 64 MiB cap
         """
         self.strategy.flush()
-        full = self._full_state()
         before = self._params
-        kept = {id(before[i]): d for i, d in full.items()}
-        self._collect_params()
+        kept = {id(before[i]): d for i, d in self._full_state().items()}
+        self._collect_params()      # raises on every rank, changing nothing, if none trains now
         for p in before:
             if not p.requires_grad:
                 p.grad = None

@@ -84,8 +84,11 @@ class TrainingLoop:
         nothing to wait for) instead of waiting."""
         if not module.training or not torch.is_grad_enabled():
             self.strategy.complete()
-        elif not all(map(_REQUIRES_GRAD, self._params)) or any(map(_REQUIRES_GRAD, self._frozen)):
-            self.replan()       # a collective: every rank changes requires_grad at the same point
+        elif ((not all(map(_REQUIRES_GRAD, self._params)) or any(map(_REQUIRES_GRAD, self._frozen)))
+              and (any(map(_REQUIRES_GRAD, self._params)) or any(map(_REQUIRES_GRAD, self._frozen)))):
+            # a collective: every rank changes requires_grad at the same point; a forward with
+            # nothing trainable (features from a frozen model) keeps the plan for later
+            self.replan()
 
     def _end_step(self) -> None:
         n = len(self._params)

@@ -333,3 +333,28 @@ def test_compiled_forward_with_unfreezing_trains_as_one_process(comm, strategy):
     for r, other in enumerate(comm.allgather(vec)):
         np.testing.assert_array_equal(other, vec, err_msg=f"rank {r} differs from rank {comm.rank}")
     np.testing.assert_allclose(vec, params_of(run(False)), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
+def test_a_forward_with_nothing_trainable_keeps_the_plan(comm, strategy):
+    """Features from the frozen model (train mode, grad on) between steps: no re-plan, no error."""
+
+    def run(dist: bool) -> Net:
+        model, opt = make(comm.rank if dist else 0, "plain")
+        if dist:
+            opt = wrap(comm, strategy, model, opt)
+        for step in range(3):
+            x, y = batch(step, comm.size)
+            mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL) if dist else slice(None)
+            if step == 1:
+                model.requires_grad_(False)
+                model(x[mine])
+                model.requires_grad_(True)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+            opt.step()
+        return model
+
+    vec = params_of(run(True))
+    np.testing.assert_allclose(vec, params_of(run(False)), rtol=2e-5, atol=2e-6)

@@ -478,11 +478,10 @@ class Communicator:
     def close_with(self, resource: Closable) -> None:
         """Have :meth:`close` (explicit, or at interpreter exit) close ``resource`` first.
 
-        For objects made collectively over this communicator whose ``close()`` is
-        collective too (MPI windows, duplicated communicators): they are closed
-        newest first, on every rank in the same order, before this communicator's
-        own frees, and not at all when it is aborted.  ``close()`` must do nothing
-        when already called, so closing early stays allowed.
+        For objects made collectively over this communicator with a collective ``close()``
+        (MPI windows, duplicated communicators): closed newest first, before this
+        communicator's own frees, not at all when it is aborted.  ``close()`` must do
+        nothing when already called, so closing early stays allowed.
 
         Example:
             >>> store = ParamStore(comm, 1000)      # calls comm.close_with(store)

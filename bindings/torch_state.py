@@ -124,9 +124,7 @@ class ConsolidatedState:
         if extra is not None:
             self.strategy.load_state_dict(extra["strategy"])
             if self.strategy.cap_bytes != self._planned_cap:     # the checkpoint was tuned
-                self.strategy.flush()
-                self._build(self.strategy.cap_bytes, broadcast=False)
-                self._install_hooks()
+                self.replan()
         if self.strategy.sharded:
             full = {i: self._inner.state[p] for i, p in enumerate(self._params) if p in self._inner.state}
             self._inner.state.clear()

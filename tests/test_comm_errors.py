@@ -159,23 +159,17 @@ def test_config_from_environment(monkeypatch):
         commlib.Config.from_env(backend="gloo")
     with pytest.raises(TypeError, match="unknown"):
         commlib.Config.from_env(timeuot=3)
-    monkeypatch.setenv("COMMLIB_STALL_WARNING", "0")
-    assert commlib.Config.from_env().stall_warning == 0
-    monkeypatch.setenv("COMMLIB_STALL_WARNING", "soon")
-    with pytest.raises(commlib.ValidationError, match="COMMLIB_STALL_WARNING"):
-        commlib.Config.from_env()
-    monkeypatch.delenv("COMMLIB_STALL_WARNING")
-    with pytest.raises(commlib.ValidationError, match="stall_warning"):
-        commlib.Config.from_env(stall_warning=-1)
-    monkeypatch.setenv("COMMLIB_DEVICE", "3")
-    assert commlib.Config.from_env().device == 3
-    assert commlib.Config.from_env(device=1).device == 1
-    monkeypatch.setenv("COMMLIB_DEVICE", "gpu0")
-    with pytest.raises(commlib.ValidationError, match="COMMLIB_DEVICE"):
-        commlib.Config.from_env()
-    monkeypatch.delenv("COMMLIB_DEVICE")
-    with pytest.raises(commlib.ValidationError, match="device"):
-        commlib.Config.from_env(device=-1)
+    for var, key, good, bad in [("COMMLIB_STALL_WARNING", "stall_warning", 0, "soon"),
+                                ("COMMLIB_DEVICE", "device", 3, "gpu0")]:
+        monkeypatch.setenv(var, str(good))
+        assert getattr(commlib.Config.from_env(), key) == good
+        assert getattr(commlib.Config.from_env(**{key: 1}), key) == 1     # keyword wins
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(commlib.ValidationError, match=var):
+            commlib.Config.from_env()
+        monkeypatch.delenv(var)
+        with pytest.raises(commlib.ValidationError, match=key):
+            commlib.Config.from_env(**{key: -1})
 
 
 @pytest.mark.mpi(min_size=1)

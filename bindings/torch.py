@@ -119,6 +119,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         self.backward_passes_per_step = backward_passes_per_step
         self.find_unused_parameters = find_unused_parameters
         self._inner = optimizer
+        self._wrapped = False       # Optimizer.__init__ below adds its groups through add_param_group
         super().__init__([p for g in optimizer.param_groups for p in g["params"]], optimizer.defaults)
         self.param_groups = optimizer.param_groups     # one truth: schedulers may hold either object
         self.state = optimizer.state
@@ -135,6 +136,33 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         self._init_loop()
         self.step_times: list[float] = []
         self._last_step: float | None = None
+        self._wrapped = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group to the wrapped optimizer and re-plan the buckets over it
+        (a collective: the same call on every rank, before a forward, not between
+        ``backward()`` and ``step()``).
+
+        Its parameters are averaged from the next step on, as a backbone unfrozen
+        for fine-tuning at its own rate must be; a group that does not match on
+        every rank raises on every rank and is not added.
+
+        Example:
+            >>> model.backbone.requires_grad_(True)
+            >>> opt.add_param_group({"params": model.backbone.parameters(), "lr": 1e-4})
+        """
+        if not self._wrapped:
+            super().add_param_group(param_group)
+            return
+        if self._synced or any(self._got):
+            raise RuntimeError("DistributedOptimizer.add_param_group: gradients of this step are already "
+                               "being averaged; add the group before the forward, after step()")
+        self._inner.add_param_group(param_group)
+        try:
+            self.replan()
+        except BaseException:
+            self._inner.param_groups.pop()
+            raise
 
     # ------------------------------------------------------------------ buckets and views
     def _collect_params(self) -> None:

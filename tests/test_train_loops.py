@@ -4,7 +4,8 @@ One body, looped over strategies and patterns: every rank trains on its slice
 of each global batch; the reference is plain torch training the same model on
 the concatenated batch with the same loop (clipping, autocast, GradScaler with
 an inf injected on the last rank, accumulation, a checkpoint resumed without
-``flush()``, evaluation mid-training, an unused head, gradual unfreezing).  Parameters must match
+``flush()``, evaluation mid-training, an unused head, gradual unfreezing, a
+parameter group added for the unfrozen layer).  Parameters must match
 the reference and be bitwise equal across ranks.
 """
 
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 if HAVE_TORCH:
     import torch
 
+    from commlib import ValidationError
     from commlib.bindings.torch import DistributedOptimizer
     from commlib.collectives import AllReduce, DeAR, SelSync, SyncSwitch
     from commlib.sparsify import Dense, SparseAllReduce
@@ -44,7 +46,7 @@ STRATEGIES = {
     "sparse-dense": lambda: SparseAllReduce(selector=Dense()),
 } if HAVE_TORCH else {}
 PATTERNS = ["clip-horovod", "clip", "bf16", "fp16-scaler", "no_sync", "checkpoint", "eval", "unused-head",
-            "unfreeze"]
+            "unfreeze", "add-group"]
 
 # Mixed precision is compared with a single-process run under the same autocast.  The ranks'
 # weight gradients come from 16-bit matmuls over their own slice, averaged afterwards, where the
@@ -71,7 +73,8 @@ class Net(torch.nn.Module if HAVE_TORCH else object):
 def make(seed: int, pattern: str) -> tuple[Net, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = Net(head=pattern == "unused-head")
-    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    params = model.fc2.parameters() if pattern == "add-group" else model.parameters()
+    return model, torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
 
 
 def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,6 +115,8 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
             opt.load_state_dict(osd)
         if pattern == "unfreeze" and step in (1, 3):
             (model.fc1 if step == 1 else model.fc2).requires_grad_(step == 1)
+        if pattern == "add-group" and step == 1:       # fine-tune fc1 from now on, at its own rate
+            opt.add_param_group({"params": model.fc1.parameters(), "lr": 0.05})
         opt.zero_grad()
         loss_fn = torch.nn.functional.mse_loss
         if pattern == "no_sync":
@@ -259,6 +264,28 @@ def test_second_backward_before_step_raises(comm):
     opt.zero_grad()                # closes the step; training goes on
     torch.nn.functional.mse_loss(model(x[:LOCAL]), y[:LOCAL]).backward()
     opt.step()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
+def test_add_param_group_refusals_leave_the_optimizer_as_it_was(comm, strategy):
+    """A group that differs on one rank raises on every rank and is not added; adding one between
+    backward() and step() raises; training then goes on as one process would."""
+    model, base = make(comm.rank, "add-group")
+    opt = wrap(comm, strategy, model, base)
+    last = comm.size - 1
+    params = [model.fc1.weight] if comm.rank == last else list(model.fc1.parameters())
+    with pytest.raises(ValidationError, match=f"rank {last}"):
+        opt.add_param_group({"params": params, "lr": 0.05})
+    assert len(opt.param_groups) == len(base.param_groups) == 1
+    x, y = batch(0, comm.size)
+    torch.nn.functional.mse_loss(model(x[:LOCAL]), y[:LOCAL]).backward()
+    with pytest.raises(RuntimeError, match="before the forward"):
+        opt.add_param_group({"params": model.fc1.parameters(), "lr": 0.05})
+    assert len(opt.param_groups) == 1
+    opt.step()
+    opt.add_param_group({"params": model.fc1.parameters(), "lr": 0.05})
+    assert [len(g["params"]) for g in base.param_groups] == [2, 2]
 
 
 @pytest.mark.mpi

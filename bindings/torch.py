@@ -22,7 +22,8 @@ The wrapper Horovod users know (``DistributedOptimizer``,
 
 The training-loop surface (``synchronize``, ``skip_synchronize``,
 ``no_sync``, ``clip_grad_norm_``, GradScaler, checkpoints, unused
-parameters) is documented in :mod:`bindings.torch_loop`.
+parameters) is documented in :mod:`bindings.torch_loop`; ``SyncBatchNorm``
+(batch statistics over every rank's batch) in :mod:`bindings.torch_norm`.
 
 Sharp bits: parameters and gradients become views of the strategy's fused
 buckets (as DDP's ``gradient_as_bucket_view``), so ``zero_grad`` zeroes the
@@ -57,9 +58,11 @@ from .torch_comm import (
     register_comm_hook,
 )
 from .torch_loop import TrainingLoop
+from .torch_norm import SyncBatchNorm
 from .torch_state import ConsolidatedState
 
-__all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "register_comm_hook"]
+__all__ = ["DistributedOptimizer", "SyncBatchNorm", "broadcast_parameters", "broadcast_optimizer_state",
+           "register_comm_hook"]
 
 
 class _Flush:

@@ -7,9 +7,9 @@ Everything a Horovod training script calls is here: ``init``, ``rank``/``size``/
 ``alltoall``, ``reducescatter``, their ``_async`` and in-place forms, ``poll``,
 ``synchronize``, ``join``, ``barrier``), ``broadcast_parameters``,
 ``broadcast_optimizer_state``, ``broadcast_object``, ``allgather_object``,
-``Compression`` and ``DistributedOptimizer`` (plus ``strategy=``/``model=`` for
-commlib's DeAR, ExDyna, SelSync and Sync-Switch).  Not supported: process sets
-other than the global one, Adasum, SyncBatchNorm, elastic training, the timeline
+``Compression``, ``SyncBatchNorm`` and ``DistributedOptimizer`` (plus ``strategy=``/``model=``
+for commlib's DeAR, ExDyna, SelSync and Sync-Switch).  Not supported: process sets
+other than the global one, Adasum, elastic training, the timeline
 API (use ``COMMLIB_TIMELINE``).  Operations run in the order each rank submits them.
 
 Example (``mpiexec -n 2 python train.py``):
@@ -21,6 +21,8 @@ Example (``mpiexec -n 2 python train.py``):
     >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     >>> hvd.broadcast_optimizer_state(opt, root_rank=0)
 """
+
+from commlib.bindings.torch_norm import SyncBatchNorm
 
 from .basics import (
     Adasum,
@@ -89,7 +91,7 @@ from .optimizer import DistributedOptimizer
 
 __all__ = [
     "Adasum", "Average", "Max", "Min", "Product", "ProcessSet", "Sum", "Compression", "HorovodInternalError",
-    "DistributedOptimizer", "add_process_set", "remove_process_set", "global_process_set",
+    "DistributedOptimizer", "SyncBatchNorm", "add_process_set", "remove_process_set", "global_process_set",
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
     "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",

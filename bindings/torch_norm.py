@@ -1,0 +1,207 @@
+"""Batch normalization over the batch of every rank together (re-exported by :mod:`bindings.torch`).
+
+``SyncBatchNorm`` normalizes with the mean and variance of the global batch,
+as one process training on the concatenated batch does, where ``BatchNorm``
+under data parallelism sees only its rank's slice.  It is torch's
+``nn.SyncBatchNorm`` (and Horovod's ``hvd.SyncBatchNorm``) over a commlib
+communicator, on CPU and GPU tensors alike.
+
+* forward (training mode): each rank's per-channel mean, variance and count in
+  one small all-gather (``2C + 2`` float64 per rank), combined exactly
+  (Chan's parallel variance, so ranks may hold different batch sizes);
+  running statistics are updated from the global ones (unbiased variance
+  over the global count), the same on every rank;
+* backward: the two per-channel sums the input gradient needs in one
+  all-reduce (``2C``); the weight and bias gradients stay local sums, which
+  the gradient averaging of :class:`~bindings.torch.DistributedOptimizer`
+  turns into the single-process ones;
+* evaluation (``model.eval()``) uses the running statistics, with no
+  communication, as ``BatchNorm`` does.
+
+Its collectives run on a communicator split once from ``comm`` and shared by
+every ``SyncBatchNorm`` layer over it (closed with ``comm``), so that they do
+not queue behind the gradient communication in flight (DeAR's all-gathers
+overlapping the forward).
+
+Example:
+    >>> from commlib.bindings.torch import DistributedOptimizer, SyncBatchNorm
+    >>> model = SyncBatchNorm.convert_sync_batchnorm(model)     # every BatchNorm*d layer
+    >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import commlib
+
+__all__ = ["SyncBatchNorm"]
+
+#: the communicator SyncBatchNorm layers use, by the communicator they were given
+_STATS_COMMS: weakref.WeakKeyDictionary[Any, commlib.Communicator] = weakref.WeakKeyDictionary()
+
+
+def _stats_comm(comm: commlib.Communicator) -> commlib.Communicator:
+    """One split of ``comm`` for every layer (collective the first time: every rank's first
+    synchronized forward), closed when ``comm`` closes."""
+    side = _STATS_COMMS.get(comm)
+    if side is None:
+        side = comm.split(0)
+        comm.close_with(side)
+        _STATS_COMMS[comm] = side
+    return side
+
+
+class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
+    """``BatchNorm1d/2d/3d`` whose training-mode statistics are those of every rank's batch together.
+
+    Takes ``BatchNorm``'s arguments (input ``(N, C, ...)``) plus ``comm``, the
+    communicator (default :func:`commlib.init`'s).  Every rank must run the same
+    training-mode forwards, in the same order (each is a collective); batch
+    sizes may differ across ranks.  An input that does not fit raises
+    ``ValueError`` on every rank, naming the ranks.
+
+    Example:
+        >>> bn = SyncBatchNorm(64)                      # in place of torch.nn.BatchNorm2d(64)
+        >>> model = SyncBatchNorm.convert_sync_batchnorm(model)
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True,
+                 comm: commlib.Communicator | None = None, device: Any = None, dtype: Any = None,
+                 *, bias: bool = True):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        self.comm = comm
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def _problem(self, input: torch.Tensor) -> str:
+        if input.dim() < 2:
+            return f"expected at least 2D input (got {input.dim()}D input)"
+        if input.size(1) != self.num_features:
+            return f"expected {self.num_features} channels (got input of shape {tuple(input.shape)})"
+        return ""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """Normalize ``input``; in training mode with the global batch's statistics (a collective)."""
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats:
+            assert self.num_batches_tracked is not None
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:       # cumulative moving average
+                factor = 1.0 / float(self.num_batches_tracked)
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        tracked = not self.training or self.track_running_stats
+        running_mean = self.running_mean if tracked else None
+        running_var = self.running_var if tracked else None
+        comm = (self.comm or commlib.init()) if bn_training and self.training else None
+        if comm is None or comm.size == 1:
+            self._check_input_dim(input)
+            return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
+                                bn_training, factor, self.eps)
+        return _SyncBatchNorm.apply(input, self.weight, self.bias, running_mean, running_var, self.eps,
+                                    factor, _stats_comm(comm), self._problem(input), self.num_features)
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: torch.nn.Module,
+                               comm: commlib.Communicator | None = None) -> torch.nn.Module:
+        """Replace every ``BatchNorm*d`` layer in ``module`` by a ``SyncBatchNorm`` sharing its
+        parameters and buffers (torch's ``nn.SyncBatchNorm.convert_sync_batchnorm``).
+
+        Returns ``module`` (or the new layer, if ``module`` itself is a ``BatchNorm``).
+        Convert before wrapping the optimizer: the parameters stay the same objects.
+
+        Example:
+            >>> model = SyncBatchNorm.convert_sync_batchnorm(torchvision.models.resnet18())
+        """
+        out = module
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
+            out = cls(module.num_features, module.eps, module.momentum, module.affine,
+                      module.track_running_stats, comm, bias=module.bias is not None)
+            if module.affine:
+                out.weight = module.weight
+                out.bias = module.bias
+            out.running_mean = module.running_mean
+            out.running_var = module.running_var
+            out.num_batches_tracked = module.num_batches_tracked
+            out.training = module.training
+            if hasattr(module, "qconfig"):
+                out.qconfig = module.qconfig
+        for name, child in module.named_children():
+            out.add_module(name, cls.convert_sync_batchnorm(child, comm))
+        return out
+
+
+class _SyncBatchNorm(torch.autograd.Function):
+    """Training-mode batch normalization over every rank's batch (float32 arithmetic for 16-bit input).
+
+    Local statistics are two-pass (mean, then the mean squared deviation); the normalization
+    itself is torch's own batch norm kernel in evaluation form, fed the global statistics."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                running_mean: torch.Tensor | None, running_var: torch.Tensor | None, eps: float,
+                factor: float, comm: commlib.Communicator, problem: str, c: int) -> torch.Tensor:
+        cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+        row = torch.zeros(2 * c + 2, dtype=torch.float64, device=x.device)
+        n = 0 if problem else x.numel() // c
+        if n:
+            dims = [0, *range(2, x.dim())]
+            shape = (1, c) + (1,) * (x.dim() - 2)
+            xc = x.to(cd)
+            mean = xc.sum(dims).div_(n)
+            row[:c] = mean
+            row[c:2 * c] = torch.sub(xc, mean.view(shape)).square_().sum(dims).div_(n)
+        row[2 * c], row[2 * c + 1] = n, bool(problem)
+        table = comm.allgather(row, tag="syncbn.stats")
+        flags = table[:, 2 * c + 1].tolist()
+        if any(flags):
+            bad = ", ".join(str(r) for r, f in enumerate(flags) if f)
+            raise ValueError(f"SyncBatchNorm: ranks {bad} rejected their input"
+                             + (f" (here: {problem})" if problem else ""))
+        counts = table[:, 2 * c]
+        total = float(counts.sum())
+        if total <= 1:
+            raise ValueError(f"Expected more than 1 value per channel when training, got {int(total)} "
+                             f"over all ranks (input of shape {tuple(x.shape)} here)")
+        w = (counts / total)[:, None]
+        means, variances = table[:, :c], table[:, c:2 * c]
+        gmean = (w * means).sum(0)
+        gvar = (w * (variances + (means - gmean) ** 2)).sum(0)
+        if running_mean is not None and running_var is not None:
+            running_mean.mul_(1 - factor).add_(gmean.to(running_mean.dtype), alpha=factor)
+            running_var.mul_(1 - factor).add_((gvar * (total / (total - 1))).to(running_var.dtype),
+                                              alpha=factor)
+        mean, var = gmean.to(cd), gvar.to(cd)
+        ctx.save_for_backward(x, weight, mean, torch.rsqrt(gvar + eps).to(cd))
+        ctx.comm, ctx.total, ctx.has_bias = comm, total, bias is not None
+        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        x, weight, mean, invstd = ctx.saved_tensors
+        cd, c = mean.dtype, mean.numel()
+        shape = (1, c) + (1,) * (x.dim() - 2)
+        dims = [0, *range(2, x.dim())]
+        dyc = dy.to(cd)
+        xmu = x.to(cd) - mean.view(shape)
+        sums = torch.cat([dyc.sum(dims), (dyc * xmu).sum(dims)])     # sum dy, sum dy * (x - mean)
+        grad_w = grad_b = grad_x = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_w = (sums[c:] * invstd).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = sums[:c].to(weight.dtype)
+        if ctx.needs_input_grad[0]:     # the same on every rank: the same model
+            total = ctx.comm.allreduce(sums, tag="syncbn.grad") / ctx.total
+            scale = invstd if weight is None else invstd * weight.to(cd)
+            # dx = scale * (dy - mean(dy) - (x - mean) * invstd^2 * mean(dy * (x - mean)))
+            k = (scale * invstd * invstd * total[c:]).view(shape)
+            grad_x = (dyc * scale.view(shape)).sub_(xmu.mul_(k)).sub_((scale * total[:c]).view(shape))
+            grad_x = grad_x.to(x.dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None

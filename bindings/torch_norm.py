@@ -141,8 +141,9 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
 class _SyncBatchNorm(torch.autograd.Function):
     """Training-mode batch normalization over every rank's batch (float32 arithmetic for 16-bit input).
 
-    Local statistics are two-pass (mean, then the mean squared deviation); the normalization
-    itself is torch's own batch norm kernel in evaluation form, fed the global statistics."""
+    Local statistics are two-pass (mean, then the mean squared deviation).  Each pass allocates
+    one tensor of the input's size and works in place on it: on CPU a fresh large allocation
+    costs page faults that can exceed the arithmetic."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -151,13 +152,14 @@ class _SyncBatchNorm(torch.autograd.Function):
         cd = torch.float64 if x.dtype == torch.float64 else torch.float32
         row = torch.zeros(2 * c + 2, dtype=torch.float64, device=x.device)
         n = 0 if problem else x.numel() // c
-        if n:
-            dims = [0, *range(2, x.dim())]
-            shape = (1, c) + (1,) * (x.dim() - 2)
-            xc = x.to(cd)
+        dims = [0, *range(2, x.dim())]
+        shape = (1, c) + (1,) * (x.dim() - 2)
+        xc = x.to(cd)
+        out = None
+        if n:      # the output's buffer holds the squared deviations first: one large allocation
             mean = xc.sum(dims).div_(n)
-            row[:c] = mean
-            row[c:2 * c] = torch.sub(xc, mean.view(shape)).square_().sum(dims).div_(n)
+            out = torch.sub(xc, mean.view(shape))
+            row[:c], row[c:2 * c] = mean, out.square_().sum(dims).div_(n)
         row[2 * c], row[2 * c + 1] = n, bool(problem)
         table = comm.allgather(row, tag="syncbn.stats")
         flags = table[:, 2 * c + 1].tolist()
@@ -178,10 +180,13 @@ class _SyncBatchNorm(torch.autograd.Function):
             running_mean.mul_(1 - factor).add_(gmean.to(running_mean.dtype), alpha=factor)
             running_var.mul_(1 - factor).add_((gvar * (total / (total - 1))).to(running_var.dtype),
                                               alpha=factor)
-        mean, var = gmean.to(cd), gvar.to(cd)
-        ctx.save_for_backward(x, weight, mean, torch.rsqrt(gvar + eps).to(cd))
+        mean, invstd = gmean.to(cd), torch.rsqrt(gvar + eps).to(cd)
+        ctx.save_for_backward(x, weight, mean, invstd)
         ctx.comm, ctx.total, ctx.has_bias = comm, total, bias is not None
-        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+        scale = invstd if weight is None else invstd * weight.to(cd)
+        shift = -mean * scale if bias is None else bias.to(cd) - mean * scale
+        out = torch.mul(xc, scale.view(shape), out=out).add_(shift.view(shape))
+        return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
@@ -189,19 +194,19 @@ class _SyncBatchNorm(torch.autograd.Function):
         cd, c = mean.dtype, mean.numel()
         shape = (1, c) + (1,) * (x.dim() - 2)
         dims = [0, *range(2, x.dim())]
-        dyc = dy.to(cd)
-        xmu = x.to(cd) - mean.view(shape)
-        sums = torch.cat([dyc.sum(dims), (dyc * xmu).sum(dims)])     # sum dy, sum dy * (x - mean)
+        dyc, xc = dy.to(cd), x.to(cd)
+        buf = torch.sub(xc, mean.view(shape))    # the input gradient's buffer: one large allocation
+        sums = torch.cat([dyc.sum(dims), buf.mul_(dyc).sum(dims)])   # sum dy, sum dy * (x - mean)
         grad_w = grad_b = grad_x = None
         if weight is not None and ctx.needs_input_grad[1]:
             grad_w = (sums[c:] * invstd).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = sums[:c].to(weight.dtype)
         if ctx.needs_input_grad[0]:     # the same on every rank: the same model
-            total = ctx.comm.allreduce(sums, tag="syncbn.grad") / ctx.total
+            means = ctx.comm.allreduce(sums, tag="syncbn.grad") / ctx.total
             scale = invstd if weight is None else invstd * weight.to(cd)
             # dx = scale * (dy - mean(dy) - (x - mean) * invstd^2 * mean(dy * (x - mean)))
-            k = (scale * invstd * invstd * total[c:]).view(shape)
-            grad_x = (dyc * scale.view(shape)).sub_(xmu.mul_(k)).sub_((scale * total[:c]).view(shape))
-            grad_x = grad_x.to(x.dtype)
+            k = invstd * invstd * means[c:]
+            grad_x = torch.sub(xc, mean.view(shape), out=buf).mul_(-k.view(shape)).add_(dyc)
+            grad_x = grad_x.sub_(means[:c].view(shape)).mul_(scale.view(shape)).to(x.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None

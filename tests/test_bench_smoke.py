@@ -37,3 +37,24 @@ def test_collectives_benchmark_quick_run(tmp_path_factory):
     figures = {c["figure"] for c in doc["engine_checks"]}
     assert {"overlap: allreduce slowdown", "overlap: matmul slowdown"} <= figures
     assert collectives.ring_bound_s(1 << 20, 4, 1e9) == pytest.approx(2 * 3 / 4 * 8 * (1 << 20) / 1e9)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_syncbn_benchmark_quick_run(tmp_path_factory):
+    pytest.importorskip("torch")
+    from benchmarks import syncbn
+
+    world = MPI.COMM_WORLD
+    base = world.bcast(str(tmp_path_factory.mktemp("bench")) if world.rank == 0 else None)
+    path = os.path.join(base, "s.json")
+    syncbn.main(["--quick", "--width", "4", "--image", "8", "--batch", "4", "--json", path])
+    world.Barrier()
+    doc = json.load(open(path))
+    assert doc["ranks"] == world.size
+    assert [r["shape"][1] for r in doc["layer"]] == [16, 32, 64, 128]
+    for r in doc["layer"]:
+        assert min(r["bn_us"], r["mpi_us"], r["syncbn_us"]) > 0
+        assert r["syncbn_over_bound"] == pytest.approx(r["syncbn_us"] / (r["bn_us"] + r["mpi_us"]))
+    step = doc["step"]
+    assert step["layers"] == 20      # ResNet-18's BatchNorm layers, every one converted
+    assert step["syncbn_over_rendezvous"] == pytest.approx(step["syncbn_s"] / step["rendezvous_s"])

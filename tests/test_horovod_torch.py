@@ -286,6 +286,37 @@ def test_distributed_optimizer_matches_one_process(variant):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("variant", ["horovod", "strategy"])
+def test_a_group_added_after_wrapping_is_averaged(variant):
+    """Fine-tuning: the optimizer starts on the last layer; the first joins at step 1 at its own rate."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+
+    def run(dist: bool) -> torch.nn.Module:
+        model = _net(seed=0 if r == 0 or not dist else 1 + r)
+        opt = torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9)
+        if dist:
+            kw = ({"model": model, "strategy": DeAR(cap_mb=0.001)} if variant == "strategy"
+                  else {"named_parameters": model.named_parameters()})
+            opt = hvd.DistributedOptimizer(opt, **kw)
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        for step in range(STEPS):
+            x, y = _batch(step, n)
+            if dist:
+                x, y = x[r * LOCAL:(r + 1) * LOCAL], y[r * LOCAL:(r + 1) * LOCAL]
+            if step == 1:
+                opt.add_param_group({"params": model[0].parameters(), "lr": 0.05})
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        return model
+
+    mine, ref = run(True).state_dict(), run(False).state_dict()
+    for k, q in ref.items():
+        torch.testing.assert_close(mine[k], q, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_synchronize_skip_and_unused_gradients():
     hvd.init()
     r, n = hvd.rank(), hvd.size()

@@ -100,6 +100,29 @@ class HorovodOptimizerMixin:
                     p.grad = torch.zeros_like(p)
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group whose gradients are all-reduced from the next step on (Horovod
+        leaves a group added after wrapping local); call it on every rank, outside a step.
+
+        Example:
+            >>> opt.add_param_group({"params": model.backbone.parameters(), "lr": 1e-4})
+        """
+        if self._handles:
+            raise AssertionError("optimizer.add_param_group() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize()")
+        super().add_param_group(param_group)  # type: ignore[misc]
+        gi = len(self.param_groups) - 1
+        new = [p for p in self.param_groups[gi]["params"] if p.requires_grad]
+        for j, p in enumerate(self.param_groups[gi]["params"]):
+            self._parameter_names.setdefault(id(p), f"allreduce.noname.{gi}.{j}")
+        self._order += new[::-1]        # after the rest: an added backbone's gradients come last
+        for p in new:
+            self._delay[p] = self.backward_passes_per_step
+            if basics.size() > 1:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+
     def _make_hook(self, p: torch.Tensor) -> Any:
         def hook(_: torch.Tensor) -> None:
             if self._delay[p] <= 0:

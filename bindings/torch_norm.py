@@ -56,6 +56,22 @@ def _stats_comm(comm: commlib.Communicator) -> commlib.Communicator:
     return side
 
 
+class _CommRef:
+    """A layer's communicator, held so that copies of the layer (``copy.deepcopy``: an EMA of the
+    model) share it, and a pickled layer (``torch.save(model)``) loads with the default one."""
+
+    __slots__ = ("comm",)
+
+    def __init__(self, comm: commlib.Communicator | None):
+        self.comm = comm
+
+    def __deepcopy__(self, memo: dict) -> "_CommRef":
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (_CommRef, (None,))
+
+
 class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
     """``BatchNorm1d/2d/3d`` whose training-mode statistics are those of every rank's batch together.
 
@@ -63,7 +79,8 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
     communicator (default :func:`commlib.init`'s).  Every rank must run the same
     training-mode forwards, in the same order (each is a collective); batch
     sizes may differ across ranks.  An input that does not fit raises
-    ``ValueError`` on every rank, naming the ranks.
+    ``ValueError`` on every rank, naming the ranks.  A deep copy of the layer
+    (an EMA model) shares its communicator; a pickled one loads with the default.
 
     Example:
         >>> bn = SyncBatchNorm(64)                      # in place of torch.nn.BatchNorm2d(64)
@@ -75,7 +92,16 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
                  comm: commlib.Communicator | None = None, device: Any = None, dtype: Any = None,
                  *, bias: bool = True):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
-        self.comm = comm
+        self._comm = _CommRef(comm)
+
+    @property
+    def comm(self) -> commlib.Communicator | None:
+        """The communicator given (``None``: :func:`commlib.init`'s)."""
+        return self._comm.comm
+
+    @comm.setter
+    def comm(self, comm: commlib.Communicator | None) -> None:
+        self._comm = _CommRef(comm)
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -105,8 +131,8 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             self._check_input_dim(input)
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                 bn_training, factor, self.eps)
-        return _SyncBatchNorm.apply(input, self.weight, self.bias, running_mean, running_var, self.eps,
-                                    factor, _stats_comm(comm), self._problem(input), self.num_features)
+        return _sync_batch_norm(input, self.weight, self.bias, running_mean, running_var, self.eps,
+                                factor, _stats_comm(comm), self._problem(input), self.num_features)
 
     @classmethod
     def convert_sync_batchnorm(cls, module: torch.nn.Module,
@@ -136,6 +162,11 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         for name, child in module.named_children():
             out.add_module(name, cls.convert_sync_batchnorm(child, comm))
         return out
+
+
+@torch.compiler.disable     # communicates: run eagerly, never traced by torch.compile
+def _sync_batch_norm(*args: Any) -> torch.Tensor:
+    return _SyncBatchNorm.apply(*args)
 
 
 class _SyncBatchNorm(torch.autograd.Function):

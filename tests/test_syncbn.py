@@ -214,3 +214,40 @@ def test_horovod_name():
     import commlib.horovod.torch as hvd
 
     assert hvd.SyncBatchNorm is SyncBatchNorm
+
+
+@pytest.mark.mpi
+def test_a_deep_copy_shares_the_communicator_and_a_pickle_loads(comm):
+    """An EMA model (copy.deepcopy) of a converted model, and torch.save of the whole model."""
+    import copy
+    import io
+
+    model = SyncBatchNorm.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(3)), comm)
+    ema = copy.deepcopy(model)
+    assert ema[0].comm is comm and ema[0].weight is not model[0].weight
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(comm.rank))
+    torch.testing.assert_close(ema(x), model(x))       # both synchronized, over the same ranks
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded[0].comm is None                      # the default communicator from now on
+    torch.testing.assert_close(loaded[0].running_mean, model[0].running_mean)
+
+
+@pytest.mark.mpi
+def test_compiled_model_matches_eager(comm):
+    """torch.compile runs the layer's communication eagerly (it is never traced)."""
+    torch.manual_seed(0)
+    model = SyncBatchNorm.convert_sync_batchnorm(
+        torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)), comm)
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(comm.rank), requires_grad=True)
+    got = []
+    for m in (model, compiled):
+        y = m(x)
+        y.sum().backward()
+        got.append((y.detach(), x.grad.clone()))
+        x.grad = None
+    torch.testing.assert_close(got[1], got[0])
+    torch._dynamo.reset()

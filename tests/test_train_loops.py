@@ -270,7 +270,8 @@ def test_second_backward_before_step_raises(comm):
 @pytest.mark.parametrize("strategy", ["allreduce", "dear"])
 def test_add_param_group_refusals_leave_the_optimizer_as_it_was(comm, strategy):
     """A group that differs on one rank raises on every rank and is not added; adding one between
-    backward() and step() raises; training then goes on as one process would."""
+    backward() and step() raises; after step() the same group is added (its training against one
+    process is pattern add-group)."""
     model, base = make(comm.rank, "add-group")
     opt = wrap(comm, strategy, model, base)
     last = comm.size - 1

@@ -286,15 +286,20 @@ def test_distributed_optimizer_matches_one_process(variant):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("change", ["add-group", "unfreeze"])
 @pytest.mark.parametrize("variant", ["horovod", "strategy"])
-def test_a_group_added_after_wrapping_is_averaged(variant):
-    """Fine-tuning: the optimizer starts on the last layer; the first joins at step 1 at its own rate."""
+def test_a_layer_that_starts_training_after_wrapping_is_averaged(variant, change):
+    """Fine-tuning: the first layer joins at step 1, as a group added at its own rate or unfrozen
+    (frozen when wrapped); both must train as one process does, where Horovod keeps them local."""
     hvd.init()
     r, n = hvd.rank(), hvd.size()
 
     def run(dist: bool) -> torch.nn.Module:
         model = _net(seed=0 if r == 0 or not dist else 1 + r)
-        opt = torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9)
+        if change == "unfreeze":
+            model[0].requires_grad_(False)
+        params = model[2].parameters() if change == "add-group" else model.parameters()
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
         if dist:
             kw = ({"model": model, "strategy": DeAR(cap_mb=0.001)} if variant == "strategy"
                   else {"named_parameters": model.named_parameters()})
@@ -304,8 +309,10 @@ def test_a_group_added_after_wrapping_is_averaged(variant):
             x, y = _batch(step, n)
             if dist:
                 x, y = x[r * LOCAL:(r + 1) * LOCAL], y[r * LOCAL:(r + 1) * LOCAL]
-            if step == 1:
+            if step == 1 and change == "add-group":
                 opt.add_param_group({"params": model[0].parameters(), "lr": 0.05})
+            if step == 1 and change == "unfreeze":
+                model[0].requires_grad_(True)
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()

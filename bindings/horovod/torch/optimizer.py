@@ -88,21 +88,31 @@ class HorovodOptimizerMixin:
         self._handles: dict[torch.Tensor, tuple[int, Any]] = {}
         self._synchronized = False
         self._should_synchronize = True
-        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        self._order = params[::-1]                        # gradients are ready roughly in reverse
-        self._delay = {p: backward_passes_per_step for p in params}
+        self._order: list[torch.Tensor] = []
+        self._delay: dict[torch.Tensor, int] = {}
         self._ready: set[torch.Tensor] = set()
         self._next = 0
         self._hooks = []
-        if basics.size() > 1:
-            for p in params:
+        #: parameters frozen so far, watched: one that starts training is all-reduced from then on
+        self._frozen: list[torch.Tensor] = []
+        self._track([p for g in self.param_groups for p in g["params"]])
+
+    def _track(self, params: list[torch.Tensor]) -> None:
+        """All-reduce these parameters' gradients from now on (those that train; the rest are watched)."""
+        training = [p for p in params if p.requires_grad]
+        self._frozen += [p for p in params if not p.requires_grad]
+        self._order += training[::-1]                     # gradients are ready roughly in reverse
+        for p in training:
+            self._delay[p] = self.backward_passes_per_step
+            if basics.size() > 1:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group whose gradients are all-reduced from the next step on (Horovod
-        leaves a group added after wrapping local); call it on every rank, outside a step.
+        leaves a group added after wrapping local, as it leaves a parameter frozen when wrapped
+        and unfrozen later; both are all-reduced here); call it on every rank, outside a step.
 
         Example:
             >>> opt.add_param_group({"params": model.backbone.parameters(), "lr": 1e-4})
@@ -112,16 +122,9 @@ class HorovodOptimizerMixin:
                                  "optimizer.step() or optimizer.synchronize()")
         super().add_param_group(param_group)  # type: ignore[misc]
         gi = len(self.param_groups) - 1
-        new = [p for p in self.param_groups[gi]["params"] if p.requires_grad]
         for j, p in enumerate(self.param_groups[gi]["params"]):
             self._parameter_names.setdefault(id(p), f"allreduce.noname.{gi}.{j}")
-        self._order += new[::-1]        # after the rest: an added backbone's gradients come last
-        for p in new:
-            self._delay[p] = self.backward_passes_per_step
-            if basics.size() > 1:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+        self._track(self.param_groups[gi]["params"])   # after the rest: a backbone's gradients come last
 
     def _make_hook(self, p: torch.Tensor) -> Any:
         def hook(_: torch.Tensor) -> None:
@@ -168,6 +171,9 @@ class HorovodOptimizerMixin:
             >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             >>> with opt.skip_synchronize(): opt.step()
         """
+        if any(p.requires_grad for p in self._frozen):     # unfrozen (on every rank alike): sent now
+            frozen, self._frozen = self._frozen, []
+            self._track(frozen)
         if basics.size() > 1:
             while self._next < len(self._order):
                 self._send(self._order[self._next])

@@ -264,7 +264,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
                 bs = sorted({self._bucket_of[index[id(p)]] for p in m.parameters(recurse=False)
                              if id(p) in index})
                 if bs:
-                    self._hooks.append(m.register_forward_pre_hook(self._make_forward_hook(bs)))
+                    self._hooks.append(m.register_forward_pre_hook(self._hook(self._make_forward_hook(bs))))
 
     def _make_grad_hook(self, i: int) -> Any:
         def hook(p: torch.Tensor) -> None:

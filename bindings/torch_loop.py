@@ -43,9 +43,48 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["TrainingLoop"]
+__all__ = ["TrainingLoop", "ModelHook", "InertHook"]
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+class ModelHook:
+    """A hook that :class:`TrainingLoop` installs on the user's model; a copy of the model does not
+    keep it.
+
+    ``copy.deepcopy(model)`` (``torch.optim.swa_utils.AveragedModel``, an EMA model) and
+    ``torch.save(model)`` give a model of its own, which this optimizer does not train: in the
+    copy the hook does nothing.  Making the copy first completes the communication in flight
+    (DeAR's all-gathers), so the copy's parameters are current.
+
+    Example:
+        >>> swa = torch.optim.swa_utils.AveragedModel(model)     # after wrapping, any step
+    """
+
+    __slots__ = ("fn", "before_copy")
+
+    def __init__(self, fn: Any, before_copy: Any):
+        self.fn, self.before_copy = fn, before_copy
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __deepcopy__(self, memo: dict) -> "InertHook":
+        self.before_copy(memo)
+        return InertHook()
+
+    def __reduce__(self) -> tuple:
+        self.before_copy(None)
+        return (InertHook, ())
+
+
+class InertHook:
+    """What a :class:`ModelHook` becomes in a copy of the model: nothing."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any) -> None:
+        return None
 
 
 class TrainingLoop:
@@ -70,10 +109,24 @@ class TrainingLoop:
         self._unused_checked = False
         self._end_step()
         model = self.model
+        complete = self._hook(lambda *_: self.strategy.complete())
         for m in model.modules():
-            m.register_state_dict_pre_hook(lambda *_: self.strategy.complete())
-            m.register_load_state_dict_pre_hook(lambda *_: self.strategy.complete())
-        model.register_forward_pre_hook(self._before_forward)
+            m.register_state_dict_pre_hook(complete)
+            m.register_load_state_dict_pre_hook(complete)
+        model.register_forward_pre_hook(self._hook(self._before_forward))
+
+    def _hook(self, fn: Any) -> "ModelHook":
+        """``fn`` as a hook on the user's model, left behind by copies of the model."""
+        return ModelHook(fn, self._before_copy)
+
+    def _before_copy(self, memo: dict | None) -> None:
+        """A copy of the model (or a pickle) is being made: it gets every parameter current, also
+        those copied before this hook (``memo``: ``copy.deepcopy``'s, original id to copy)."""
+        self.strategy.complete()
+        for p in self._params if memo else ():
+            twin = memo.get(id(p))
+            if twin is not None:
+                twin.data.copy_(p.data)
 
     @torch.compiler.disable
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:

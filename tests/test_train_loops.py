@@ -387,3 +387,44 @@ def test_a_forward_with_nothing_trainable_keeps_the_plan(comm, strategy):
 
     vec = params_of(run(True))
     np.testing.assert_allclose(vec, params_of(run(False)), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
+def test_copies_of_the_model_are_current_and_inert(comm, strategy):
+    """copy.deepcopy (an EMA), AveragedModel and torch.save of the wrapped model mid-training (DeAR's
+    all-gathers in flight): the copies hold the current parameters, run without communicating (one
+    rank alone, in training mode), and the original trains on as one process."""
+    import io
+
+    def run(dist: bool) -> tuple[Net, list]:
+        model, opt = make(comm.rank if dist else 0, "plain")
+        if dist:
+            opt = wrap(comm, strategy, model, opt)
+        copies = []
+        for step in range(STEPS):
+            x, y = batch(step, comm.size)
+            mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL) if dist else slice(None)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+            opt.step()
+            if step == CUT:
+                buf = io.BytesIO()
+                torch.save(model, buf)
+                buf.seek(0)
+                copies = [copy.deepcopy(model), torch.optim.swa_utils.AveragedModel(model).module,
+                          torch.load(buf, weights_only=False)]
+        return model, copies
+
+    got, copies = run(True)
+    ref, ref_copies = run(False)
+    np.testing.assert_allclose(params_of(got), params_of(ref), rtol=2e-5, atol=2e-6)
+    for c in copies:
+        np.testing.assert_allclose(params_of(c), params_of(ref_copies[0]), rtol=2e-5, atol=2e-6)
+    if comm.rank == 0:                    # no collective behind a copy's forward or backward
+        c = copies[0]
+        c(batch(0, 1)[0]).sum().backward()
+        c.eval()
+        c(batch(0, 1)[0])
+    comm.barrier()
+    np.testing.assert_allclose(params_of(got), params_of(ref), rtol=2e-5, atol=2e-6)

@@ -428,3 +428,35 @@ def test_copies_of_the_model_are_current_and_inert(comm, strategy):
         c(batch(0, 1)[0])
     comm.barrier()
     np.testing.assert_allclose(params_of(got), params_of(ref), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
+def test_gan_with_two_optimizers_trains_as_one_process(comm, strategy):
+    """A generator and a discriminator, each with its own optimizer; the discriminator is frozen for
+    the generator's step (its forward then trains nothing: no re-plan) and unfrozen for its own."""
+
+    def run(dist: bool) -> np.ndarray:
+        torch.manual_seed(0)
+        gen = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+        disc = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        og, od = torch.optim.Adam(gen.parameters(), lr=1e-2), torch.optim.Adam(disc.parameters(), lr=1e-2)
+        if dist:
+            og, od = wrap(comm, strategy, gen, og), wrap(comm, strategy, disc, od)
+        g = torch.Generator().manual_seed(5)
+        softplus = torch.nn.functional.softplus
+        for _ in range(STEPS):
+            z, real = torch.randn(2, LOCAL * comm.size, 4, generator=g)
+            if dist:
+                z, real = z.chunk(comm.size)[comm.rank], real.chunk(comm.size)[comm.rank]
+            disc.requires_grad_(True)
+            od.zero_grad()
+            (softplus(-disc(real + 2)).mean() + softplus(disc(gen(z).detach())).mean()).backward()
+            od.step()
+            disc.requires_grad_(False)
+            og.zero_grad()
+            softplus(-disc(gen(z))).mean().backward()
+            og.step()
+        return torch.cat([v.reshape(-1) for m in (gen, disc) for v in m.state_dict().values()]).numpy()
+
+    np.testing.assert_allclose(run(True), run(False), rtol=2e-5, atol=2e-6)

@@ -119,16 +119,15 @@ def step_part(comm: commlib.Communicator, mc: Any, args: argparse.Namespace) -> 
 
 def add_rendezvous(model: torch.nn.Module, mc: Any) -> None:
     """BatchNorm layers as they are, plus SyncBatchNorm's two raw mpi4py collectives per layer at the
-    same points (forward: all-gather of 2C + 2 float64; backward: all-reduce of 2C float32) on a
-    duplicate of ``mc``: the synchronization any SyncBatchNorm costs, without its arithmetic."""
-    side = mc.Dup()
+    same points (forward: all-gather of 2C + 2 float64; backward: all-reduce of 2C float32) on
+    ``mc``: the synchronization any SyncBatchNorm costs, without its arithmetic."""
     for m in model.modules():
         if isinstance(m, torch.nn.BatchNorm2d):
             c = m.num_features
             row, table = np.zeros(2 * c + 2), np.zeros((mc.size, 2 * c + 2))
             sums = np.zeros(2 * c, np.float32)
-            m.register_forward_pre_hook(lambda *_, r=row, t=table: side.Allgather(r, t))
-            m.register_full_backward_pre_hook(lambda *_, s=sums: side.Allreduce(MPI.IN_PLACE, s))
+            m.register_forward_pre_hook(lambda *_, r=row, t=table: mc.Allgather(r, t))
+            m.register_full_backward_pre_hook(lambda *_, s=sums: mc.Allreduce(MPI.IN_PLACE, s))
 
 
 def report(doc: dict[str, Any]) -> str:

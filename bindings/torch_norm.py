@@ -105,7 +105,7 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
-            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+            raise ValueError(self._problem(input))
 
     def _problem(self, input: torch.Tensor) -> str:
         if input.dim() < 2:

@@ -27,8 +27,9 @@ parameters) is documented in :mod:`bindings.torch_loop`; ``SyncBatchNorm``
 
 Sharp bits: parameters and gradients become views of the strategy's fused
 buckets (as DDP's ``gradient_as_bucket_view``), so ``zero_grad`` zeroes the
-buckets instead of setting ``.grad`` to ``None``, and moving the model
-(``.to()``) after wrapping breaks the views.  Gradients are averaged over
+buckets instead of setting ``.grad`` to ``None``; a model moved or converted
+after wrapping (``model.to()``, ``.double()``) re-plans at the next training
+forward (``DeAR``: ``opt.flush()`` first).  Gradients are averaged over
 ranks (and over the ``backward_passes_per_step`` passes).  Optimizers must be
 elementwise for sharded strategies (``DeAR``): SGD (momentum, Nesterov),
 Adam, AdamW, RMSprop, Adagrad... but not LBFGS.  With ``DeAR``, ``.grad``
@@ -176,8 +177,12 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         group_of: list[int] = []
         frozen: list[torch.nn.Parameter] = []
         problems = []
+        lazy = 0
         for gi, g in enumerate(self._inner.param_groups):
             for p in g["params"]:
+                if torch.nn.parameter.is_lazy(p):
+                    lazy += 1
+                    continue
                 if not p.requires_grad:
                     frozen.append(p)
                     continue
@@ -187,6 +192,9 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
                     problems.append(f"parameter {tuple(p.shape)} is sparse or not contiguous")
                 params.append(p)
                 group_of.append(gi)
+        if lazy:
+            problems.append(f"{lazy} parameters are uninitialized (a Lazy module): run one forward with a "
+                            "dummy batch before wrapping")
         if not params:
             problems.append("the optimizer has no parameter that requires a gradient")
         if self.strategy.sharded and isinstance(self._inner, torch.optim.LBFGS):
@@ -230,6 +238,8 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
             self._flat_grads.append(fg)
             if s.sharded:
                 self._shard_grads.append(torch.zeros(b.shard_numel, dtype=p0.dtype, device=p0.device))
+        #: where each parameter's data lives: a view of its bucket (moved or converted: re-planned)
+        self._data_ptrs = [p.data_ptr() for p in self._params]
         self._bucket_need = [len(b.slots) for b in self.buckets]
         self._signaled = [False] * len(self.buckets)
         if s.sharded:
@@ -378,6 +388,12 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         """
         self.strategy.flush()
         before = self._params
+        for b in self.buckets:      # moved or converted: .grad left its bucket, which zero_grad() zeroes
+            for sl in b.slots:
+                p = before[sl.index]
+                if p.grad is not None and p.data_ptr() != self._data_ptrs[sl.index]:
+                    flat = self._flat_grads[b.index][sl.offset:sl.offset + sl.numel]
+                    p.grad = flat.view(p.shape).to(p.device, p.dtype)
         kept = {id(before[i]): d for i, d in self._full_state().items()}
         self._collect_params()      # raises on every rank, changing nothing, if none trains now
         for p in before:

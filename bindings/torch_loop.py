@@ -18,7 +18,9 @@ between ``backward()`` and ``step()`` meet:
 * parameters no rank gave a gradient at the first step are found (one small
   all-reduce, once) and left out of the update, as one process would;
 * a parameter that starts or stops training (``requires_grad``, gradual
-  unfreezing) re-plans the buckets at the next training forward, on every rank.
+  unfreezing), or a model moved or converted after wrapping (``model.to()``,
+  ``.double()``, ``.data`` assigned), re-plans the buckets at the next
+  training forward, on every rank.
 
 Example (the full loop; ``scaler`` may be ``GradScaler("cpu", enabled=False)``):
     >>> for x, y in loader:
@@ -46,6 +48,7 @@ import torch
 __all__ = ["TrainingLoop", "ModelHook", "InertHook"]
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 class ModelHook:
@@ -98,6 +101,7 @@ class TrainingLoop:
     find_unused_parameters: bool
     _params: list[torch.nn.Parameter]
     _frozen: list[torch.nn.Parameter]
+    _data_ptrs: list[int]
     _flat_grads: list[torch.Tensor]
     _shard_grads: list[torch.Tensor]
     _grad_views: list[torch.Tensor]
@@ -130,18 +134,37 @@ class TrainingLoop:
 
     @torch.compiler.disable
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
-        """Evaluation sees the last update; training re-plans when ``requires_grad`` changed.
+        """Evaluation sees the last update; training re-plans when ``requires_grad`` changed or a
+        parameter no longer lives in its bucket (the model moved or converted after wrapping).
 
         Like every hook that waits on communication, never traced by ``torch.compile``:
         Dynamo would replay the Python state it saw while tracing (a wait found
         nothing to wait for) instead of waiting."""
+        moved = list(map(_DATA_PTR, self._params)) != self._data_ptrs
+        if moved and self.strategy.writes_in_flight():
+            raise RuntimeError(
+                f"DistributedOptimizer: parameters {self._moved_names()} were moved or replaced "
+                f"(model.to(), .double(), .half(), or .data assigned) while {self.strategy.name}'s "
+                "communication of the last step was still writing them, so they may miss part of that "
+                "update: call opt.flush() before moving or converting the model")
         if not module.training or not torch.is_grad_enabled():
             self.strategy.complete()
-        elif ((not all(map(_REQUIRES_GRAD, self._params)) or any(map(_REQUIRES_GRAD, self._frozen)))
-              and (any(map(_REQUIRES_GRAD, self._params)) or any(map(_REQUIRES_GRAD, self._frozen)))):
-            # a collective: every rank changes requires_grad at the same point; a forward with
-            # nothing trainable (features from a frozen model) keeps the plan for later
+        elif moved or self._trainable_changed():
+            # a collective: every rank changes requires_grad (or moves the model) at the same point
             self.replan()
+
+    def _trainable_changed(self) -> bool:
+        """A parameter started or stopped training; a forward with nothing trainable (features from a
+        frozen model) keeps the plan for later."""
+        params, frozen = self._params, self._frozen
+        return ((not all(map(_REQUIRES_GRAD, params)) or any(map(_REQUIRES_GRAD, frozen)))
+                and (any(map(_REQUIRES_GRAD, params)) or any(map(_REQUIRES_GRAD, frozen))))
+
+    def _moved_names(self) -> str:
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        moved = [names.get(id(p), f"#{i}") for i, (p, ptr) in enumerate(zip(self._params, self._data_ptrs))
+                 if p.data_ptr() != ptr]
+        return ", ".join(moved[:5]) + (f" and {len(moved) - 5} more" if len(moved) > 5 else "")
 
     def _end_step(self) -> None:
         n = len(self._params)

@@ -82,8 +82,12 @@ class ConsolidatedState:
 
     def _set_full_state(self, full: dict[int, dict[str, Any]]) -> None:
         if not self.strategy.sharded:
-            for i, d in full.items():
-                self._inner.state[self._params[i]] = d
+            for i, d in full.items():      # state follows its parameter's device and dtype, as in
+                p = self._params[i]        # torch's Optimizer.load_state_dict (a moved model)
+                self._inner.state[p] = {
+                    k: (v.to(p.device, p.dtype if v.is_floating_point() else None)
+                        if torch.is_tensor(v) and v.dim() > 0 else v)
+                    for k, v in d.items()}
             return
         self._shard_opt.state.clear()
         for piece, idx, pslice, *_ in self._pieces:
@@ -91,7 +95,8 @@ class ConsolidatedState:
             if d is None:
                 continue
             self._shard_opt.state[piece] = {
-                k: (v.reshape(-1)[pslice].to(piece.dtype).clone() if torch.is_tensor(v) and v.dim() > 0
+                k: (v.reshape(-1)[pslice].to(piece.device, piece.dtype).clone()
+                    if torch.is_tensor(v) and v.dim() > 0
                     else v.clone() if torch.is_tensor(v) else v)
                 for k, v in d.items()}
 

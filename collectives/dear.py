@@ -81,3 +81,6 @@ class DeAR(Strategy):
 
     def complete(self) -> None:
         self._wait(self._gather)      # all DeAR has in flight after a step: flush starts nothing new
+
+    def writes_in_flight(self) -> bool:
+        return any(w is not None for w in self._gather)

@@ -278,6 +278,10 @@ class SelSync(Strategy):
         if self.mode == "grads":
             self.inner.complete()
 
+    def writes_in_flight(self) -> bool:
+        return (bool(self._avg_other) or any(self._avg_works)
+                or (self.mode == "grads" and self.inner.writes_in_flight()))
+
     # ------------------------------------------------------------------ the gate, framework-free
     def observe(self, grads: Sequence[Any] | None = None) -> float:
         """Measure this step's local gradient (``grads``, default the setup's buffers):

@@ -23,6 +23,10 @@ answers for a strategy that needs nothing from the optimizer):
   phase sets them);
 - ``on_switch(fn)``: ``fn(old, new, changes)`` after a phase switch (never,
   for a strategy with one phase), e.g. to reset momentum;
+- ``writes_in_flight()``: whether communication in flight will still write
+  the parameters (False; DeAR's all-gathers between a step and the forward
+  that waits for them), so that the binding can tell whether parameters
+  read now are current;
 - ``syncs_optimizer_state()``: after ``after_update()``, whether to average
   the optimizer's state over the ranks now (False; SelSync's synced steps);
 - ``tuner``: the cap search the binding feeds step times (``tune=True``);
@@ -171,6 +175,11 @@ class Strategy:
         Unlike :meth:`flush`, never a new collective: after it, parameters are
         what the last step made them (DeAR's all-gathers, SelSync's average done).
         """
+
+    def writes_in_flight(self) -> bool:
+        """Whether communication in flight will still write the parameters (DeAR's all-gathers
+        after a step, before the forward that waits for them); False after :meth:`complete`."""
+        return False
 
     # ------------------------------------------------------------------ what the binding asks
     def on_switch(self, fn: Callable[[str, str, dict[str, Any]], None]) -> None:

@@ -324,6 +324,9 @@ class SyncSwitch(Strategy):
         if self.phase == "bsp":
             self.bsp.complete()
 
+    def writes_in_flight(self) -> bool:
+        return self.phase == "bsp" and self.bsp.writes_in_flight()
+
     def close_stores(self) -> None:
         for store in self.stores:
             store.close()

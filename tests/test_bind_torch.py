@@ -266,9 +266,9 @@ def test_backward_passes_per_step(comm, name):
 def test_dear_overlaps_and_flush_is_needed_for_current_parameters(comm):
     """After step() the gathered parameters may still be in flight; flush() makes them current."""
     model, opt = distributed(comm, "sgd", DeAR(cap_mb=0.0003, first_cap_mb=0.0001), 2, extra_forward=False)
-    assert any(w is not None for w in opt.strategy._gather)      # all-gathers left to overlap a forward
+    assert opt.strategy.writes_in_flight()         # all-gathers left to overlap a forward
     opt.flush()
-    assert all(w is None for w in opt.strategy._gather)
+    assert not opt.strategy.writes_in_flight()
     same_on_all_ranks(comm, model)
 
 
@@ -279,6 +279,18 @@ def test_different_models_raise_on_every_rank(comm):
     with pytest.raises(ValidationError, match="differs across ranks"):
         DistributedOptimizer(make_optimizer("sgd", model), model, strategy=DeAR(), comm=comm)
     assert comm.seq == before + 1       # only the agreement check ran: no collective was left half-called
+
+
+@pytest.mark.mpi
+def test_uninitialized_lazy_module_raises_on_every_rank(comm):
+    """A Lazy module on the last rank: every rank raises, naming it, before any collective."""
+    lazy = comm.rank == comm.size - 1
+    first = torch.nn.LazyLinear(4) if lazy else torch.nn.Linear(6, 4)
+    model = torch.nn.Sequential(first, torch.nn.Linear(4, 3))
+    before = comm.seq
+    with pytest.raises(ValidationError, match=f"rank {comm.size - 1} rejected.*2 parameters are uninit"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, comm=comm)
+    assert comm.seq == before + 1
 
 
 @pytest.mark.mpi

@@ -5,8 +5,8 @@ of each global batch; the reference is plain torch training the same model on
 the concatenated batch with the same loop (clipping, autocast, GradScaler with
 an inf injected on the last rank, accumulation, a checkpoint resumed without
 ``flush()``, evaluation mid-training, an unused head, gradual unfreezing, a
-parameter group added for the unfrozen layer).  Parameters must match
-the reference and be bitwise equal across ranks.
+parameter group added for the unfrozen layer, the model converted to float64 and a
+parameter's ``.data`` assigned).  Parameters must match the reference and be bitwise equal across ranks.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ STRATEGIES = {
     "sparse-dense": lambda: SparseAllReduce(selector=Dense()),
 } if HAVE_TORCH else {}
 PATTERNS = ["clip-horovod", "clip", "bf16", "fp16-scaler", "no_sync", "checkpoint", "eval", "unused-head",
-            "unfreeze", "add-group"]
+            "unfreeze", "add-group", "to-double"]
 
 # Mixed precision is compared with a single-process run under the same autocast.  The ranks'
 # weight gradients come from 16-bit matmuls over their own slice, averaged afterwards, where the
@@ -117,6 +117,15 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
             (model.fc1 if step == 1 else model.fc2).requires_grad_(step == 1)
         if pattern == "add-group" and step == 1:       # fine-tune fc1 from now on, at its own rate
             opt.add_param_group({"params": model.fc1.parameters(), "lr": 0.05})
+        if pattern == "to-double" and step in (1, 2):  # converted, then .data assigned, after wrapping
+            if strategy:
+                opt.flush()                             # DeAR's all-gathers land first
+            if step == 1:
+                model.double()                          # re-planned in float64 at the next forward
+            else:
+                model.fc2.bias.data = torch.full_like(model.fc2.bias, 0.25)
+        if pattern == "to-double" and step >= 1:
+            x, y = x.double(), y.double()
         opt.zero_grad()
         loss_fn = torch.nn.functional.mse_loss
         if pattern == "no_sync":
@@ -460,3 +469,24 @@ def test_gan_with_two_optimizers_trains_as_one_process(comm, strategy):
         return torch.cat([v.reshape(-1) for m in (gen, disc) for v in m.state_dict().values()]).numpy()
 
     np.testing.assert_allclose(run(True), run(False), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.mpi
+def test_moving_the_model_while_dear_gathers_raises_on_every_rank(comm):
+    """``model.double()`` right after a DeAR step reads parameters whose all-gathers are in flight:
+    the next forward says so on every rank (before any collective) instead of training on stale
+    shards (pattern ``to-double``: after ``flush()`` the same conversion re-plans)."""
+    model, base = make(comm.rank, "plain")
+    opt = wrap(comm, "dear", model, base)
+    x, y = batch(0, 1)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    model.double()
+    moved = "fc1.weight, fc1.bias, fc2.weight, fc2.bias were moved"
+    with pytest.raises(RuntimeError, match=moved + r".*opt.flush\(\)"):
+        model(x.double())
+    with pytest.raises(RuntimeError, match="were moved"):     # evaluation too: it would read them
+        with torch.no_grad():
+            model(x.double())
+    opt.flush()

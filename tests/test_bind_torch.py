@@ -205,6 +205,38 @@ def test_tuning_without_its_package_raises_on_every_rank_at_construction(comm, m
     assert float(comm.allreduce(np.ones(1))[0]) == comm.size
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", ["allreduce", "dear"])
+def test_checkpoint_resumes_on_fewer_ranks(comm, name):
+    """A checkpoint taken on every rank resumes on half of them (a smaller allocation), each taking
+    a bigger slice of the same global batch: training goes on as one process's."""
+    steps, cut = 5, 2
+    ref, _ = reference("sgd", comm.size, steps)
+    model, opt = distributed(comm, "sgd", STRATEGIES[name](), cut, extra_forward=False)
+    msd, osd, ssd = copy.deepcopy(model.state_dict()), opt.state_dict(), opt.sched.state_dict()
+    half = comm.split(comm.rank % 2)          # two jobs of size // 2 (or 1) ranks, each resuming
+    try:
+        model2 = make_model(comm.rank + 7)
+        opt2 = DistributedOptimizer(make_optimizer("sgd", model2), model2, strategy=STRATEGIES[name](),
+                                    comm=half, find_unused_parameters=True)
+        model2.load_state_dict(msd)
+        opt2.load_state_dict(osd)
+        sched = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
+        sched.load_state_dict(ssd)
+        per = LOCAL * comm.size // half.size
+        for step in range(cut, steps):
+            x, y = batch(step, comm.size)
+            mine = slice(half.rank * per, (half.rank + 1) * per)
+            opt2.zero_grad()
+            loss_fn(model2, x[mine], y[mine]).backward()
+            opt2.step()
+            sched.step()
+        for (k, v), w in zip(model2.state_dict().items(), ref.state_dict().values()):
+            np.testing.assert_allclose(v.numpy(), w.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+    finally:
+        half.close()
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", ["allreduce", "dear"])
 def test_consolidated_state_equals_reference_state(comm, name):

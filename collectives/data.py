@@ -12,6 +12,9 @@
   rank's batch after the exchange stays about ``b``.
 * :func:`label_shards`: a non-IID partition (sorted by label, cut into shards)
   for tests and benchmarks.
+* :func:`stop_together`: any loader (an ``IterableDataset`` stream, shards of
+  uneven length), cut so that every rank stops at the step where the first
+  rank runs out, instead of the others waiting in a collective for ever.
 
 Both partitionings shuffle per epoch from a seed that every rank shares, and
 give every rank the same number of samples per epoch (so all ranks take the
@@ -28,12 +31,15 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
+import commlib
 from commlib import Communicator, split_counts
+
+T = TypeVar("T")
 
 
 def _check_rank(rank: int, size: int) -> None:
@@ -179,6 +185,41 @@ def label_shards(labels: Sequence[int], size: int, shards_per_rank: int = 2,
     shards = np.array_split(order, size * shards_per_rank)
     deal = np.random.default_rng([int(seed), 0x11D]).permutation(len(shards))
     return [np.sort(np.concatenate([shards[j] for j in deal[r::size]])) for r in range(size)]
+
+
+def stop_together(batches: Iterable[T], comm: Communicator | None = None) -> Iterator[T]:
+    """``batches`` until any rank runs out: every rank stops at the same step.
+
+    For loaders whose length differs across ranks (a streamed ``IterableDataset``,
+    files of uneven size per rank): without it the ranks with more batches enter
+    the next step's collectives alone and wait there until the timeout.  The
+    batches a longer rank has left are dropped, as ``drop_last`` drops a short
+    one.  Costs one 4-byte all-reduce per batch on ``comm`` (default: the world),
+    posted one batch ahead so that it overlaps the step; the loader is read one
+    batch ahead for that.  Call it on every rank, once per epoch, around the
+    loader; a ``break`` out of the loop is fine where every rank breaks at the
+    same step.
+
+    Example:
+        >>> for x, y in stop_together(loader):    # loader: this rank's shard, any length
+        ...     opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+    """
+    it = iter(batches)      # not iterable: TypeError here, on the rank that passed it, before any collective
+    comm = comm if comm is not None else commlib.init()
+    return it if comm.size == 1 else _stop_together(it, comm)
+
+
+def _stop_together(it: Iterator[T], comm: Communicator) -> Iterator[T]:
+    end = object()
+    item = next(it, end)
+    work = comm.iallreduce(np.array([item is not end], np.int32), "min", tag="stop_together")
+    while True:
+        if not work.wait()[0]:          # some rank has no batch left
+            return
+        current = item
+        item = next(it, end)
+        work = comm.iallreduce(np.array([item is not end], np.int32), "min", tag="stop_together")
+        yield current  # type: ignore[misc]
 
 
 def injected_batch_size(batch_size: int, alpha: float, beta: float, size: int) -> int:

@@ -1,4 +1,5 @@
-"""Data partitioning: DefDP, SelDP, the non-IID partitioner and data injection (real point-to-point)."""
+"""Data partitioning: DefDP, SelDP, the non-IID partitioner, data injection (real point-to-point) and
+loaders of uneven length cut by stop_together."""
 
 from __future__ import annotations
 
@@ -6,7 +7,14 @@ import numpy as np
 import pytest
 
 import commlib
-from commlib.collectives.data import DataInjector, DefDP, SelDP, injected_batch_size, label_shards
+from commlib.collectives.data import (
+    DataInjector,
+    DefDP,
+    SelDP,
+    injected_batch_size,
+    label_shards,
+    stop_together,
+)
 
 from conftest import HAVE_TORCH
 
@@ -109,6 +117,34 @@ def test_injection_moves_the_right_samples(comm, alpha, beta):
         assert comm.mpi_comm.allgather(inj.sharers(7)) == [inj.sharers(7)] * comm.size
     finally:
         inj.close()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("shortest", [0, 1, 3])
+def test_stop_together_stops_every_rank_at_the_shortest(comm, shortest):
+    """Rank r has ``shortest + r`` batches (the last rank fewest when rotated); every rank gets the
+    first ``shortest`` of its own, in order, with its own collectives in the loop, and the
+    communicator is usable after the loop."""
+    mine = shortest + (comm.rank + 1) % comm.size
+    got = []
+    for b in stop_together(iter(range(100 * comm.rank, 100 * comm.rank + mine)), comm):
+        got.append(b)
+        assert comm.allreduce(np.array([b], np.int64), "max")[0] == 100 * (comm.size - 1) + len(got) - 1
+    want = min(shortest + (r + 1) % comm.size for r in range(comm.size))
+    assert got == list(range(100 * comm.rank, 100 * comm.rank + want))
+    assert comm.allreduce(np.ones(1))[0] == comm.size
+
+
+@pytest.mark.mpi(min_size=1)
+def test_stop_together_break_and_bad_input(comm):
+    for i, _ in enumerate(stop_together([1, 2, 3, 4], comm)):     # every rank breaks at the same step
+        if i == 1:
+            break
+    assert comm.allreduce(np.ones(1))[0] == comm.size
+    before = comm.seq
+    with pytest.raises(TypeError, match="not iterable"):
+        stop_together(5, comm)  # type: ignore[arg-type]
+    assert comm.seq == before
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")

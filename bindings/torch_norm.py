@@ -31,30 +31,15 @@ Example:
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 import commlib
+from commlib.side import side_comm
 
 __all__ = ["SyncBatchNorm"]
-
-#: the communicator SyncBatchNorm layers use, by the communicator they were given
-_STATS_COMMS: weakref.WeakKeyDictionary[Any, commlib.Communicator] = weakref.WeakKeyDictionary()
-
-
-def _stats_comm(comm: commlib.Communicator) -> commlib.Communicator:
-    """One split of ``comm`` for every layer (collective the first time: every rank's first
-    synchronized forward), closed when ``comm`` closes."""
-    side = _STATS_COMMS.get(comm)
-    if side is None:
-        side = comm.split(0)
-        comm.close_with(side)
-        _STATS_COMMS[comm] = side
-    return side
-
 
 class _CommRef:
     """A layer's communicator, held so that copies of the layer (``copy.deepcopy``: an EMA of the
@@ -132,7 +117,7 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                 bn_training, factor, self.eps)
         return _sync_batch_norm(input, self.weight, self.bias, running_mean, running_var, self.eps,
-                                factor, _stats_comm(comm), self._problem(input), self.num_features)
+                                factor, side_comm(comm, "syncbn"), self._problem(input), self.num_features)
 
     @classmethod
     def convert_sync_batchnorm(cls, module: torch.nn.Module,

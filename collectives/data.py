@@ -38,6 +38,7 @@ import numpy as np
 
 import commlib
 from commlib import Communicator, split_counts
+from commlib.side import side_comm
 
 T = TypeVar("T")
 
@@ -194,11 +195,11 @@ def stop_together(batches: Iterable[T], comm: Communicator | None = None) -> Ite
     files of uneven size per rank): without it the ranks with more batches enter
     the next step's collectives alone and wait there until the timeout.  The
     batches a longer rank has left are dropped, as ``drop_last`` drops a short
-    one.  Costs one 4-byte all-reduce per batch on ``comm`` (default: the world),
-    posted one batch ahead so that it overlaps the step; the loader is read one
-    batch ahead for that.  Call it on every rank, once per epoch, around the
-    loader; a ``break`` out of the loop is fine where every rank breaks at the
-    same step.
+    one.  Costs one 4-byte all-reduce per batch, on a communicator split once from
+    ``comm`` (default: the world) so that it never waits behind the step's
+    communication in flight (DeAR's all-gathers).  Call it on every rank, once per
+    epoch, around the loader; a ``break`` out of the loop is fine where every rank
+    breaks at the same step.
 
     Example:
         >>> for x, y in stop_together(loader):    # loader: this rank's shard, any length
@@ -206,20 +207,16 @@ def stop_together(batches: Iterable[T], comm: Communicator | None = None) -> Ite
     """
     it = iter(batches)      # not iterable: TypeError here, on the rank that passed it, before any collective
     comm = comm if comm is not None else commlib.init()
-    return it if comm.size == 1 else _stop_together(it, comm)
+    return it if comm.size == 1 else _stop_together(it, side_comm(comm, "stop_together"))
 
 
-def _stop_together(it: Iterator[T], comm: Communicator) -> Iterator[T]:
-    end = object()
-    item = next(it, end)
-    work = comm.iallreduce(np.array([item is not end], np.int32), "min", tag="stop_together")
-    while True:
-        if not work.wait()[0]:          # some rank has no batch left
+def _stop_together(it: Iterator[T], side: Communicator) -> Iterator[T]:
+    more, done = np.ones(1, np.int32), np.zeros(1, np.int32)
+    for item in it:
+        if not side.allreduce(more, "min")[0]:      # some rank has no batch left
             return
-        current = item
-        item = next(it, end)
-        work = comm.iallreduce(np.array([item is not end], np.int32), "min", tag="stop_together")
-        yield current  # type: ignore[misc]
+        yield item
+    side.allreduce(done, "min")
 
 
 def injected_batch_size(batch_size: int, alpha: float, beta: float, size: int) -> int:

@@ -205,6 +205,30 @@ def test_tuning_without_its_package_raises_on_every_rank_at_construction(comm, m
     assert float(comm.allreduce(np.ones(1))[0]) == comm.size
 
 
+def resume(comm, on, name: str, model: Net, opt, cut: int, steps: int) -> tuple[Net, DistributedOptimizer]:
+    """Checkpoint ``model``/``opt`` (trained ``cut`` steps on ``comm``) without ``flush()``, rebuild
+    everything fresh on ``on`` and train to ``steps``, each of its ranks taking an equal slice of the
+    same global batch."""
+    msd, osd, ssd = copy.deepcopy(model.state_dict()), opt.state_dict(), opt.sched.state_dict()
+    model2 = make_model(comm.rank + 7)
+    opt2 = DistributedOptimizer(make_optimizer("sgd", model2), model2, strategy=STRATEGIES[name](), comm=on,
+                                find_unused_parameters=True)
+    model2.load_state_dict(msd)
+    opt2.load_state_dict(osd)
+    sched = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
+    sched.load_state_dict(ssd)
+    assert opt2.strategy.steps == cut
+    per = LOCAL * comm.size // on.size
+    for step in range(cut, steps):
+        x, y = batch(step, comm.size)
+        mine = slice(on.rank * per, (on.rank + 1) * per)
+        opt2.zero_grad()
+        loss_fn(model2, x[mine], y[mine]).backward()
+        opt2.step()
+        sched.step()
+    return model2, opt2
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("name", ["allreduce", "dear"])
 def test_checkpoint_resumes_on_fewer_ranks(comm, name):
@@ -213,24 +237,9 @@ def test_checkpoint_resumes_on_fewer_ranks(comm, name):
     steps, cut = 5, 2
     ref, _ = reference("sgd", comm.size, steps)
     model, opt = distributed(comm, "sgd", STRATEGIES[name](), cut, extra_forward=False)
-    msd, osd, ssd = copy.deepcopy(model.state_dict()), opt.state_dict(), opt.sched.state_dict()
     half = comm.split(comm.rank % 2)          # two jobs of size // 2 (or 1) ranks, each resuming
     try:
-        model2 = make_model(comm.rank + 7)
-        opt2 = DistributedOptimizer(make_optimizer("sgd", model2), model2, strategy=STRATEGIES[name](),
-                                    comm=half, find_unused_parameters=True)
-        model2.load_state_dict(msd)
-        opt2.load_state_dict(osd)
-        sched = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
-        sched.load_state_dict(ssd)
-        per = LOCAL * comm.size // half.size
-        for step in range(cut, steps):
-            x, y = batch(step, comm.size)
-            mine = slice(half.rank * per, (half.rank + 1) * per)
-            opt2.zero_grad()
-            loss_fn(model2, x[mine], y[mine]).backward()
-            opt2.step()
-            sched.step()
+        model2, _ = resume(comm, half, name, model, opt, cut, steps)
         for (k, v), w in zip(model2.state_dict().items(), ref.state_dict().values()):
             np.testing.assert_allclose(v.numpy(), w.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
     finally:
@@ -262,22 +271,7 @@ def test_state_round_trip_mid_training(comm, name):
     # train `cut` steps, checkpoint, rebuild everything fresh, continue
     model, opt = distributed(comm, "sgd", STRATEGIES[name](), cut, extra_forward=False)
     opt.flush()
-    msd, osd, ssd = copy.deepcopy(model.state_dict()), opt.state_dict(), opt.sched.state_dict()
-    model2 = make_model(comm.rank + 7)
-    opt2 = DistributedOptimizer(make_optimizer("sgd", model2), model2, strategy=STRATEGIES[name](), comm=comm,
-                                find_unused_parameters=True)
-    model2.load_state_dict(msd)
-    opt2.load_state_dict(osd)
-    sched = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
-    sched.load_state_dict(ssd)
-    assert opt2.strategy.steps == cut
-    for step in range(cut, steps):
-        x, y = batch(step, comm.size)
-        mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL)
-        opt2.zero_grad()
-        loss_fn(model2, x[mine], y[mine]).backward()
-        opt2.step()
-        sched.step()
+    model2, opt2 = resume(comm, comm, name, model, opt, cut, steps)
     opt2.flush()
     for p, q in zip(model2.parameters(), full_opt_params):
         np.testing.assert_allclose(p.detach().numpy(), q.numpy(), rtol=1e-6, atol=1e-7)

@@ -164,3 +164,46 @@ def test_torch_samplers_match_the_plans():
     assert sorted(got) == list(range(23))
     d.load_state_dict(s.state_dict())
     assert d.plan.epoch == 4
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
+def test_uneven_loaders_stop_together_and_train_as_one_process(comm, strategy):
+    """Each rank's loader has its own length (the last rank's is shortest); ``stop_together`` ends
+    every rank's epoch at the shortest, and training equals one process's on those steps."""
+    import torch
+
+    from commlib.bindings.torch import DistributedOptimizer
+    from commlib.collectives import AllReduce, DeAR
+
+    rank, size, local, steps = comm.rank, comm.size, 4, 4
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(500 + step)
+        return torch.randn(local * size, 6, generator=g), torch.randn(local * size, 3, generator=g)
+
+    def loader(n: int):
+        for step in range(n):
+            x, y = batch(step)
+            yield x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+
+    def make(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    model, base = make(rank)
+    cls = AllReduce if strategy == "allreduce" else DeAR
+    opt = DistributedOptimizer(base, model, strategy=cls(cap_mb=0.0002, first_cap_mb=0.0001), comm=comm)
+    for x, y in stop_together(loader(steps - 1 if rank == size - 1 else steps + rank), comm):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    ref, ref_opt = make(0)
+    for step in range(steps - 1):
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(batch(step)[0]), batch(step)[1]).backward()
+        ref_opt.step()
+    for (k, v), w in zip(model.state_dict().items(), ref.state_dict().values()):
+        np.testing.assert_allclose(v.numpy(), w.numpy(), rtol=2e-5, atol=2e-6, err_msg=k)

@@ -28,7 +28,6 @@ if HAVE_TORCH:
     from commlib import ValidationError
     from commlib.bindings.torch import DistributedOptimizer
     from commlib.collectives import AllReduce, DeAR, SelSync, SyncSwitch
-    from commlib.collectives.data import stop_together
     from commlib.sparsify import Dense, SparseAllReduce
 
     torch.set_num_threads(1)
@@ -492,29 +491,3 @@ def test_moving_the_model_while_dear_gathers_raises_on_every_rank(comm):
             model(x.double())
     opt.flush()
 
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
-def test_uneven_loaders_stop_together(comm, strategy):
-    """Each rank's loader has its own length (the last rank's is shortest); ``stop_together`` ends
-    every rank's epoch at the shortest, and training equals one process's on those steps."""
-    rank, size = comm.rank, comm.size
-    mine = STEPS - 1 if rank == size - 1 else STEPS + rank
-
-    def loader(n: int):
-        for step in range(n):
-            x, y = batch(step, size)
-            yield x[rank * LOCAL:(rank + 1) * LOCAL], y[rank * LOCAL:(rank + 1) * LOCAL]
-
-    model, base = make(rank, "plain")
-    opt = wrap(comm, strategy, model, base)
-    for x, y in stop_together(loader(mine), comm):
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    ref, ref_opt = make(0, "plain")
-    for step in range(STEPS - 1):
-        ref_opt.zero_grad()
-        torch.nn.functional.mse_loss(ref(batch(step, size)[0]), batch(step, size)[1]).backward()
-        ref_opt.step()
-    np.testing.assert_allclose(params_of(model), params_of(ref), rtol=2e-5, atol=2e-6)

@@ -277,6 +277,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
                     self._hooks.append(m.register_forward_pre_hook(self._hook(self._make_forward_hook(bs))))
 
     def _make_grad_hook(self, i: int) -> Any:
+        @torch.compiler.disable     # called by autograd inside a compiled train step too: never traced
         def hook(p: torch.Tensor) -> None:
             view = self._grad_views[i]
             fresh = p.grad is not view
@@ -319,6 +320,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         """The fusion plan: one dict per bucket (tensors, elements, bytes, dtype, group)."""
         return [b.describe() for b in self.buckets]
 
+    @torch.compiler.disable     # the entry points communicate or touch the buckets: run eagerly
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buckets (``.grad`` stays a view of its bucket; ``set_to_none`` is ignored)."""
         if self._synced:         # GradScaler skipped the last step(): close it
@@ -329,6 +331,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
             if p.grad is not self._grad_views[i]:
                 p.grad = self._grad_views[i]
 
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Wait for the gradients, update, and start what overlaps the next forward."""
@@ -449,6 +452,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         if new == "bsp":
             self._average_optimizer_state()
 
+    @torch.compiler.disable
     def flush(self) -> _Flush:
         """Make parameters current on every rank now (evaluation, checkpoint, end of training).
 

@@ -119,7 +119,10 @@ def test_cli_runs_shaped_ranks_with_a_link_straggler_and_cleans_up():
     """2 ranks at 200 Mbit/s: near the ring bound, far slower than shared memory; the slowed
     link is 4x slower again; nothing is left afterwards."""
     prefix = "clt-"
+    # a loose self-check: this test is not timed (the benchmarks keep 0.15); an unshaped link,
+    # many times faster, still fails it
     proc = _cli("--ranks", "2", "--rate", "200mbit", "--prefix", prefix, "--timeout", "80",
+                "--tolerance", "0.4",
                 "--straggler-compute", "1:0.3:1:3", "--straggler-link", "1:x2:0:0.1", "--",
                 sys.executable, "-c", SNIPPET)
     assert proc.returncode == 0, proc.stderr

@@ -30,7 +30,7 @@ buckets (as DDP's ``gradient_as_bucket_view``), so ``zero_grad`` zeroes the
 buckets instead of setting ``.grad`` to ``None``; a model moved or converted
 after wrapping (``model.to()``, ``.double()``) re-plans at the next training
 forward (``DeAR``: ``opt.flush()`` first).  Gradients are averaged over
-ranks (and over the ``backward_passes_per_step`` passes).  Optimizers must be
+ranks; the ``backward_passes_per_step`` passes add up (scale the loss).  Optimizers must be
 elementwise for sharded strategies (``DeAR``): SGD (momentum, Nesterov),
 Adam, AdamW, RMSprop, Adagrad... but not LBFGS.  With ``DeAR``, ``.grad``
 after backward holds the averaged gradient on this rank's shard only: clip
@@ -84,8 +84,9 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
 
     ``strategy``: a :class:`collectives.Strategy` (default :class:`collectives.AllReduce`).
     ``backward_passes_per_step``: backward passes accumulated locally (no
-    communication) per ``step()``; their gradients are averaged (``no_sync()``
-    is the other way to accumulate).
+    communication) per ``step()``; their gradients add up, as in Horovod and
+    in one process (scale the loss by ``1/k``; ``no_sync()`` is the other way
+    to accumulate).
     ``find_unused_parameters``: agree every step (one small all-reduce) on which
     parameters got no gradient on any rank, and skip them in the update as a
     single process would.  Without it the first step checks once, and if some
@@ -103,7 +104,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         ...                            model, strategy=DeAR(cap_mb=8), backward_passes_per_step=2)
         >>> for x, y in loader:
         ...     for xs, ys in zip(x.chunk(2), y.chunk(2)):
-        ...         loss_fn(model(xs), ys).backward()
+        ...         (loss_fn(model(xs), ys) / 2).backward()
         ...     opt.step(); opt.zero_grad()
     """
 
@@ -115,8 +116,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer")
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step {backward_passes_per_step!r}: expected an int >= 1")
+        self._checked_passes(backward_passes_per_step)
         self.comm = comm or commlib.init()
         self.strategy = strategy if strategy is not None else AllReduce()
         self.model = model
@@ -310,8 +310,6 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         if self._signaled[b]:
             return
         self._signaled[b] = True
-        if self.backward_passes_per_step > 1:
-            self._flat_grads[b].div_(self.backward_passes_per_step)
         self.strategy.bucket_ready(b)
 
     # ------------------------------------------------------------------ the step

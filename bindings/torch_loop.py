@@ -313,7 +313,7 @@ class TrainingLoop:
 
         The first backward outside (or ``step()``) reduces the sum; scale the
         loss by the number of passes as with DDP.  ``backward_passes_per_step``
-        is the other spelling (it averages the passes for you).
+        is the other spelling (Horovod's), with the same sum.
 
         Example:
             >>> with opt.no_sync():
@@ -325,6 +325,22 @@ class TrainingLoop:
             yield self
         finally:
             self._no_sync_depth -= 1
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Accumulate ``passes`` backward passes per ``step()`` from the next step on (Horovod's name).
+
+        Their gradients add up: scale the loss by ``1/passes``.  Call it on every rank.
+
+        Example:
+            >>> opt.set_backward_passes_per_step(4)
+        """
+        self.backward_passes_per_step = self._checked_passes(passes)
+
+    @staticmethod
+    def _checked_passes(passes: Any) -> int:
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"backward_passes_per_step {passes!r}: expected an int >= 1")
+        return passes
 
     @torch.no_grad()
     @torch.compiler.disable

@@ -83,10 +83,14 @@ def reference(kind: str, size: int, steps: int) -> tuple[Net, torch.optim.Optimi
     return model, opt
 
 
-def distributed(comm, kind: str, strategy, steps: int, extra_forward: bool = True, passes: int = 1):
+def distributed(comm, kind: str, strategy, steps: int, extra_forward: bool = True, passes: int = 1,
+                set_passes: bool = False):
     model = make_model(comm.rank)          # rank 0 has the reference's initial parameters
     opt = DistributedOptimizer(make_optimizer(kind, model), model, strategy=strategy, comm=comm,
-                               find_unused_parameters=True, backward_passes_per_step=passes)
+                               find_unused_parameters=True,
+                               backward_passes_per_step=1 if set_passes else passes)
+    if set_passes:
+        opt.set_backward_passes_per_step(passes)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     for step in range(steps):
         x, y = batch(step, comm.size)
@@ -96,7 +100,7 @@ def distributed(comm, kind: str, strategy, steps: int, extra_forward: bool = Tru
             loss_fn(model, x[mine], y[mine]).backward()
         else:
             for part in np.array_split(np.arange(mine.start, mine.stop), passes):
-                loss_fn(model, x[part], y[part]).backward()
+                (loss_fn(model, x[part], y[part]) * (len(part) / LOCAL)).backward()   # passes add up
         opt.step()
         sched.step()
         if extra_forward:   # evaluation forwards must not apply the update again
@@ -278,10 +282,13 @@ def test_state_round_trip_mid_training(comm, name):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("set_passes", [False, True])
 @pytest.mark.parametrize("name", ["allreduce", "dear"])
-def test_backward_passes_per_step(comm, name):
+def test_backward_passes_per_step(comm, name, set_passes):
+    """Three passes, each on a third of the batch with its loss scaled, add up to one pass."""
     model, opt = distributed(comm, "sgd", STRATEGIES[name](), 3, extra_forward=False, passes=1)
-    model3, opt3 = distributed(comm, "sgd", STRATEGIES[name](), 3, extra_forward=False, passes=3)
+    model3, opt3 = distributed(comm, "sgd", STRATEGIES[name](), 3, extra_forward=False, passes=3,
+                               set_passes=set_passes)
     opt.flush()
     opt3.flush()
     for p, q in zip(model.parameters(), model3.parameters()):
@@ -324,6 +331,9 @@ def test_bad_arguments(comm):
     model = make_model(0)
     with pytest.raises(ValueError, match="backward_passes_per_step"):
         DistributedOptimizer(make_optimizer("sgd", model), model, comm=comm, backward_passes_per_step=0)
+    opt = DistributedOptimizer(make_optimizer("sgd", model), model, comm=comm)
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        opt.set_backward_passes_per_step(1.5)
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         DistributedOptimizer(object(), model, comm=comm)  # type: ignore[arg-type]
 

@@ -262,7 +262,7 @@ def _train(n: int, r: int, make_opt, passes: int = 1) -> torch.nn.Module:
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("variant", ["horovod", "predivide", "passes", "fp16", "strategy"])
+@pytest.mark.parametrize("variant", ["horovod", "predivide", "passes", "fp16", "strategy", "strategy-passes"])
 def test_distributed_optimizer_matches_one_process(variant):
     hvd.init()
     r, n = hvd.rank(), hvd.size()
@@ -270,15 +270,16 @@ def test_distributed_optimizer_matches_one_process(variant):
 
     def make(model):
         sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        if variant == "strategy":
-            return hvd.DistributedOptimizer(sgd, model=model, strategy=DeAR(cap_mb=0.001))
+        if variant.startswith("strategy"):      # passes add up as in Horovod's own path
+            return hvd.DistributedOptimizer(sgd, model=model, strategy=DeAR(cap_mb=0.001),
+                                            backward_passes_per_step=2 if variant == "strategy-passes" else 1)
         return hvd.DistributedOptimizer(
             sgd, named_parameters=model.named_parameters(),
             compression=hvd.Compression.fp16 if variant == "fp16" else hvd.Compression.none,
             gradient_predivide_factor=2.0 if variant == "predivide" else 1.0,
             backward_passes_per_step=2 if variant == "passes" else 1)
 
-    model = _train(n, r, make, passes=2 if variant == "passes" else 1)
+    model = _train(n, r, make, passes=2 if variant.endswith("passes") else 1)
     tol = 2e-3 if variant == "fp16" else 1e-10
     mine = model.state_dict()          # DeAR: completes the all-gathers that overlap the next forward
     for k, q in ref.state_dict().items():

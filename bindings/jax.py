@@ -82,12 +82,12 @@ import jax
 import numpy as np
 
 import commlib
-from commlib.arrays import DTYPES, FLOAT_DTYPES, numpy_dtype
+from commlib.arrays import DTYPES, FLOAT_DTYPES, is_tracer, numpy_dtype
 from commlib.collectives import AllReduce, DeAR, Strategy
 from commlib.collectives.buckets import Bucket, MiB
 from commlib.errors import ValidationError
 
-from .jax_fusion import Plan, agree_plan, is_tracer, make_plan
+from .jax_fusion import Plan, agree_plan, make_plan
 
 __all__ = ["GradientSync", "average_gradients", "sharded_optimizer", "allreduce_gradients",
            "broadcast_params", "ShardedState"]

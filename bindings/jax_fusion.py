@@ -11,19 +11,10 @@ import jax
 import numpy as np
 
 import commlib
-from commlib.arrays import FLOAT_DTYPES, numpy_dtype
+from commlib.arrays import FLOAT_DTYPES, is_tracer, numpy_dtype
 from commlib.collectives import TensorSpec, plan_buckets
 from commlib.collectives.buckets import Bucket
 from commlib.ops import agree
-
-try:
-    _Tracer = jax.core.Tracer
-except AttributeError:  # pragma: no cover - newer jax
-    from jax._src.core import Tracer as _Tracer
-
-
-def is_tracer(x: Any) -> bool:
-    return isinstance(x, _Tracer)
 
 
 def _leaf_device(x: Any) -> tuple[Any, bool, str | None]:

@@ -176,6 +176,17 @@ def host_pair(x: Any, out: Any) -> str | None:
     return dt if flags.c_contiguous and flags.writeable else None
 
 
+def is_tracer(x: Any) -> bool:
+    """``x`` is an abstract jax value (inside ``jax.jit``, ``grad`` or ``vmap``), not an array."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return False
+    tracer = getattr(jax.core, "Tracer", None)
+    if tracer is None:  # pragma: no cover - newer jax
+        from jax._src.core import Tracer as tracer
+    return isinstance(x, tracer)
+
+
 def as_view(x: Any, name: str) -> View:
     """Alias ``x`` as a :class:`View` without copying, or raise :class:`ValidationError`.
 
@@ -222,6 +233,11 @@ def as_view(x: Any, name: str) -> View:
             arr = arr.view(np.uint16) if device == "cpu" else arr.view("uint16")
             dt = "bfloat16"
     elif kind == "jax":
+        if is_tracer(x):
+            raise ValidationError(
+                f"{name}: a traced jax array (inside jax.jit, grad or vmap): commlib's collectives take "
+                "concrete arrays; call them outside the traced function (inside jax.jit, average "
+                "gradients with commlib.jax.average_gradients)")
         devs = list(x.devices()) if hasattr(x, "devices") else []
         platform = devs[0].platform if devs else "cpu"
         if platform == "cpu":

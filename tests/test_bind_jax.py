@@ -357,3 +357,15 @@ def test_jitted_step_then_eager_metrics_allreduce(comm):
     for p, q in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(ref)):
         np.testing.assert_allclose(np.asarray(p), np.asarray(q), rtol=2e-5, atol=2e-6)
     same_on_all_ranks(comm, params)
+
+
+def test_a_collective_on_a_traced_array_names_the_way_out(comm):
+    """``comm.allreduce`` inside ``jax.jit`` gets a tracer, not an array: commlib's error says so
+    on every rank (it was JAX's ConcretizationTypeError about ``devices()``); eagerly, a jax array
+    works as any other."""
+    x = jnp.arange(4.0) + comm.rank
+    np.testing.assert_allclose(comm.allreduce(x), np.arange(4.0) * comm.size + sum(range(comm.size)))
+    spare = comm.split(0)            # a rejected input aborts the communicator it was given to
+    with pytest.raises(ValidationError, match="a traced jax array.*average_gradients"):
+        jax.jit(lambda a: spare.allreduce(a))(x)
+    spare.close()

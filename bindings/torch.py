@@ -26,11 +26,12 @@ parameters) is documented in :mod:`bindings.torch_loop`; ``SyncBatchNorm``
 (batch statistics over every rank's batch) in :mod:`bindings.torch_norm`.
 
 Sharp bits: parameters and gradients become views of the strategy's fused
-buckets (as DDP's ``gradient_as_bucket_view``), so ``zero_grad`` zeroes the
-buckets instead of setting ``.grad`` to ``None``; a model moved or converted
-after wrapping (``model.to()``, ``.double()``) re-plans at the next training
-forward (``DeAR``: ``opt.flush()`` first).  Gradients are averaged over
-ranks; the ``backward_passes_per_step`` passes add up (scale the loss).  Optimizers must be
+buckets (as DDP's ``gradient_as_bucket_view``, each in its own layout:
+channels_last stays so), so ``zero_grad`` zeroes the buckets instead of
+setting ``.grad`` to ``None``; a model moved or converted after wrapping
+(``model.to()``, ``.double()``) re-plans at the next training forward
+(``DeAR``: ``opt.flush()`` first).  Gradients are averaged over ranks; the
+``backward_passes_per_step`` passes add up (scale the loss).  Optimizers must be
 elementwise for sharded strategies (``DeAR``): SGD (momentum, Nesterov),
 Adam, AdamW, RMSprop, Adagrad... but not LBFGS.  With ``DeAR``, ``.grad``
 after backward holds the averaged gradient on this rank's shard only: clip
@@ -56,6 +57,9 @@ from .torch_comm import (
     broadcast_optimizer_state,
     broadcast_parameters,
     dtype_name,
+    in_layout,
+    is_dense,
+    layout,
     register_comm_hook,
 )
 from .torch_loop import TrainingLoop
@@ -188,8 +192,9 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
                     continue
                 if any(p is q for q in params):
                     problems.append("a parameter appears twice in the optimizer")
-                if p.is_sparse or not p.is_contiguous():
-                    problems.append(f"parameter {tuple(p.shape)} is sparse or not contiguous")
+                if p.is_sparse or not is_dense(p):
+                    problems.append(f"parameter {tuple(p.shape)} is sparse or has gaps or overlaps "
+                                    f"(strides {p.stride()}): use .contiguous()")
                 params.append(p)
                 group_of.append(gi)
         if lazy:
@@ -202,7 +207,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         agree_tensors(self.comm, "DistributedOptimizer", params,
                       f"groups {group_of}|{self.strategy!r}|{self.backward_passes_per_step}|"
                       f"{self.find_unused_parameters}",
-                      "; ".join(problems) or None)
+                      "; ".join(problems) or None, layout=True)
         self._params, self._group_of = params, group_of
         #: the optimizer's parameters that do not train now (watched for requires_grad changes)
         self._frozen = frozen
@@ -227,9 +232,10 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
             for sl in b.slots:
                 p = self._params[sl.index]
                 self._bucket_of[sl.index] = b.index
-                fp[sl.offset:sl.offset + sl.numel].copy_(p.detach().reshape(-1))
-                p.data = fp[sl.offset:sl.offset + sl.numel].view_as(p)
-                view = fg[sl.offset:sl.offset + sl.numel].view_as(p)
+                data = in_layout(fp, sl.offset, layout(p))      # p's own (channels_last stays so)
+                data.copy_(p.detach())
+                p.data = data
+                view = in_layout(fg, sl.offset, layout(p))
                 if p.grad is not None:
                     view.copy_(p.grad)
                 p.grad = view
@@ -238,8 +244,10 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
             self._flat_grads.append(fg)
             if s.sharded:
                 self._shard_grads.append(torch.zeros(b.shard_numel, dtype=p0.dtype, device=p0.device))
-        #: where each parameter's data lives: a view of its bucket (moved or converted: re-planned)
+        #: where each parameter's data lives: a view of its bucket (moved or converted: re-planned),
+        #: laid out as the parameter was (a conversion may change the parameter's layout)
         self._data_ptrs = [p.data_ptr() for p in self._params]
+        self._layouts = [layout(p) for p in self._params]
         self._bucket_need = [len(b.slots) for b in self.buckets]
         self._signaled = [False] * len(self.buckets)
         if s.sharded:
@@ -393,8 +401,8 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
             for sl in b.slots:
                 p = before[sl.index]
                 if p.grad is not None and p.data_ptr() != self._data_ptrs[sl.index]:
-                    flat = self._flat_grads[b.index][sl.offset:sl.offset + sl.numel]
-                    p.grad = flat.view(p.shape).to(p.device, p.dtype)
+                    flat = in_layout(self._flat_grads[b.index], sl.offset, self._layouts[sl.index])
+                    p.grad = flat.to(p.device, p.dtype)
         kept = {id(before[i]): d for i, d in self._full_state().items()}
         self._collect_params()      # raises on every rank, changing nothing, if none trains now
         for p in before:

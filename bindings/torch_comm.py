@@ -22,11 +22,48 @@ def dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
+def is_dense(t: torch.Tensor) -> bool:
+    """Every element of ``t`` has its own place in one block of ``numel`` elements (contiguous,
+    channels_last, any permutation of the dimensions): ``t`` can live in a bucket as it is laid out."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+Layout = tuple[torch.Size, tuple[int, ...]]
+
+
+def layout(t: torch.Tensor) -> Layout:
+    """The shape and strides of ``t``: where each of its elements sits in its block."""
+    return t.shape, t.stride()
+
+
+def in_layout(flat: torch.Tensor, offset: int, lay: Layout) -> torch.Tensor:
+    """The block of ``flat`` at ``offset`` seen with the shape and strides ``lay`` (dense): a
+    channels_last parameter's bucket region stays channels_last, so the parameter, its gradient
+    and its optimizer state map element for element onto the same flat positions."""
+    shape, stride = lay
+    return flat[offset:offset + shape.numel()].as_strided(shape, stride)
+
+
+def flat_in_layout(t: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """``t`` as a 1-D tensor in the memory order of ``lay`` (a copy)."""
+    flat = torch.empty(lay[0].numel(), dtype=t.dtype, device=t.device)
+    in_layout(flat, 0, lay).copy_(t)
+    return flat
+
+
 def agree_tensors(comm: commlib.Communicator, what: str, tensors: list[torch.Tensor], extra: str = "",
-           problem: str | None = None) -> None:
+           problem: str | None = None, layout: bool = False) -> None:
     """Raise the same error on every rank unless all ranks have the same tensors (shapes, dtypes,
-    devices) and ``extra`` settings, and none has a ``problem`` (one small all-gather)."""
-    desc = ";".join(f"{tuple(t.shape)}/{dtype_name(t)}/{t.device.type}" for t in tensors) + "|" + extra
+    devices; with ``layout`` also the strides of those not contiguous) and ``extra`` settings, and
+    none has a ``problem`` (one small all-gather)."""
+    desc = ";".join(f"{tuple(t.shape)}/{dtype_name(t)}/{t.device.type}"
+                    + (f"/{t.stride()}" if layout and not t.is_contiguous() else "")
+                    for t in tensors) + "|" + extra
     try:
         agree(comm, what, desc, noun="tensor list",
               summary=f"{len(tensors)} tensors, {sum(t.numel() for t in tensors)} elements", problem=problem)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .torch_comm import dtype_name
+from .torch_comm import Layout, dtype_name, flat_in_layout, in_layout
 
 __all__ = ["ConsolidatedState"]
 
@@ -31,6 +31,7 @@ class ConsolidatedState:
     buckets: list[Any]
     _inner: torch.optim.Optimizer
     _params: list[torch.nn.Parameter]
+    _layouts: list[Layout]
     _flat_params: list[torch.Tensor]
     _pieces: list[tuple[torch.Tensor, int, slice, int, slice]]
     _shard_opt: torch.optim.Optimizer
@@ -76,8 +77,7 @@ class ConsolidatedState:
                 self.comm.allgather(flat[base:base + b.shard_numel], out=flat, tag="state")
                 for sl in b.slots:
                     if sl.index in out:
-                        view = flat[sl.offset:sl.offset + sl.numel].view_as(self._params[sl.index])
-                        out[sl.index][key] = view.clone()
+                        out[sl.index][key] = in_layout(flat, sl.offset, self._layouts[sl.index]).clone()
         return out
 
     def _set_full_state(self, full: dict[int, dict[str, Any]]) -> None:
@@ -95,7 +95,7 @@ class ConsolidatedState:
             if d is None:
                 continue
             self._shard_opt.state[piece] = {
-                k: (v.reshape(-1)[pslice].to(piece.device, piece.dtype).clone()
+                k: (flat_in_layout(v.to(piece.device, piece.dtype), self._layouts[idx])[pslice].clone()
                     if torch.is_tensor(v) and v.dim() > 0
                     else v.clone() if torch.is_tensor(v) else v)
                 for k, v in d.items()}

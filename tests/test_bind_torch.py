@@ -414,3 +414,77 @@ def test_syncswitch_through_distributed_optimizer_keeps_replicas_identical_at_bs
     assert "asp" in phases and phases[-1] == "bsp", phases
     assert [s["to"] for s in ss.switches] == ["asp", "bsp"]
     ss.close()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("name", ["allreduce", "dear"])
+def test_channels_last_model_trains_and_checkpoints_as_one_process(comm, name, when):
+    """A CNN in channels_last (converted before wrapping, or after a step: a re-plan) keeps its layout in
+    the buckets and trains as one process; the checkpoint's AdamW state is the reference's, in the
+    parameters' layout, and a fresh channels_last optimizer resumes from it (it was refused:
+    "not contiguous")."""
+    channels_last = torch.channels_last
+
+    def make(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 6, 3), torch.nn.ReLU(), torch.nn.Conv2d(6, 4, 3),
+                                   torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 2))
+
+    def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(300 + step)
+        x = torch.randn(2 * comm.size, 3, 8, 8, generator=g).contiguous(memory_format=channels_last)
+        return x, torch.randn(2 * comm.size, 2, generator=g)
+
+    def train(model, opt, steps: range, dist: bool) -> None:
+        for step in steps:
+            x, y = data(step)
+            mine = slice(2 * comm.rank, 2 * comm.rank + 2) if dist else slice(None)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+            opt.step()
+
+    ref = make(0).to(memory_format=channels_last)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    train(ref, ref_opt, range(3), False)
+    model = make(comm.rank)
+    if when == "before":
+        model.to(memory_format=channels_last)
+    opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model,
+                               strategy=STRATEGIES[name](), comm=comm)
+    if when == "after":             # mid-training: AdamW's state moves to the new layout too
+        train(model, opt, range(1), True)
+        opt.flush()
+        model.to(memory_format=channels_last)
+    train(model, opt, range(1 if when == "after" else 0, 3), True)
+    assert model[0].weight.is_contiguous(memory_format=channels_last)
+    msd, osd = model.state_dict(), opt.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(msd[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    for i, st in ref_opt.state_dict()["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(osd["state"][i][key], st[key], rtol=1e-5, atol=1e-7, msg=f"{i} {key}")
+    model2 = make(comm.rank + 9).to(memory_format=channels_last)
+    opt2 = DistributedOptimizer(torch.optim.AdamW(model2.parameters(), lr=0.01), model2,
+                                strategy=STRATEGIES[name](), comm=comm)
+    model2.load_state_dict(msd)
+    opt2.load_state_dict(osd)
+    train(ref, ref_opt, range(3, 5), False)
+    train(model2, opt2, range(3, 5), True)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(model2.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_layouts_differing_across_ranks_or_with_gaps_raise_on_every_rank(comm):
+    """Buckets are averaged element for element in memory order: the last rank's channels_last
+    model against the others' contiguous one would mix elements, so every rank refuses; so does
+    a parameter with gaps (a strided slice), which cannot live in a bucket as it is."""
+    conv = torch.nn.Conv2d(3, 4, 3)
+    if comm.rank == comm.size - 1:
+        conv.to(memory_format=torch.channels_last)
+    with pytest.raises(ValidationError, match=f"rank {comm.size - 1}.*differ|differ.*rank {comm.size - 1}"):
+        DistributedOptimizer(torch.optim.SGD(conv.parameters(), lr=0.1), conv, comm=comm)
+    gappy = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(4, 6)[:, ::2])])
+    with pytest.raises(ValidationError, match=r"has gaps or overlaps \(strides \(6, 2\)\)"):
+        DistributedOptimizer(torch.optim.SGD(gappy.parameters(), lr=0.1), gappy, comm=comm)

@@ -346,13 +346,9 @@ def test_readme_loop_runs_verbatim(comm, tmp_path):
 @pytest.mark.parametrize("compiled", ["model", "step"])
 @pytest.mark.parametrize("strategy", ["allreduce", "dear"])
 def test_compiled_training_with_unfreezing_trains_as_one_process(comm, strategy, compiled):
-    """``torch.compile`` (aot_eager: Dynamo and AOTAutograd, no C++ build) of the model, or of the
-    whole step (zero_grad, forward, backward, step): DeAR's waits, the re-plan after unfreezing,
-    the gradient hooks and the optimizer's methods run outside the traced code (traced, the
-    re-plan failed and the step's collectives met fake tensors).  The one-process reference, the
-    same class without hooks, is compiled first, as in a fresh process where Dynamo does not
-    guard on module hooks: its code must not run the wrapped model (it did, without DeAR's
-    waits, until wrapping turned the guards on)."""
+    """``torch.compile`` (aot_eager) of the model or of the whole step: hooks, re-plan and the
+    optimizer's methods run eagerly.  The reference, same class without hooks, is compiled first
+    with Dynamo's module-hook guards off: its code must not run the wrapped model."""
 
     def run(dist: bool) -> Net:
         model, opt = make(comm.rank if dist else 0, "unfreeze")

@@ -33,7 +33,7 @@ setting ``.grad`` to ``None``; a model moved or converted after wrapping
 (``DeAR``: ``opt.flush()`` first).  Gradients are averaged over ranks; the
 ``backward_passes_per_step`` passes add up (scale the loss).  Optimizers must be
 elementwise for sharded strategies (``DeAR``): SGD (momentum, Nesterov),
-Adam, AdamW, RMSprop, Adagrad... but not LBFGS.  With ``DeAR``, ``.grad``
+Adam, AdamW, RMSprop, Adagrad... but not LBFGS, Adafactor or Muon.  With ``DeAR``, ``.grad``
 after backward holds the averaged gradient on this rank's shard only: clip
 with ``opt.clip_grad_norm_``, or call ``opt.synchronize()`` (one extra
 all-gather) before code that reads every ``.grad`` (torch's
@@ -65,6 +65,11 @@ from .torch_comm import (
 from .torch_loop import TrainingLoop
 from .torch_norm import SyncBatchNorm
 from .torch_state import ConsolidatedState
+
+#: torch optimizers whose update of an element depends on others of its tensor (a line search, factored
+#: second moments, orthogonalized matrices): they cannot run on shards
+_WHOLE_TENSOR_OPTIMIZERS = tuple(getattr(torch.optim, n) for n in ("LBFGS", "Adafactor", "Muon")
+                                 if hasattr(torch.optim, n))      # the last two: newer torch
 
 __all__ = ["DistributedOptimizer", "SyncBatchNorm", "broadcast_parameters", "broadcast_optimizer_state",
            "register_comm_hook"]
@@ -202,8 +207,13 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
                             "dummy batch before wrapping")
         if not params:
             problems.append("the optimizer has no parameter that requires a gradient")
-        if self.strategy.sharded and isinstance(self._inner, torch.optim.LBFGS):
-            problems.append(f"{self.strategy.name} updates shards: LBFGS is not elementwise")
+        if isinstance(self._inner, torch.optim.SparseAdam):
+            problems.append("SparseAdam needs sparse gradients, but they are averaged in dense buckets "
+                            "(as Horovod's sparse_as_dense): use Adam or AdamW")
+        if self.strategy.sharded and isinstance(self._inner, _WHOLE_TENSOR_OPTIMIZERS):
+            problems.append(f"{self.strategy.name} updates flat shards of the buckets: "
+                            f"{type(self._inner).__name__} is not elementwise (it needs whole parameters); "
+                            "use AllReduce, or an elementwise optimizer")
         agree_tensors(self.comm, "DistributedOptimizer", params,
                       f"groups {group_of}|{self.strategy!r}|{self.backward_passes_per_step}|"
                       f"{self.find_unused_parameters}",

@@ -16,11 +16,37 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from .torch_comm import Layout, dtype_name, flat_in_layout, in_layout
 
 __all__ = ["ConsolidatedState"]
+
+
+def _as_torch(obj: Any) -> Any:
+    """A strategy's state (numpy arrays and scalars inside dicts and lists) as ``torch.load``'s
+    default ``weights_only=True`` reads it back: arrays as tensors, numpy scalars as Python's."""
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.copy())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {k: _as_torch(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_as_torch(v) for v in obj)
+    return obj
+
+
+def _as_numpy(obj: Any) -> Any:
+    """The inverse of :func:`_as_torch`: tensors back to the numpy arrays the strategy saved."""
+    if torch.is_tensor(obj):
+        return obj.detach().cpu().numpy()
+    if isinstance(obj, dict):
+        return {k: _as_numpy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_as_numpy(v) for v in obj)
+    return obj
 
 
 class ConsolidatedState:
@@ -116,7 +142,7 @@ class ConsolidatedState:
         finally:
             self._inner.state.clear()
             self._inner.state.update(saved)
-        sd["commlib"] = {"strategy": self.strategy.state_dict(), "world_size": self.comm.size}
+        sd["commlib"] = {"strategy": _as_torch(self.strategy.state_dict()), "world_size": self.comm.size}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -127,7 +153,7 @@ class ConsolidatedState:
         self.param_groups = self._inner.param_groups     # torch replaced the group list
         self.state = self._inner.state
         if extra is not None:
-            self.strategy.load_state_dict(extra["strategy"])
+            self.strategy.load_state_dict(_as_numpy(extra["strategy"]))
             if self.strategy.cap_bytes != self._planned_cap:     # the checkpoint was tuned
                 self.replan()
         if self.strategy.sharded:

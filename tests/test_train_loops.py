@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import warnings
 
 import numpy as np
@@ -106,7 +107,10 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
         if strategy:
             x, y = x[rank * LOCAL:(rank + 1) * LOCAL], y[rank * LOCAL:(rank + 1) * LOCAL]
         if strategy and pattern == "checkpoint" and step == CUT:    # save without flush(), resume fresh
-            msd, osd = copy.deepcopy(model.state_dict()), opt.state_dict()
+            buf = io.BytesIO()      # through torch.save and torch.load's default weights_only=True
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+            buf.seek(0)
+            msd, osd = torch.load(buf).values()
             if isinstance(opt.strategy, SyncSwitch):
                 opt.strategy.close()
             model, base = make(rank + 7, pattern)
@@ -335,49 +339,11 @@ def test_readme_loop_runs_verbatim(comm, tmp_path):
         val = sum(torch.nn.functional.mse_loss(ref(x), y).item() for x, y in ns["val_loader"]) / 2
     assert ns["val_loss"] == pytest.approx(val, rel=2e-2)
     if rank == 0:
-        saved = torch.load(ns["path"], weights_only=False)
+        saved = torch.load(ns["path"])
         saved_params = torch.cat([v.reshape(-1) for v in saved["model"].values()]).numpy()
         np.testing.assert_array_equal(saved_params, vec)
         plain = torch.optim.AdamW(make(0, "plain")[0].parameters(), lr=1e-3)
         plain.load_state_dict({k: v for k, v in saved["opt"].items() if k != "commlib"})
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("compiled", ["model", "step"])
-@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
-def test_compiled_training_with_unfreezing_trains_as_one_process(comm, strategy, compiled):
-    """``torch.compile`` (aot_eager) of the model or of the whole step: hooks, re-plan and the
-    optimizer's methods run eagerly.  The reference, same class without hooks, is compiled first
-    with Dynamo's module-hook guards off: its code must not run the wrapped model."""
-
-    def run(dist: bool) -> Net:
-        model, opt = make(comm.rank if dist else 0, "unfreeze")
-        model.fc1.requires_grad_(False)
-        if dist:
-            opt = wrap(comm, strategy, model, opt)
-        forward = torch.compile(model, backend="aot_eager") if compiled == "model" else model
-
-        def train_step(x: torch.Tensor, y: torch.Tensor) -> None:
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(forward(x), y).backward()
-            opt.step()
-
-        if compiled == "step":
-            train_step = torch.compile(train_step, backend="aot_eager")
-        for step in range(STEPS):
-            if step == 1:
-                model.fc1.requires_grad_(True)
-            x, y = batch(step, comm.size)
-            mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL) if dist else slice(None)
-            train_step(x[mine], y[mine])
-        return model
-
-    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
-        ref = params_of(run(False))
-        vec = params_of(run(True))
-    for r, other in enumerate(comm.allgather(vec)):
-        np.testing.assert_array_equal(other, vec, err_msg=f"rank {r} differs from rank {comm.rank}")
-    np.testing.assert_allclose(vec, ref, rtol=2e-5, atol=2e-6)
 
 
 @pytest.mark.mpi

@@ -217,7 +217,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         agree_tensors(self.comm, "DistributedOptimizer", params,
                       f"groups {group_of}|{self.strategy!r}|{self.backward_passes_per_step}|"
                       f"{self.find_unused_parameters}",
-                      "; ".join(problems) or None, layout=True)
+                      "; ".join(problems) or None, strides=True)
         self._params, self._group_of = params, group_of
         #: the optimizer's parameters that do not train now (watched for requires_grad changes)
         self._frozen = frozen

@@ -57,12 +57,12 @@ def flat_in_layout(t: torch.Tensor, lay: Layout) -> torch.Tensor:
 
 
 def agree_tensors(comm: commlib.Communicator, what: str, tensors: list[torch.Tensor], extra: str = "",
-           problem: str | None = None, layout: bool = False) -> None:
+           problem: str | None = None, strides: bool = False) -> None:
     """Raise the same error on every rank unless all ranks have the same tensors (shapes, dtypes,
-    devices; with ``layout`` also the strides of those not contiguous) and ``extra`` settings, and
+    devices; with ``strides`` also the strides of those not contiguous) and ``extra`` settings, and
     none has a ``problem`` (one small all-gather)."""
     desc = ";".join(f"{tuple(t.shape)}/{dtype_name(t)}/{t.device.type}"
-                    + (f"/{t.stride()}" if layout and not t.is_contiguous() else "")
+                    + (f"/{t.stride()}" if strides and not t.is_contiguous() else "")
                     for t in tensors) + "|" + extra
     try:
         agree(comm, what, desc, noun="tensor list",

@@ -14,6 +14,8 @@ Settings come from ``COMMLIB_*`` variables or keywords (see :mod:`commlib.config
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -31,6 +33,29 @@ from .errors import (
 )
 from .ops import OPS
 from .work import Work
+
+#: set by MPI launchers in every rank's environment (MPICH/Intel MPI, PMIx, Open MPI, MVAPICH)
+_LAUNCHER_VARS = ("PMI_RANK", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
+
+
+def _child_of_rank() -> bool:
+    """This process was started by multiprocessing from an MPI rank: a DataLoader worker, a Pool.
+
+    Importing commlib there (the user's script is imported again under spawn or forkserver, or a
+    pickled object's module) imports mpi4py.MPI, whose default initialization joined the job as
+    the rank's twin through the inherited launcher variables and aborted it.  While a spawned
+    child imports and unpickles it has no parent process yet, only ``_inheriting`` (set by
+    CPython's spawn and forkserver for that time)."""
+    started = (multiprocessing.parent_process() is not None
+               or getattr(multiprocessing.current_process(), "_inheriting", False))
+    return bool(started) and any(v in os.environ for v in _LAUNCHER_VARS)
+
+
+if _child_of_rank():     # MPI is left alone there (none of the imports above imports mpi4py.MPI)
+    import mpi4py
+
+    mpi4py.rc.initialize = False
+    mpi4py.rc.finalize = False
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -119,12 +144,19 @@ def init(backend: str | None = None, comm: Any = None, **settings: Any) -> Commu
         (0, 4)
     """
     global _world
+    if _child_of_rank():
+        raise CommlibError("commlib.init() in a process that multiprocessing started from an MPI rank "
+                           "(a DataLoader worker, a Pool): only the rank's own process communicates; "
+                           "call commlib.init() under `if __name__ == '__main__':`")
     if _world is not None and backend is None and comm is None and not settings:
         return _world
     from mpi4py import MPI
 
     from .communicator import Communicator
 
+    if not MPI.Is_initialized():
+        raise CommlibError("commlib.init(): MPI is not initialized (mpi4py.rc.initialize is False): "
+                           "call MPI.Init_thread(MPI.THREAD_MULTIPLE) first")
     cfg = Config.from_env(backend=backend, **settings)
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         levels = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED",

@@ -207,3 +207,41 @@ def test_uneven_loaders_stop_together_and_train_as_one_process(comm, strategy):
         ref_opt.step()
     for (k, v), w in zip(model.state_dict().items(), ref.state_dict().values()):
         np.testing.assert_allclose(v.numpy(), w.numpy(), rtol=2e-5, atol=2e-6, err_msg=k)
+
+
+class Squares:
+    """A map-style dataset a spawned DataLoader worker unpickles, importing this module (and with it
+    commlib.collectives) again."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        return i * i
+
+
+def init_commlib_in_worker(worker_id: int) -> None:
+    commlib.init()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+def test_spawned_loader_workers_leave_mpi_alone(comm):
+    """DataLoader workers started with spawn (forkserver: Python 3.14's default on Linux) import
+    commlib again; mpi4py's import initialized MPI there, joining the job through the inherited
+    launcher variables (MPICH: "PMI_Init failed", the worker aborted).  Now the workers load, the
+    ranks still agree, and a worker that calls commlib.init() gets commlib's error (checked before
+    the rank's own communicator, which a forked worker would have inherited)."""
+    import os
+
+    import torch
+
+    def loader(context: str, **kw):
+        return torch.utils.data.DataLoader(Squares(), batch_size=4, num_workers=1,
+                                           multiprocessing_context=context, **kw)
+
+    assert torch.cat(list(loader("spawn"))).tolist() == [i * i for i in range(8)]
+    assert float(comm.allreduce(np.ones(1))[0]) == comm.size
+    if "PMI_RANK" in os.environ:          # under mpiexec: the worker is a rank's child
+        with pytest.raises(commlib.CommlibError, match="only the rank's own process communicates"):
+            list(loader("spawn", worker_init_fn=init_commlib_in_worker))

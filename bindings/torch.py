@@ -138,6 +138,8 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         self.state = optimizer.state
 
         self._collect_params()
+        self._retired_by = ""
+        self._retire_older_owners()
         self._hooks: list[Any] = []
         self.strategy.on_switch(self._on_switch)
         self._build(self.strategy.cap_bytes, broadcast=broadcast)
@@ -351,6 +353,9 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Wait for the gradients, update, and start what overlaps the next forward."""
+        if self._retired_by:
+            raise RuntimeError(f"DistributedOptimizer: replaced by a newer one ({self._retired_by}) wrapping "
+                               "the same parameters; step the new one")
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -38,6 +38,7 @@ from __future__ import annotations
 import numbers
 import operator
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -47,6 +48,9 @@ import torch
 import torch._dynamo
 
 __all__ = ["TrainingLoop", "ModelHook", "InertHook"]
+
+#: id(parameter) -> (the parameter, the optimizer that trains it), both weakly held
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _DATA_PTR = torch.Tensor.data_ptr
@@ -116,8 +120,11 @@ class TrainingLoop:
     buckets: list[Any]
     backward_passes_per_step: int
     find_unused_parameters: bool
+    _inner: torch.optim.Optimizer
     _params: list[torch.nn.Parameter]
     _frozen: list[torch.nn.Parameter]
+    _hooks: list[Any]
+    _retired_by: str
     _data_ptrs: list[int]
     _flat_grads: list[torch.Tensor]
     _shard_grads: list[torch.Tensor]
@@ -132,10 +139,36 @@ class TrainingLoop:
         model = self.model
         _guard_module_hooks_under_compile()
         complete = self._hook(lambda *_: self.strategy.complete())
-        for m in model.modules():
-            m.register_state_dict_pre_hook(complete)
-            m.register_load_state_dict_pre_hook(complete)
-        model.register_forward_pre_hook(self._hook(self._before_forward))
+        self._loop_hooks = [h for m in model.modules() for h in (m.register_state_dict_pre_hook(complete),
+                                                                  m.register_load_state_dict_pre_hook(complete))]
+        self._loop_hooks.append(model.register_forward_pre_hook(self._hook(self._before_forward)))
+
+    def _retire_older_owners(self) -> None:
+        """A new optimizer for parameters that another one trains (a new phase of training: another
+        optimizer class, or all parameters after unfreezing) replaces it, as a new optimizer does
+        beside DDP: the old one finishes its communication and leaves the model (its hooks kept
+        averaging, re-planning and waiting against this one's).  Same order on every rank."""
+        older = []
+        for p in self._params + self._frozen:
+            entry = _OWNERS.get(id(p))
+            owner = entry[1]() if entry is not None and entry[0]() is p else None
+            if owner is not None and owner is not self and not owner._retired_by and owner not in older:
+                older.append(owner)
+            _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self))
+        for owner in older:
+            owner._retire(f"{type(self._inner).__name__} with {self.strategy.name}")
+            left = [p for p in owner._params if _OWNERS[id(p)][1]() is not self]
+            if left:
+                warnings.warn(f"DistributedOptimizer: the new optimizer replaces an older one, whose other "
+                              f"{len(left)} parameters are no longer averaged", stacklevel=3)
+
+    def _retire(self, by: str) -> None:
+        """A newer optimizer wraps these parameters: finish what is in flight, leave the model."""
+        self.strategy.flush()
+        for h in self._hooks + self._loop_hooks:
+            h.remove()
+        self._hooks, self._loop_hooks = [], []
+        self._retired_by = by
 
     def _hook(self, fn: Any) -> "ModelHook":
         """``fn`` as a hook on the user's model, left behind by copies of the model."""

@@ -426,3 +426,41 @@ def test_channels_last_model_trains_and_checkpoints_as_one_process(comm, name, w
     train(model2, opt2, range(3, 5), True)
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(model2.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("first,second", [("allreduce", "allreduce"), ("allreduce", "dear"),
+                                          ("dear", "dear")])
+def test_a_new_optimizer_for_the_same_model_replaces_the_old_one(comm, first, second):
+    """A new phase of training with a new optimizer (AdamW, then SGD over the same parameters): the
+    old DistributedOptimizer's hooks kept averaging (twice the communication) and re-planning against
+    the new one's (with DeAR: "parameters were moved ... while dear's communication was still writing
+    them").  The new one replaces it; the old one refuses to step; training matches one process."""
+    def sgd(model):
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def adamw(model):
+        return torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    ref = make_model(0)
+    model = make_model(comm.rank)
+    opt = DistributedOptimizer(adamw(model), model, strategy=STRATEGIES[first](), comm=comm,
+                               find_unused_parameters=True)     # Net.unused never gets one
+    ref_opt = adamw(ref)
+    mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL)
+    for step in range(STEPS):
+        if step == 2:
+            old = opt
+            opt = DistributedOptimizer(sgd(model), model, strategy=STRATEGIES[second](), comm=comm,
+                                       find_unused_parameters=True)
+            ref_opt = sgd(ref)
+            with pytest.raises(RuntimeError, match="replaced by a newer one"):
+                old.step()
+        x, y = batch(step, comm.size)
+        for m, o, part in ((ref, ref_opt, slice(None)), (model, opt, mine)):
+            o.zero_grad()
+            loss_fn(m, x[part], y[part]).backward()
+            o.step()
+    opt.flush()
+    same_on_all_ranks(comm, model)
+    assert_close(model, ref)

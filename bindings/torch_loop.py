@@ -375,8 +375,8 @@ class TrainingLoop:
             raise ValueError(f"backward_passes_per_step {passes!r}: expected an int >= 1")
         return passes
 
-    @torch.no_grad()
     @torch.compiler.disable
+    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients the update will use by their global norm; return that norm (as torch's).
 

@@ -177,14 +177,14 @@ def host_pair(x: Any, out: Any) -> str | None:
 
 
 def is_tracer(x: Any) -> bool:
-    """``x`` is an abstract jax value (inside ``jax.jit``, ``grad`` or ``vmap``), not an array."""
-    jax = sys.modules.get("jax")
-    if jax is None:
-        return False
-    tracer = getattr(jax.core, "Tracer", None)
-    if tracer is None:  # pragma: no cover - newer jax
-        from jax._src.core import Tracer as tracer
-    return isinstance(x, tracer)
+    """``x`` is an abstract jax value (inside ``jax.jit``, ``grad`` or ``vmap``), not an array.
+
+    Asks the jax the caller already imported (``sys.modules``): the core imports no framework."""
+    for module in ("jax.core", "jax._src.core"):     # the public name first; newer jax: only the second
+        tracer = getattr(sys.modules.get(module), "Tracer", None)
+        if tracer is not None:
+            return isinstance(x, tracer)
+    return False
 
 
 def as_view(x: Any, name: str) -> View:

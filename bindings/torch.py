@@ -288,6 +288,8 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         self._hooks = []
         for i, p in enumerate(self._params):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(i)))
+            if self.strategy.sharded and self.strategy.reopens:
+                self._hooks.append(p.register_hook(self._make_pre_accumulate_hook(i)))
         if type(self.strategy).before_forward is not Strategy.before_forward:
             index = {id(p): i for i, p in enumerate(self._params)}
             for m in self.model.modules():
@@ -313,6 +315,12 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
                 self._bucket_need[b] -= 1
                 if self._bucket_need[b] == 0:
                     self._signal(b)
+        return hook
+
+    def _make_pre_accumulate_hook(self, i: int) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            if self._synced:        # a pass after this step's reduction (rare): see _before_accumulate
+                self._before_accumulate(i)
         return hook
 
     def _make_forward_hook(self, bs: list[int]) -> Any:

@@ -11,7 +11,9 @@ between ``backward()`` and ``step()`` meet:
   the gradient the update uses (sharded strategies: one scalar per rank gathered);
 * ``torch.amp.GradScaler``: a non-finite gradient on any rank is non-finite
   on every rank, so every rank skips the same steps and scales alike;
-* ``with opt.no_sync():`` accumulates locally (DDP's name);
+* ``with opt.no_sync():`` accumulates locally (DDP's name); another
+  ``backward()`` after the average, before ``step()``, adds its own average
+  (AllReduce, DeAR), as DDP's does;
 * ``model.state_dict()``, ``model.load_state_dict()``, ``opt.state_dict()``
   and evaluation forwards (``model.eval()`` or ``torch.no_grad()``) wait
   for the communication in flight (DeAR's all-gathers) first;
@@ -234,16 +236,43 @@ class TrainingLoop:
 
         ``fresh``: ``.grad`` had been set to ``None`` since (``model.zero_grad()``)."""
         if self._synced:
-            if not fresh:
-                raise RuntimeError("DistributedOptimizer: backward() ran again after this step's gradients "
-                                   "were averaged, before step() or zero_grad(); accumulate with "
-                                   "opt.no_sync() or backward_passes_per_step")
-            self._close_skipped_step()      # GradScaler skipped the last step(), then model.zero_grad()
+            if fresh:
+                self._close_skipped_step()      # GradScaler skipped the last step(), then model.zero_grad()
+            elif self.strategy.reopens and not self.strategy.sharded:  # sharded: reopened before accumulating
+                self._reopen()
+            else:
+                raise RuntimeError(f"DistributedOptimizer: backward() ran again after this step's gradients "
+                                   f"were averaged, before step() or zero_grad(), and {self.strategy.name} "
+                                   "cannot add another pass to them (AllReduce and DeAR can); accumulate "
+                                   "with opt.no_sync() or backward_passes_per_step")
         self._got[i] = True
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         return self._no_sync_depth == 0
+
+    @torch.compiler.disable     # autograd's pre-accumulation hook: never traced
+    def _before_accumulate(self, i: int) -> None:
+        """Sharded strategies, before parameter ``i``'s gradient is added to ``.grad``: a pass after
+        this step's reduction reopens it while ``.grad`` holds no part of that pass yet."""
+        if self._synced and self._params[i].grad is self._grad_views[i] and self.strategy.reopens:
+            self._reopen()
+
+    def _reopen(self) -> None:
+        """Backward runs again after this step's gradients were averaged, before ``step()`` (a second
+        loss's backward; DCGAN's discriminator, real then fake): as with DDP, this pass is averaged
+        and added to them.  ``.grad`` must hold the whole average first, on every rank (a sharded
+        strategy's shards are all-gathered, as by :meth:`synchronize`): the pass then adds to it,
+        and reducing the sum adds the pass's average."""
+        if self.strategy.sharded:
+            self.synchronize()
+        self.strategy.reopen()
+        k = self.backward_passes_per_step
+        self._counts = [k - 1] * len(self._params)
+        self._bucket_need = [len(b.slots) for b in self.buckets]
+        self._signaled = [False] * len(self.buckets)
+        self._passes = k - 1
+        self._synced = self._gathered = False
 
     @torch.compiler.disable     # autograd's final callback, inside a compiled train step too
     def _backward_done(self) -> None:

@@ -25,6 +25,7 @@ class AllReduce(Strategy):
     """
 
     name = "allreduce"
+    reopens = True
 
     def setup(self, *args: Any, **kwargs: Any) -> None:
         super().setup(*args, **kwargs)

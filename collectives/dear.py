@@ -41,6 +41,7 @@ class DeAR(Strategy):
 
     name = "dear"
     sharded = True
+    reopens = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

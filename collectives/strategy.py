@@ -9,6 +9,7 @@ moment                 called by the binding                               e.g.
 ``setup``              once, with the buckets and their flat buffers        broadcast from rank 0
 ``bucket_ready(b)``    backward filled bucket ``b``'s gradients            WFBP all-reduce, DeAR RS
 ``before_update()``    optimizer step, before the update                   wait for the gradients
+``reopen()``           backward runs again before the update (``reopens``)  a second loss's backward
 ``after_update()``     optimizer step, after the update                    DeAR's all-gathers
 ``before_forward(b)``  before the first module of bucket ``b`` runs        wait for bucket ``b``
 ``flush()``            evaluation, checkpoint, end of training             parameters current
@@ -30,6 +31,13 @@ answers for a strategy that needs nothing from the optimizer):
 - ``syncs_optimizer_state()``: after ``after_update()``, whether to average
   the optimizer's state over the ranks now (False; SelSync's synced steps);
 - ``tuner``: the cap search the binding feeds step times (``tune=True``);
+- ``reopens``: the reduction is linear in the gradient (False; AllReduce
+  and DeAR), so that a backward pass after ``before_update()`` and before the
+  update (a second loss's backward, as DDP allows: DCGAN's discriminator) can
+  be reduced onto the gradients already averaged: the binding calls
+  ``reopen()``, makes every rank's gradient buffers hold the whole average
+  (a sharded strategy's binding all-gathers the shards), lets the pass
+  accumulate into them and signals the buckets again;
 - ``updates_parameters``: the strategy also reads and writes ``params``
   (averages drifted replicas, exchanges parameter deltas), so its binding must
   hand it the model's parameters and run the update between
@@ -85,6 +93,8 @@ class Strategy:
     momentum_scale = 1.0
     #: the strategy reads and writes ``params`` too (not only ``grads``)
     updates_parameters = False
+    #: a backward pass after ``before_update()`` may be reduced onto its result (see :meth:`reopen`)
+    reopens = False
 
     def __init__(self, cap_mb: float = DEFAULT_CAP / MiB, first_cap_mb: float = DEFAULT_FIRST_CAP / MiB,
                  tune: bool | dict[str, Any] = False, last_cap_mb: float = DEFAULT_FIRST_CAP / MiB):
@@ -157,6 +167,14 @@ class Strategy:
     def before_update(self) -> None:
         """Make the gradients the update needs complete (averaged over ranks)."""
         self.launch_remaining()
+
+    def reopen(self) -> None:
+        """Backward runs again after :meth:`before_update`, before the update: launch the buckets
+        again as they fill (only where ``reopens``: the gradient buffers then hold this pass added
+        to the average, and reducing them again gives the sum of both passes' averages)."""
+        if not self.reopens:
+            raise RuntimeError(f"{self.name} cannot reduce another backward pass onto a reduced gradient")
+        self._reset_step()
 
     def after_update(self) -> None:
         """The update is applied; start what may overlap the next forward."""

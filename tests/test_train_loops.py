@@ -266,20 +266,6 @@ def test_selsync_gate_survives_an_overflowed_step(comm):
 
 
 @pytest.mark.mpi
-def test_second_backward_before_step_raises(comm):
-    """Accumulating without saying so would drop a pass: every rank raises, naming the fix."""
-    model, base = make(comm.rank, "plain")
-    opt = wrap(comm, "allreduce", model, base)
-    x, y = batch(0, comm.size)
-    torch.nn.functional.mse_loss(model(x[:LOCAL]), y[:LOCAL]).backward()
-    with pytest.raises(RuntimeError, match="no_sync"):
-        torch.nn.functional.mse_loss(model(x[:LOCAL]), y[:LOCAL]).backward()
-    opt.zero_grad()                # closes the step; training goes on
-    torch.nn.functional.mse_loss(model(x[:LOCAL]), y[:LOCAL]).backward()
-    opt.step()
-
-
-@pytest.mark.mpi
 @pytest.mark.parametrize("strategy", ["allreduce", "dear"])
 def test_add_param_group_refusals_leave_the_optimizer_as_it_was(comm, strategy):
     """A group that differs on one rank raises on every rank and is not added; adding one between

@@ -1,0 +1,150 @@
+"""Several backward passes before one ``step()``, as one process (and DDP) allows them.
+
+A second ``backward()`` after the gradients were averaged (DCGAN's
+discriminator: real, then fake; two losses of one forward with
+``retain_graph``) adds that pass's average to them, for the strategies whose
+reduction is linear (AllReduce, DeAR: its shards are all-gathered before the
+pass accumulates); the others raise on every rank, naming the fix.  Every
+result is checked against one process on the concatenated batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+from conftest import HAVE_TORCH
+
+pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+
+if HAVE_TORCH:
+    import torch
+
+    from commlib.bindings.torch import DistributedOptimizer
+    from commlib.collectives import AllReduce, DeAR, SelSync
+    from commlib.sparsify import Dense, SparseAllReduce
+
+    torch.set_num_threads(1)
+
+LOCAL = 3          # samples per rank per step
+STEPS = 4
+SMALL = {"cap_mb": 0.0002, "first_cap_mb": 0.0001}     # several buckets on the tiny models
+STRATEGIES = {
+    "allreduce": lambda: AllReduce(**SMALL),
+    "dear": lambda: DeAR(**SMALL),
+    "selsync0": lambda: SelSync(inner=AllReduce(**SMALL), delta=0.0, mode="grads"),
+    "sparse-dense": lambda: SparseAllReduce(selector=Dense()),
+} if HAVE_TORCH else {}
+
+
+def flat(*models: torch.nn.Module) -> np.ndarray:
+    return torch.cat([v.detach().reshape(-1) for m in models for v in m.state_dict().values()]).numpy()
+
+
+def local_slice(comm, dist: bool, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.chunk(comm.size)[comm.rank] if dist else t for t in tensors]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
+def test_dcgan_loop_trains_as_one_process(comm, strategy):
+    """PyTorch's DCGAN example as it is written: the discriminator's step takes two backward
+    passes (real, then fake), the generator's backward runs through the discriminator, whose
+    gradients ``netD.zero_grad()`` drops at the next iteration."""
+
+    def run(dist: bool) -> np.ndarray:
+        torch.manual_seed(0)
+        netG = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+        netD = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1),
+                                   torch.nn.Sigmoid())
+        optG = torch.optim.SGD(netG.parameters(), lr=0.2, momentum=0.5)
+        optD = torch.optim.SGD(netD.parameters(), lr=0.2, momentum=0.5)
+        if dist:
+            optG = DistributedOptimizer(optG, netG, strategy=STRATEGIES[strategy](), comm=comm)
+            optD = DistributedOptimizer(optD, netD, strategy=STRATEGIES[strategy](), comm=comm)
+        criterion = torch.nn.BCELoss()
+        g = torch.Generator().manual_seed(5)
+        for _ in range(STEPS):
+            noise, real = local_slice(comm, dist, *torch.randn(2, LOCAL * comm.size, 4, generator=g))
+            netD.zero_grad()
+            output = netD(real + 2)
+            errD_real = criterion(output, torch.ones_like(output))
+            errD_real.backward()
+            fake = netG(noise)
+            output = netD(fake.detach())
+            errD_fake = criterion(output, torch.zeros_like(output))
+            errD_fake.backward()
+            optD.step()
+            netG.zero_grad()
+            output = netD(fake)
+            errG = criterion(output, torch.ones_like(output))
+            errG.backward()
+            optG.step()
+        return flat(netG, netD)
+
+    np.testing.assert_allclose(run(True), run(False), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
+@pytest.mark.parametrize("pattern", ["retain_graph", "after-no_sync", "three-passes-of-two"])
+def test_passes_after_the_average_add_up_as_one_process(comm, strategy, pattern):
+    """``retain_graph``: two losses of one forward, no forward between the passes (DeAR must
+    gather its shards before the second pass accumulates); ``after-no_sync``: a local pass, the
+    averaged one, then one more; ``three-passes-of-two``: ``backward_passes_per_step=2`` and a
+    third pass.  Clipped by the global norm after the passes."""
+
+    def run(dist: bool) -> np.ndarray:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+        passes = 2 if pattern == "three-passes-of-two" else 1
+        if dist:
+            opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[strategy](), comm=comm,
+                                       backward_passes_per_step=passes)
+        g = torch.Generator().manual_seed(7)
+        for _ in range(STEPS):
+            x, y = local_slice(comm, dist, torch.randn(LOCAL * comm.size, 5, generator=g),
+                               torch.randn(LOCAL * comm.size, 2, generator=g))
+            opt.zero_grad()
+            if pattern == "retain_graph":
+                out = model(x)
+                torch.nn.functional.mse_loss(out, y).backward(retain_graph=True)
+                out.abs().mean().backward()
+            else:
+                losses = [torch.nn.functional.mse_loss(model(x * k), y) / 3 for k in (1.0, 0.5, -1.0)]
+                with opt.no_sync() if dist and pattern == "after-no_sync" else contextlib.nullcontext():
+                    losses[0].backward()
+                for loss in losses[1:]:
+                    loss.backward()
+            if dist:
+                opt.clip_grad_norm_(0.5)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+        if dist:
+            opt.flush()
+        return flat(model)
+
+    np.testing.assert_allclose(run(True), run(False), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["selsync0", "sparse-dense"])
+def test_a_pass_after_the_average_raises_where_it_cannot_add(comm, strategy):
+    """A gate or error feedback cannot take a pass onto a reduced gradient: every rank raises,
+    naming the strategy and the fix, and training goes on after ``zero_grad()``."""
+    torch.manual_seed(comm.rank)
+    model = torch.nn.Linear(3, 2)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                               strategy=STRATEGIES[strategy](), comm=comm)
+    x = torch.randn(LOCAL, 3)
+    model(x).square().mean().backward()
+    name = opt.strategy.name
+    with pytest.raises(RuntimeError, match=f"{name} cannot add another pass.*no_sync"):
+        model(x).square().mean().backward()
+    opt.zero_grad()                # closes the step; training goes on
+    model(x).square().mean().backward()
+    opt.step()

@@ -82,7 +82,8 @@ class ConsolidatedState:
                     d[k] = ("tensor", v.item(), dtype_name(v))
                 else:
                     d[k] = ("value", v, None)
-        gathered = self.comm.mpi_comm.allgather((sorted(keys), scalars))
+        gathered = self.comm.allgather_object((sorted(keys), scalars),
+                                              label="DistributedOptimizer.state_dict()")
         all_keys = sorted(set().union(*(set(k) for k, _ in gathered)))
         out: dict[int, dict[str, Any]] = {}
         for _, part in gathered:

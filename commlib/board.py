@@ -12,6 +12,8 @@ Ranks on other nodes are not observable: they are reported as unknown.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,9 +21,15 @@ import numpy as np
 from .errors import CommTimeoutError
 
 IDLE, IN_OP, REJECTED, TIMED_OUT, ABORTED = 0, 1, 2, 3, 4
+#: in a blocking call outside the operations' order (``Communicator.allgather_object``); the
+#: reason text holds the call's label, the sequence number the last operation called before it
+IN_CALL = 5
+#: closing the communicator (its program ended, or close()): after the last operation it called
+CLOSING = 6
 _STATE_NAMES = {IDLE: "idle after", IN_OP: "in", REJECTED: "rejected", TIMED_OUT: "timed out in",
                 ABORTED: "aborted after"}
-_INTS = 4            # seq, op code, state, spare
+_WITH_TEXT = (REJECTED, ABORTED, IN_CALL)
+_INTS = 4            # seq, op code, state, calls made (:meth:`Board.calling`)
 _TEXT = 192          # bytes of reason text per slot
 _SLOT = _INTS * 8 + _TEXT
 
@@ -35,8 +43,14 @@ class PeerState:
     op: str
     state: int
     reason: str
+    calls: int = 0      # calls outside the operations' order made so far (:meth:`Board.calling`)
 
     def describe(self) -> str:
+        if self.state == IN_CALL:
+            return f"rank {self.rank} is in {self.reason} (after #{self.seq}), a call every rank must make"
+        if self.state == CLOSING:
+            return (f"rank {self.rank} closed the communicator after #{self.seq} "
+                    "(its program ended or called close())")
         if self.seq == 0:
             return f"rank {self.rank} has not called any operation"
         return f"rank {self.rank} {_STATE_NAMES.get(self.state, '?')} {self.op} #{self.seq}"
@@ -66,33 +80,70 @@ class Board:
         self.members = MPI.Group.Translate_ranks(
             self.node.Get_group(), list(range(self.node.size)), mpi_comm.Get_group())
         self._mine = self._ints[self.node.rank]
+        # every slot's state in one strided view: quiet() asks all of them in one numpy call
+        self._states = mem.view(np.int64).reshape(self.node.size, _SLOT // 8)[:, 2]
         self._mine[:] = 0
+        #: calls outside the operations' order this rank has made (:meth:`calling`)
+        self.calls = 0
         self.node.Barrier()
 
     def set(self, seq: int, op: str, state: int, reason: str = "") -> None:
         """Publish this rank's current operation (plain stores, no MPI call)."""
-        if state > IN_OP:   # REJECTED, TIMED_OUT, ABORTED: the reason (may be empty) replaces the last
-            raw = reason.encode("utf-8", "replace")[:_TEXT - 1]
-            text = self._slots[self.node.rank, _INTS * 8:]
-            text[:] = 0
-            text[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        if state > IN_OP:   # REJECTED, TIMED_OUT, ABORTED, ...: the reason (may be empty) replaces the last
+            self._text(reason)
         mine = self._mine_mv
+        mine[0] = seq       # the state last: a peer reading meanwhile sees the old state beside the
+        mine[1] = self._codes.get(op, -1)      # new operation, never the new state beside an old one
         mine[2] = state
-        mine[1] = self._codes.get(op, -1)
-        mine[0] = seq
+
+    def quiet(self) -> bool:
+        """No node-local rank (this one included) is past plain waiting: none rejected its input,
+        aborted, is in a call outside the operations' order, or is closing (a waiter's fast check)."""
+        return bool(self._states.max() <= IN_OP)
 
     def peers(self) -> list[PeerState]:
         """Every node-local rank's slot (including this rank's)."""
         out = []
         for i, comm_rank in enumerate(self.members):
-            seq, code, state, _ = (int(v) for v in self._ints[i])
+            seq, code, state, calls = (int(v) for v in self._ints[i])
             reason = ""
-            if state in (REJECTED, ABORTED):
+            if state in _WITH_TEXT:
                 reason = bytes(self._slots[i, _INTS * 8:]).split(b"\0", 1)[0].decode(
                     "utf-8", "replace")
             op = self._ops[code] if 0 <= code < len(self._ops) else "?"
-            out.append(PeerState(comm_rank, seq, op, state, reason))
+            out.append(PeerState(comm_rank, seq, op, state, reason, calls))
         return out
+
+    def _text(self, reason: str) -> None:
+        raw = reason.encode("utf-8", "replace")[:_TEXT - 1]
+        text = self._slots[self.node.rank, _INTS * 8:]
+        text[:] = 0
+        text[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+
+    @contextmanager
+    def calling(self, seq: int, label: str) -> Iterator[None]:
+        """Show this rank in the call ``label`` (after operation ``seq``) while inside; as before after,
+        unless the communicator was aborted meanwhile."""
+        mine = self._mine_mv
+        saved = (mine[0], mine[1], mine[2])
+        self.calls += 1
+        mine[3] = self.calls
+        self.set(seq, "?", IN_CALL, label)
+        try:
+            yield
+        finally:
+            if mine[2] == IN_CALL:
+                mine[2], mine[1], mine[0] = saved[2], saved[1], saved[0]
+
+    def not_coming(self, seq: int, call: bool) -> list[PeerState]:
+        """Node-local ranks that cannot join this rank's wait for operation ``seq`` (with ``call``:
+        for the call it is in, made after operation ``seq``) while it waits: inside a call that
+        this rank has not made, made before that operation (they call it only after the call
+        returns, which needs this rank), or closing the communicator without having called it."""
+        calls = self.calls
+        return [p for p in self.peers()
+                if (p.state == IN_CALL and not call and p.seq < seq and p.calls > calls)
+                or (p.state == CLOSING and (p.calls < calls if call else p.seq < seq))]
 
     def rejected(self, seq: int) -> list[PeerState]:
         """Peers that rejected their input to operation ``seq``."""
@@ -107,7 +158,8 @@ class Board:
         ranks on other nodes, and a sentence saying so (what each missing rank is doing)."""
         peers = {p.rank: p for p in self.peers()}
         waiting = sorted(r for r, p in peers.items()
-                         if p.seq == seq and p.op == name and p.state in (IN_OP, ABORTED))
+                         if (p.seq == seq and p.op == name and p.state in (IN_OP, ABORTED))
+                         or (p.state == IN_CALL and p.reason == name))
         missing = [r for r in range(size) if r in peers and r not in waiting]
         unknown = [r for r in range(size) if r not in peers]
         text = f"ranks {waiting} are waiting in it"

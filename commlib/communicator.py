@@ -13,9 +13,10 @@ from . import shutdown
 from .arrays import View, as_view, host_pair
 from .backends.base import Backend, Pending, split_counts
 from .config import Config
+from .control import Control
 from .device import CallerStream
 from .errors import CommAbortedError, ValidationError
-from .ops import OPS, Op, check_agreement, check_reduce_op, fingerprint, out_buffer, reduce_op_ok
+from .ops import OPS, Op, check_reduce_op, fingerprint, out_buffer, reduce_op_ok
 from .runner import Runner
 from .tracing import Tracer
 from .work import Work
@@ -55,7 +56,7 @@ class Communicator:
     def __init__(self, mpi_comm: Any, config: Config, backend: str = "mpi",
                  tracer: Tracer | None = None):
         self.config = config
-        self._ctl = mpi_comm.Dup()          # control traffic: checks, counts
+        ctl = mpi_comm.Dup()                # control traffic: checks, counts (control.py)
         self._user = mpi_comm.Dup()         # what mpi_comm hands out: never the engine's
         self.rank: int = mpi_comm.rank
         self.size: int = mpi_comm.size
@@ -76,11 +77,12 @@ class Communicator:
             self._device = int(config.device)
             self._backend = NCCLBackend(mpi_comm, self._device)
         self.backend: str = self._backend.name
-        self._board = _board.Board(self._ctl, OPS)
+        self._board = _board.Board(ctl, OPS)
         world_rank = MPI.COMM_WORLD.rank
         self._tracer = tracer or Tracer(world_rank, config.timeline_path(world_rank), config.nvtx)
         self._run = Runner(self.rank, self.size, config, self._backend, self._board, self._tracer,
                            f"commlib-engine-r{self.rank}")
+        self._control = Control(ctl, mpi_comm.Dup(), self._run, self._tracer)
         self._seq = 0
         self._split: dict[int, list[int]] = {}   # split_counts(n, size) by n
         # blocking calls on plain numpy arrays skip the Op and View layers (Runner.call_host)
@@ -139,20 +141,6 @@ class Communicator:
         """Operations this rank gave up on (timeout, a peer's failure) that MPI still holds."""
         return self._run.unfinished()
 
-    def _agree(self, name: str, seq: int, fp: list[int], err: BaseException | None) -> None:
-        """COMMLIB_CHECK: all ranks compare their calls before any enters the operation."""
-        mine = np.array(fp if err is None else [0, OPS.index(name), -1, -1, -1, -1], np.int64)
-        table = np.empty((self.size, mine.size), np.int64)
-        with self._tracer.span("running", "check", "control", seq=seq):
-            req = self._ctl.Iallgather(mine, table)
-            self._run.wait(Pending(req.Test, None, req), name, seq)
-        invalid = [r for r in range(self.size) if table[r, 0] == 0]
-        if invalid:
-            reasons = self._ctl.allgather(None if err is None else str(err))
-            raise ValidationError(f"{name} #{seq}: " + "; ".join(
-                f"rank {r} rejected its input: {reasons[r]}" for r in invalid))
-        check_agreement(table, name, seq)
-
     def _number(self) -> int:
         """The next operation's sequence number (raises if the communicator is closed or aborted)."""
         run = self._run
@@ -170,7 +158,7 @@ class Communicator:
         except ValidationError as exc:
             op, err = None, exc
         if self.config.check:
-            self._agree(name, seq, fingerprint(*op.check_args) if op else [], err)
+            self._control.agree(name, seq, fingerprint(*op.check_args) if op else [], err)
         elif err is not None:
             if self.size > 1:
                 # Peers may already be inside this operation: they see the rejection
@@ -317,12 +305,6 @@ class Communicator:
         """Nonblocking :meth:`allgather`."""
         return self._call("allgather", self._allgather, (x, out, tag), False)
 
-    def _exchange_counts(self, mine: int, seq: int) -> list[int]:
-        table = np.empty(self.size, np.int64)
-        req = self._ctl.Iallgather(np.array([mine], np.int64), table)
-        self._run.wait(Pending(req.Test, None, req), "allgatherv", seq)
-        return [int(c) for c in table]
-
     def _allgatherv(self, x: Any, counts: Sequence[int] | None, out: Any,
                     tag: str | None) -> Op:
         try:
@@ -330,13 +312,13 @@ class Communicator:
         except ValidationError as exc:
             if counts is None:
                 if self.config.check:
-                    self._agree("allgatherv", self._seq, [], exc)
-                self._exchange_counts(-1, self._seq)
+                    self._control.agree("allgatherv", self._seq, [], exc)
+                self._control.exchange_counts(-1, self._seq)
             raise
         if counts is None:
             if self.config.check:   # the same call everywhere before the counts travel
-                self._agree("allgatherv", self._seq, fingerprint("allgatherv", v), None)
-            counts = self._exchange_counts(v.count, self._seq)
+                self._control.agree("allgatherv", self._seq, fingerprint("allgatherv", v), None)
+            counts = self._control.exchange_counts(v.count, self._seq)
             if min(counts) < 0:
                 bad = [r for r, c in enumerate(counts) if c < 0]
                 raise ValidationError(f"allgatherv: ranks {bad} rejected their input")
@@ -365,6 +347,21 @@ class Communicator:
             >>> comm.allgatherv(np.arange(comm.rank + 1.0))   # 2 ranks: [0., 0., 1.]
         """
         return self._call("allgatherv", self._allgatherv, (x, counts, out, tag), True)
+
+    def allgather_object(self, obj: Any, *, label: str = "allgather_object") -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order (blocking, as mpi4py's ``comm.allgather``).
+
+        Outside the operations' order, on a communicator of its own: it never pairs with an
+        operation in flight, which goes on.  While this rank waits in it, the status board
+        shows it in ``label``: a peer waiting for an operation this rank has not called yet
+        raises :class:`MismatchError` at once, naming ``label``, instead of waiting for the
+        timeout; ranks calling it with different labels raise it too.
+
+        Example:
+            >>> comm.allgather_object({"rank": comm.rank}, label="config")    # [{'rank': 0}, {'rank': 1}]
+        """
+        self._run.check_alive()
+        return self._control.allgather_object(obj, label, self._seq)
 
     def iallgatherv(self, x: Any, counts: Sequence[int] | None = None, *, out: Any = None,
                     tag: str | None = None) -> Work:
@@ -461,6 +458,8 @@ class Communicator:
             run.aborted = CommAbortedError("a peer aborted this communicator")
         if run.aborted is None:
             run.close_engine()
+        if run.aborted is None:     # peers waiting for an operation this rank never called: fail now
+            self._board.set(self._seq, "?", _board.CLOSING)
         if run.aborted is None:
             resources, self._resources = self._resources, []
             for resource in reversed(resources):
@@ -472,7 +471,7 @@ class Communicator:
             if self._backend is not self._host_backend:
                 self._backend.free()
             self._host_backend.free()
-            self._ctl.Free()
+            self._control.free()
             self._user.Free()
 
     def close_with(self, resource: Closable) -> None:

@@ -30,7 +30,11 @@ class MismatchError(CommlibError):
 
     Raised on every rank when ``COMMLIB_CHECK=1``; ``ranks`` lists the ranks
     whose call differs from rank 0's (or the ranks whose input failed local
-    validation).
+    validation).  Also raised, at once, by a rank waiting for an operation
+    that the peers in ``ranks`` will call only after a blocking call that
+    every rank must make (``Communicator.allgather_object``, e.g. inside
+    ``DistributedOptimizer.state_dict()``), and by ranks calling
+    ``allgather_object`` with different labels.
     """
 
     def __init__(self, message: str, op: str, seq: int, ranks: Sequence[int]):

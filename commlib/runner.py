@@ -22,8 +22,8 @@ from typing import Any
 from . import board as _board
 from .backends.base import Pending
 from .config import Config
-from .errors import CommAbortedError, CommlibError, CommStallWarning, ValidationError
-from .ops import Op
+from .errors import CommAbortedError, CommlibError, CommStallWarning, MismatchError, ValidationError
+from .ops import OPS, Op
 from .poll import CHECK_EVERY_S, poll_until
 from .tracing import Tracer
 from .work import ProgressEngine, Work
@@ -100,19 +100,12 @@ class Runner:
     def verdict(self, seq: int, name: str, waited: float) -> CommlibError | None:
         """Whether a wait for operation ``seq``, ``waited`` seconds so far, must be given up
         (the watchdog asks); warns once when it has waited ``stall_warning`` seconds."""
-        rejected = self.board.rejected(seq)
-        if rejected:
-            return ValidationError(f"{name} #{seq}: " + "; ".join(
-                f"rank {r.rank} rejected its input: {r.reason}" for r in rejected))
-        # a peer that gave up on this same operation (its own timeout) is a
-        # fellow waiter: this rank's own timeout will follow
-        aborted = [r for r in self.board.aborted() if (r.seq, r.op) != (seq, name)]
-        if aborted:
-            return CommAbortedError(f"{name} #{seq}: " + "; ".join(
-                f"rank {r.rank} aborted the communicator after #{r.seq}: {r.reason}"
-                for r in aborted))
         if self.aborted is not None:
             return CommAbortedError(f"{name} #{seq}: communicator aborted: {self.aborted}")
+        if not self.board.quiet():
+            err = self._peer_verdict(seq, name)
+            if err is not None:
+                return err
         if self.timeout > 0 and waited >= self.timeout:
             return self.board.timeout_error(name, seq, self.timeout, self.rank, self.size)
         if 0 < self.stall_warning <= waited and self._stall_warned != seq:
@@ -126,6 +119,26 @@ class Runner:
                     module="commlib")
             except CommStallWarning:    # a filter made it an error: given up as on a timeout
                 return self.board.timeout_error(name, seq, self.stall_warning, self.rank, self.size)
+        return None
+
+    def _peer_verdict(self, seq: int, name: str) -> CommlibError | None:
+        """:meth:`verdict` where a node-local rank is past plain waiting (the board is not quiet)."""
+        rejected = self.board.rejected(seq)
+        if rejected:
+            return ValidationError(f"{name} #{seq}: " + "; ".join(
+                f"rank {r.rank} rejected its input: {r.reason}" for r in rejected))
+        # a peer that gave up on this same operation (its own timeout) is a
+        # fellow waiter: this rank's own timeout will follow
+        aborted = [r for r in self.board.aborted() if (r.seq, r.op) != (seq, name)]
+        if aborted:
+            return CommAbortedError(f"{name} #{seq}: " + "; ".join(
+                f"rank {r.rank} aborted the communicator after #{r.seq}: {r.reason}"
+                for r in aborted))
+        absent = self.board.not_coming(seq, call=name not in OPS)
+        if absent:
+            return MismatchError(f"{name} #{seq} on rank {self.rank} waits for ranks that will not call it: "
+                                 + "; ".join(p.describe() for p in absent) + " (every rank must make the "
+                                 "same calls in the same order)", name, seq, [p.rank for p in absent])
         return None
 
     def wait(self, p: Pending, name: str, seq: int) -> None:

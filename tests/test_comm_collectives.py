@@ -194,3 +194,23 @@ def test_host_path_edges_match_the_reference(comm):
         with pytest.raises(commlib.ValidationError, match=match):
             bad(spare)
         spare.close()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_allgather_object_beside_operations_in_flight(comm):
+    """Python objects of every size from every rank, in rank order, while a nonblocking all-reduce
+    is in flight (a call outside the operations' order never pairs with it); different labels
+    raise on every rank, and the communicator stays usable."""
+    x = np.full(1 << 12, comm.rank, np.float64)
+    work = comm.iallreduce(x, out=x)
+    mine = {"rank": comm.rank, "blob": bytes(range(comm.rank % 7)) * (1000 * comm.rank), "t": (1.5, None)}
+    got = comm.allgather_object(mine, label="config")
+    assert got == [{"rank": r, "blob": bytes(range(r % 7)) * (1000 * r), "t": (1.5, None)}
+                   for r in range(comm.size)]
+    work.wait()
+    np.testing.assert_array_equal(x, np.full(1 << 12, sum(range(comm.size)), np.float64))
+    if comm.size > 1:
+        with pytest.raises(commlib.MismatchError, match="another label"):
+            comm.allgather_object(comm.rank, label="odd" if comm.rank == 1 else "even")
+    assert comm.allgather_object(comm.rank) == list(range(comm.size))
+    np.testing.assert_array_equal(comm.allreduce(np.ones(2)), np.full(2, comm.size))

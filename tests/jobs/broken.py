@@ -100,8 +100,85 @@ def unwaited() -> None:
         c.iallreduce(np.ones(4))
 
 
+def report_and_end() -> None:
+    """This rank's checks passed: report, and end without the closing barrier (a peer is stuck;
+    commlib ends the job with MPI_Abort at exit, as an operation was given up)."""
+    with open(os.path.join(sys.argv[2], f"ok.{MPI.COMM_WORLD.rank}"), "w") as f:
+        f.write(sys.argv[1])
+    sys.exit(0)
+
+
+def closed_early() -> None:
+    """Uneven loops: rank 0 ends (closes) after two operations; the last rank's third one fails at
+    once, naming it, instead of waiting for the timeout; rank 0 stays in the collective free."""
+    c = fresh(timeout=60)
+    for _ in range(2):
+        c.allreduce(np.ones(4))
+    if c.rank == 0:
+        with open(os.path.join(sys.argv[2], "ok.0"), "w") as f:
+            f.write(sys.argv[1])
+        c.close()       # ended by the others' MPI_Abort
+    elif c.rank == c.size - 1:
+        t0 = time.monotonic()
+        expect(commlib.MismatchError, lambda: c.allreduce(np.ones(4)),
+               "allreduce #3 on rank 2 waits for ranks that will not call it: rank 0 closed the "
+               "communicator after #2")
+        assert time.monotonic() - t0 < 30, "must not wait for the timeout"
+    report_and_end()
+
+
+def _dear(c: commlib.Communicator):
+    import torch
+
+    from commlib.bindings.torch import DistributedOptimizer
+    from commlib.collectives import DeAR
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters()), model, strategy=DeAR(), comm=c)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+    return opt, step
+
+
+def state_on_rank0() -> None:
+    """Horovod's checkpoint, ``if rank == 0: torch.save(opt.state_dict())``, with DeAR, whose
+    state is sharded: rank 0 waits in the state's gather while the others go on to the next
+    step; every rank fails at once, naming the call, instead of waiting for the timeout."""
+    c = fresh(timeout=60)
+    opt, step = _dear(c)
+    step()
+    t0 = time.monotonic()
+    if c.rank == 0:
+        expect(commlib.CommAbortedError, opt.state_dict, "waits for ranks that will not call it: "
+               "rank 0 is in DistributedOptimizer.state_dict()")
+    else:
+        expect(commlib.MismatchError, lambda: [step() for _ in range(3)],
+               "rank 0 is in DistributedOptimizer.state_dict() (after #")
+    assert time.monotonic() - t0 < 30, "must not wait for the timeout"
+    report_and_end()
+
+
+def state_on_rank0_at_the_end() -> None:
+    """The same after the last step: the others close the communicator (their program ends)."""
+    c = fresh(timeout=60)
+    opt, step = _dear(c)
+    step()
+    if c.rank == 0:
+        t0 = time.monotonic()
+        expect(commlib.MismatchError, opt.state_dict, "DistributedOptimizer.state_dict() #")
+        assert time.monotonic() - t0 < 30, "must not wait for the timeout"
+        report_and_end()
+    with open(os.path.join(sys.argv[2], f"ok.{c.rank}"), "w") as f:
+        f.write(sys.argv[1])
+    c.close()       # ended by rank 0's MPI_Abort
+
+
 CASES = {f.__name__: f for f in (rejected, deadlock, never_arrives, stall_made_an_error, only_rank0,
-                                  unwaited)}
+                                  unwaited, closed_early, state_on_rank0, state_on_rank0_at_the_end)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]]()

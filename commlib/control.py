@@ -1,0 +1,90 @@
+"""The control plane: what a communicator's ranks exchange about their calls rather than their data.
+
+On communicators of their own, never the one the engine's operations run on,
+so that control traffic never pairs with a queued operation:
+
+* ``COMMLIB_CHECK``'s agreement on each call and ``allgatherv``'s counts, on
+  the caller's thread when the call is made;
+* Python objects (:meth:`Control.allgather_object`): a blocking exchange
+  outside the operations' order (a binding's consolidated optimizer state),
+  during which the status board shows this rank in it, so that a peer
+  waiting for an operation this rank has not called yet fails at once,
+  naming the call (``Runner.verdict``), instead of waiting for the timeout.
+"""
+
+from __future__ import annotations
+
+import pickle
+import zlib
+from typing import Any
+
+import numpy as np
+
+from .backends.base import Pending
+from .errors import MismatchError, ValidationError
+from .ops import OPS, check_agreement
+from .runner import Runner
+from .tracing import Tracer
+
+
+class Control:
+    """Control traffic of one communicator: ``ctl`` carries checks and counts, ``objects`` objects.
+
+    Example (what :class:`~commlib.communicator.Communicator` does when it is made):
+        >>> self._control = Control(self._ctl, mpi_comm.Dup(), self._run, self._tracer)
+    """
+
+    def __init__(self, ctl: Any, objects: Any, runner: Runner, tracer: Tracer):
+        self.ctl, self.objects = ctl, objects
+        self.size = ctl.size
+        self._run, self._tracer = runner, tracer
+
+    def agree(self, name: str, seq: int, fp: list[int], err: BaseException | None) -> None:
+        """COMMLIB_CHECK: all ranks compare their calls before any enters the operation."""
+        mine = np.array(fp if err is None else [0, OPS.index(name), -1, -1, -1, -1], np.int64)
+        table = np.empty((self.size, mine.size), np.int64)
+        with self._tracer.span("running", "check", "control", seq=seq):
+            req = self.ctl.Iallgather(mine, table)
+            self._run.wait(Pending(req.Test, None, req), name, seq)
+        invalid = [r for r in range(self.size) if table[r, 0] == 0]
+        if invalid:
+            reasons = self.ctl.allgather(None if err is None else str(err))
+            raise ValidationError(f"{name} #{seq}: " + "; ".join(
+                f"rank {r} rejected its input: {reasons[r]}" for r in invalid))
+        check_agreement(table, name, seq)
+
+    def exchange_counts(self, mine: int, seq: int) -> list[int]:
+        """``allgatherv`` without counts: every rank's element count (``-1``: it rejected its input)."""
+        table = np.empty(self.size, np.int64)
+        req = self.ctl.Iallgather(np.array([mine], np.int64), table)
+        self._run.wait(Pending(req.Test, None, req), "allgatherv", seq)
+        return [int(c) for c in table]
+
+    def allgather_object(self, obj: Any, label: str, seq: int) -> list[Any]:
+        """Every rank's ``obj`` (pickled), in rank order; ``seq``: the last operation this rank called.
+
+        Ranks first exchange their pickle's size and their label's checksum: ranks in calls
+        with different labels raise :class:`MismatchError` on every rank instead of exchanging
+        each other's objects."""
+        run = self._run
+        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+        head = np.array([data.size, zlib.crc32(label.encode())], np.int64)
+        heads = np.empty((self.size, 2), np.int64)
+        with run.board.calling(seq, label), self._tracer.span("running", label, "control", seq=seq):
+            req = self.objects.Iallgather(head, heads)
+            run.wait(Pending(req.Test, None, req), label, seq)
+            if (heads[:, 1] != head[1]).any():
+                others = [r for r in range(self.size) if heads[r, 1] != heads[0, 1]]
+                raise MismatchError(f"{label}: ranks {others} called allgather_object with another label "
+                                    f"than rank 0 (this rank: {label!r}): every rank must make the same call",
+                                    label, seq, others)
+            sizes = heads[:, 0]
+            buf = np.empty(int(sizes.sum()), np.uint8)
+            req = self.objects.Iallgatherv(data, (buf, sizes))
+            run.wait(Pending(req.Test, None, req), label, seq)
+        ends = np.cumsum(sizes)
+        return [pickle.loads(buf[end - n:end].tobytes()) for n, end in zip(sizes, ends)]
+
+    def free(self) -> None:
+        self.ctl.Free()
+        self.objects.Free()

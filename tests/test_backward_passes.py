@@ -4,7 +4,8 @@ A second ``backward()`` after the gradients were averaged (DCGAN's
 discriminator: real, then fake; two losses of one forward with
 ``retain_graph``) adds that pass's average to them, for the strategies whose
 reduction is linear (AllReduce, DeAR: its shards are all-gathered before the
-pass accumulates); the others raise on every rank, naming the fix.  Every
+pass accumulates); the others raise on every rank, naming the fix.  Activation
+checkpointing (a nested backward when reentrant) and a tied weight too.  Every
 result is checked against one process on the concatenated batch.
 """
 
@@ -148,3 +149,42 @@ def test_a_pass_after_the_average_raises_where_it_cannot_add(comm, strategy):
     opt.zero_grad()                # closes the step; training goes on
     model(x).square().mean().backward()
     opt.step()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_and_a_tied_weight_train_as_one_process(comm, strategy, reentrant):
+    """``torch.utils.checkpoint`` recomputes a block inside backward (reentrant: in a nested
+    backward of its own, whose parameters' gradients arrive there); the output layer shares
+    the input layer's weight (tied embeddings)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.mid, self.out = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
+            self.out.weight = self.inp.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.inp(x))
+            h = checkpoint(lambda t: torch.tanh(self.mid(t)), h, use_reentrant=reentrant)
+            return self.out(h)
+
+    def run(dist: bool) -> np.ndarray:
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        if dist:
+            opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[strategy](), comm=comm)
+        g = torch.Generator().manual_seed(3)
+        for _ in range(STEPS):
+            x, y = local_slice(comm, dist, *torch.randn(2, LOCAL * comm.size, 6, generator=g))
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        if dist:
+            opt.flush()
+        return flat(model)
+
+    np.testing.assert_allclose(run(True), run(False), rtol=1e-5, atol=1e-6)

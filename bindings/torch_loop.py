@@ -253,9 +253,9 @@ class TrainingLoop:
 
     @torch.compiler.disable     # autograd's pre-accumulation hook: never traced
     def _before_accumulate(self, i: int) -> None:
-        """Sharded strategies, before parameter ``i``'s gradient is added to ``.grad``: a pass after
-        this step's reduction reopens it while ``.grad`` holds no part of that pass yet."""
-        if self._synced and self._params[i].grad is self._grad_views[i] and self.strategy.reopens:
+        """Sharded strategies that reopen, before parameter ``i``'s gradient is added to ``.grad``: a
+        pass after this step's reduction reopens it while ``.grad`` holds no part of that pass yet."""
+        if self._synced and self._params[i].grad is self._grad_views[i]:     # not model.zero_grad()'s None
             self._reopen()
 
     def _reopen(self) -> None:

@@ -31,7 +31,7 @@ class Control:
     """Control traffic of one communicator: ``ctl`` carries checks and counts, ``objects`` objects.
 
     Example (what :class:`~commlib.communicator.Communicator` does when it is made):
-        >>> self._control = Control(self._ctl, mpi_comm.Dup(), self._run, self._tracer)
+        >>> self._control = Control(ctl, mpi_comm.Dup(), self._run, self._tracer)
     """
 
     def __init__(self, ctl: Any, objects: Any, runner: Runner, tracer: Tracer):

@@ -45,7 +45,7 @@ class Control:
         table = np.empty((self.size, mine.size), np.int64)
         with self._tracer.span("running", "check", "control", seq=seq):
             req = self.ctl.Iallgather(mine, table)
-            self._run.wait(Pending(req.Test, None, req), name, seq)
+            self._wait(req, name, seq)
         invalid = [r for r in range(self.size) if table[r, 0] == 0]
         if invalid:
             reasons = self.ctl.allgather(None if err is None else str(err))
@@ -57,7 +57,7 @@ class Control:
         """``allgatherv`` without counts: every rank's element count (``-1``: it rejected its input)."""
         table = np.empty(self.size, np.int64)
         req = self.ctl.Iallgather(np.array([mine], np.int64), table)
-        self._run.wait(Pending(req.Test, None, req), "allgatherv", seq)
+        self._wait(req, "allgatherv", seq)
         return [int(c) for c in table]
 
     def allgather_object(self, obj: Any, label: str, seq: int) -> list[Any]:
@@ -66,13 +66,12 @@ class Control:
         Ranks first exchange their pickle's size and their label's checksum: ranks in calls
         with different labels raise :class:`MismatchError` on every rank instead of exchanging
         each other's objects."""
-        run = self._run
         data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
         head = np.array([data.size, zlib.crc32(label.encode())], np.int64)
         heads = np.empty((self.size, 2), np.int64)
-        with run.board.calling(seq, label), self._tracer.span("running", label, "control", seq=seq):
+        with self._run.board.calling(seq, label), self._tracer.span("running", label, "control", seq=seq):
             req = self.objects.Iallgather(head, heads)
-            run.wait(Pending(req.Test, None, req), label, seq)
+            self._wait(req, label, seq)
             if (heads[:, 1] != head[1]).any():
                 others = [r for r in range(self.size) if heads[r, 1] != heads[0, 1]]
                 raise MismatchError(f"{label}: ranks {others} called allgather_object with another label "
@@ -81,9 +80,13 @@ class Control:
             sizes = heads[:, 0]
             buf = np.empty(int(sizes.sum()), np.uint8)
             req = self.objects.Iallgatherv(data, (buf, sizes))
-            run.wait(Pending(req.Test, None, req), label, seq)
+            self._wait(req, label, seq)
         ends = np.cumsum(sizes)
         return [pickle.loads(buf[end - n:end].tobytes()) for n, end in zip(sizes, ends)]
+
+    def _wait(self, req: Any, name: str, seq: int) -> None:
+        """Wait for the MPI request ``req`` as for operation ``seq`` (timeout, peers' failures)."""
+        self._run.wait(Pending(req.Test, None, req), name, seq)
 
     def free(self) -> None:
         self.ctl.Free()

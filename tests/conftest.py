@@ -31,6 +31,27 @@ def _have_gpu() -> bool:
 HAVE_GPU = _have_gpu()
 README = Path(__file__).resolve().parent.parent / "README.md"
 
+#: bucket caps that spread the tests' tiny models over several buckets
+SMALL = {"cap_mb": 0.0002, "first_cap_mb": 0.0001}
+
+
+def _strategies() -> dict:
+    from commlib.collectives import AllReduce, DeAR, SelSync, SyncSwitch
+    from commlib.sparsify import Dense, SparseAllReduce
+
+    return {
+        "allreduce": lambda: AllReduce(**SMALL),
+        "dear": lambda: DeAR(**SMALL),
+        "selsync0": lambda: SelSync(inner=AllReduce(**SMALL), delta=0.0, mode="grads"),
+        "syncswitch-bsp": lambda: SyncSwitch(bsp=AllReduce(**SMALL)),
+        "sparse-dense": lambda: SparseAllReduce(selector=Dense()),
+    }
+
+
+#: the training-loop tests' strategies by name, each a fresh one per call (SelSync at delta 0 and
+#: Sync-Switch in BSP train as one process; SparseAllReduce with a dense selector too)
+STRATEGIES = _strategies()
+
 
 def readme_example(heading: str) -> str:
     """The first python block of README.md under the section titled ``heading``, as it stands."""

@@ -16,7 +16,7 @@ import contextlib
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH
+from conftest import HAVE_TORCH, STRATEGIES
 
 pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 
@@ -24,20 +24,11 @@ if HAVE_TORCH:
     import torch
 
     from commlib.bindings.torch import DistributedOptimizer
-    from commlib.collectives import AllReduce, DeAR, SelSync
-    from commlib.sparsify import Dense, SparseAllReduce
 
     torch.set_num_threads(1)
 
 LOCAL = 3          # samples per rank per step
 STEPS = 4
-SMALL = {"cap_mb": 0.0002, "first_cap_mb": 0.0001}     # several buckets on the tiny models
-STRATEGIES = {
-    "allreduce": lambda: AllReduce(**SMALL),
-    "dear": lambda: DeAR(**SMALL),
-    "selsync0": lambda: SelSync(inner=AllReduce(**SMALL), delta=0.0, mode="grads"),
-    "sparse-dense": lambda: SparseAllReduce(selector=Dense()),
-} if HAVE_TORCH else {}
 
 
 def flat(*models: torch.nn.Module) -> np.ndarray:

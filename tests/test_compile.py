@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH
+from conftest import HAVE_TORCH, SMALL
 
 pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 
@@ -22,7 +22,6 @@ if HAVE_TORCH:
 
 LOCAL = 4          # samples per rank per step
 STEPS = 4
-SMALL = {"cap_mb": 0.0002, "first_cap_mb": 0.0001}     # several buckets on the tiny model
 
 
 class Net(torch.nn.Module if HAVE_TORCH else object):

@@ -19,7 +19,7 @@ import warnings
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH, readme_example
+from conftest import HAVE_TORCH, SMALL, STRATEGIES, readme_example
 
 pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 
@@ -28,8 +28,7 @@ if HAVE_TORCH:
 
     from commlib import ValidationError
     from commlib.bindings.torch import DistributedOptimizer
-    from commlib.collectives import AllReduce, DeAR, SelSync, SyncSwitch
-    from commlib.sparsify import Dense, SparseAllReduce
+    from commlib.collectives import AllReduce, SelSync, SyncSwitch
 
     torch.set_num_threads(1)
 
@@ -37,15 +36,6 @@ LOCAL = 4          # samples per rank per step (even: no_sync splits it in two)
 STEPS = 4
 CUT = 2            # checkpoint / evaluation / injected inf after this many steps
 MAX_NORM = 0.05    # small enough that every step clips
-SMALL = {"cap_mb": 0.0002, "first_cap_mb": 0.0001}     # several buckets on the tiny model
-
-STRATEGIES = {
-    "allreduce": lambda: AllReduce(**SMALL),
-    "dear": lambda: DeAR(**SMALL),
-    "selsync0": lambda: SelSync(inner=AllReduce(**SMALL), delta=0.0, mode="grads"),
-    "syncswitch-bsp": lambda: SyncSwitch(bsp=AllReduce(**SMALL)),
-    "sparse-dense": lambda: SparseAllReduce(selector=Dense()),
-} if HAVE_TORCH else {}
 PATTERNS = ["clip-horovod", "clip", "bf16", "fp16-scaler", "no_sync", "checkpoint", "eval", "unused-head",
             "unfreeze", "add-group", "to-double"]
 

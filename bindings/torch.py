@@ -212,6 +212,10 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         if isinstance(self._inner, torch.optim.SparseAdam):
             problems.append("SparseAdam needs sparse gradients, but they are averaged in dense buckets "
                             "(as Horovod's sparse_as_dense): use Adam or AdamW")
+        if self.strategy.updates_parameters and isinstance(self._inner, torch.optim.LBFGS):
+            problems.append(f"LBFGS evaluates the loss again and again within a step, each evaluation "
+                            f"averaged on every rank, but {self.strategy.name} lets the replicas drift "
+                            "between synchronizations (their line searches would part): use AllReduce")
         if self.strategy.sharded and isinstance(self._inner, _WHOLE_TENSOR_OPTIMIZERS):
             problems.append(f"{self.strategy.name} updates flat shards of the buckets: "
                             f"{type(self._inner).__name__} is not elementwise (it needs whole parameters); "
@@ -360,34 +364,46 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
     @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        """Wait for the gradients, update, and start what overlaps the next forward."""
+        """Wait for the gradients, update, and start what overlaps the next forward.
+
+        ``closure`` (zero the gradients, forward, backward, return the loss): each call is a pass
+        averaged before the optimizer reads it, its loss averaged over ranks (returned), so that
+        LBFGS evaluates alike on every rank (see :meth:`_evaluation`).
+
+        Example:
+            >>> loss = opt.step(closure)        # torch.optim.LBFGS: several evaluations, one step
+        """
         if self._retired_by:
             raise RuntimeError(f"DistributedOptimizer: replaced by a newer one ({self._retired_by}) wrapping "
                                "the same parameters; step the new one")
         loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        evaluate = None if closure is None else self._evaluation(closure)
+        if evaluate is not None and self.strategy.sharded:     # elementwise optimizers: evaluated once, first
+            loss = evaluate()
         t0 = time.perf_counter()
-        self._reduce()          # done when backward returned, unless passes are missing
-        unused = self._unused
         if self.strategy.sharded:
+            self._reduce()          # done when backward returned, unless passes are missing
             for sg, g in zip(self._shard_opt.param_groups, self.param_groups):
                 for k, v in g.items():
                     if k != "params":
                         sg[k] = v
             for piece, idx, *_ in self._pieces:
-                if idx in unused:
+                if idx in self._unused:
                     piece.grad = None
             self._shard_opt.step()
             for piece, _, _, bi, bslice in self._pieces:
                 piece.grad = self._flat_grads[bi][bslice]
         else:
-            for i in unused:
-                self._params[i].grad = None
+            if evaluate is None:
+                self._reduce()
+                self._leave_out_unused()
             with self._scaled_hyperparameters():
-                self._inner.step()
-            for i in unused:
+                if evaluate is None:
+                    self._inner.step()
+                else:       # the optimizer evaluates it (LBFGS: again and again), each pass averaged
+                    loss = self._inner.step(evaluate)
+                    self._check_evaluated()
+            for i in self._unused:
                 self._params[i].grad = self._grad_views[i]
         self.strategy.after_update()
         if self.strategy.syncs_optimizer_state():
@@ -462,24 +478,6 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
                     g["lr"] = lr
                 if mom is not None:
                     g["momentum"] = mom
-
-    def _optimizer_tensors(self) -> list[torch.Tensor]:
-        return [v for p in self._params for v in self._inner.state.get(p, {}).values()
-                if torch.is_tensor(v) and v.dim() > 0]
-
-    def _average_optimizer_state(self) -> None:
-        for t in self._optimizer_tensors():
-            self.comm.allreduce(t, "avg", out=t, tag="optstate")
-
-    def _on_switch(self, old: str, new: str, changes: dict[str, Any]) -> None:
-        """Sync-Switch: reset momentum when asked, and make optimizers agree on the way back to BSP."""
-        if changes.get("momentum") == "reset":
-            for p in self._params:
-                buf = self._inner.state.get(p, {}).get("momentum_buffer")
-                if buf is not None:
-                    buf.zero_()
-        if new == "bsp":
-            self._average_optimizer_state()
 
     @torch.compiler.disable
     def flush(self) -> _Flush:

@@ -7,10 +7,12 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 import queue
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 import commlib
@@ -112,6 +114,30 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     sd = optimizer.state_dict()
     sd = comm.mpi_comm.bcast(sd if comm.rank == root_rank else None, root=root_rank)
     optimizer.load_state_dict(sd)
+
+
+def average_loss(comm: commlib.Communicator, loss: Any) -> Any:
+    """A closure's loss (a number or a one-element tensor) averaged over ranks, in one small
+    all-reduce: what ``step(closure)`` gives the optimizer, and returns, so that LBFGS compares the
+    same losses on every rank.  A closure that returns ``None`` (or a larger tensor) on every rank:
+    as it is; on some ranks only: ``ValueError`` on every rank.
+
+    Example:
+        >>> average_loss(comm, torch.tensor(0.5 + comm.rank))      # 2 ranks: tensor(1.)
+    """
+    if comm.size == 1:
+        return loss
+    scalar = isinstance(loss, numbers.Real) or (torch.is_tensor(loss) and loss.numel() == 1)
+    value = float(loss.detach() if torch.is_tensor(loss) else loss) if scalar else 0.0
+    total, scalars = comm.allreduce(np.array([value, float(scalar)]), "sum", tag="closure loss")
+    if scalars == 0:
+        return loss
+    if scalars != comm.size:
+        raise ValueError(f"step(closure): the closure returned a loss (a number or a one-element tensor) on "
+                         f"{int(scalars)} of {comm.size} ranks (here: {type(loss).__name__}): return it on "
+                         "every rank")
+    mean = float(total) / comm.size
+    return loss.detach().new_tensor(mean) if torch.is_tensor(loss) else mean
 
 
 # ---------------------------------------------------------------------- DDP comm hook

@@ -17,6 +17,8 @@ between ``backward()`` and ``step()`` meet:
 * ``model.state_dict()``, ``model.load_state_dict()``, ``opt.state_dict()``
   and evaluation forwards (``model.eval()`` or ``torch.no_grad()``) wait
   for the communication in flight (DeAR's all-gathers) first;
+* ``opt.step(closure)``: each evaluation of the closure is averaged, its
+  loss too, so that LBFGS takes the same evaluations on every rank;
 * parameters no rank gave a gradient at the first step are found (one small
   all-reduce, once) and left out of the update, as one process would;
 * a parameter that starts or stops training (``requires_grad``, gradual
@@ -47,70 +49,17 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch._dynamo
 
-__all__ = ["TrainingLoop", "ModelHook", "InertHook"]
+from .torch_comm import average_loss
+from .torch_hooks import InertHook, ModelHook, guard_module_hooks_under_compile
+
+__all__ = ["TrainingLoop", "ModelHook", "InertHook"]     # the hooks: here too, for models pickled before
 
 #: id(parameter) -> (the parameter, the optimizer that trains it), both weakly held
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _DATA_PTR = torch.Tensor.data_ptr
-
-
-def _guard_module_hooks_under_compile() -> None:
-    """Make ``torch.compile`` notice module hooks, once per process.
-
-    By default Dynamo does not guard on module hooks
-    (``torch._dynamo.config.skip_nnmodule_hook_guards``): code compiled for a
-    model without them (the same class, compiled before wrapping, or a frozen
-    teacher) runs a wrapped model without DeAR's waits or the re-plan check,
-    and trains it wrong.  With the guards, a change of hooks recompiles; what
-    was compiled before, without them, is discarded (``torch.compiler.reset()``).
-    Measured cost: ~0.3 us per module per compiled call."""
-    config = torch._dynamo.config
-    if config.skip_nnmodule_hook_guards:
-        config.skip_nnmodule_hook_guards = False
-        torch.compiler.reset()
-
-
-class ModelHook:
-    """A hook that :class:`TrainingLoop` installs on the user's model; a copy of the model does not
-    keep it.
-
-    ``copy.deepcopy(model)`` (``torch.optim.swa_utils.AveragedModel``, an EMA model) and
-    ``torch.save(model)`` give a model of its own, which this optimizer does not train: in the
-    copy the hook does nothing.  Making the copy first completes the communication in flight
-    (DeAR's all-gathers), so the copy's parameters are current.
-
-    Example:
-        >>> swa = torch.optim.swa_utils.AveragedModel(model)     # after wrapping, any step
-    """
-
-    __slots__ = ("fn", "before_copy")
-
-    def __init__(self, fn: Any, before_copy: Any):
-        self.fn, self.before_copy = fn, before_copy
-
-    def __call__(self, *args: Any) -> Any:
-        return self.fn(*args)
-
-    def __deepcopy__(self, memo: dict) -> "InertHook":
-        self.before_copy(memo)
-        return InertHook()
-
-    def __reduce__(self) -> tuple:
-        self.before_copy(None)
-        return (InertHook, ())
-
-
-class InertHook:
-    """What a :class:`ModelHook` becomes in a copy of the model: nothing."""
-
-    __slots__ = ()
-
-    def __call__(self, *args: Any) -> None:
-        return None
 
 
 class TrainingLoop:
@@ -139,7 +88,7 @@ class TrainingLoop:
         self._unused_checked = False
         self._end_step()
         model = self.model
-        _guard_module_hooks_under_compile()
+        guard_module_hooks_under_compile()
         complete = self._hook(lambda *_: self.strategy.complete())
         self._loop_hooks = [h for m in model.modules() for h in (m.register_state_dict_pre_hook(complete),
                                                                   m.register_load_state_dict_pre_hook(complete))]
@@ -313,6 +262,34 @@ class TrainingLoop:
         rank = self.comm.rank
         for b, g, sg in zip(self.buckets, self._flat_grads, self._shard_grads):
             g[b.shard(rank)].copy_(sg)
+
+    def _leave_out_unused(self) -> None:
+        """Parameters no rank gave a gradient: out of the update about to run (``.grad`` is ``None``
+        there, as in one process; the views come back after it)."""
+        for i in self._unused:
+            self._params[i].grad = None
+
+    def _evaluation(self, closure: Any) -> Any:
+        """``step(closure)``: the closure as the optimizer calls it.  Each call is a training pass
+        (the user's closure zeroes the gradients, runs forward and backward): its gradients are
+        averaged before the optimizer reads them and the loss it returns is averaged over ranks, so
+        that an optimizer that evaluates the loss again and again (LBFGS, its line search) decides
+        alike on every rank, as one process on the whole batch (DDP's ranks take different numbers
+        of evaluations and hang)."""
+        def evaluate() -> Any:
+            with torch.enable_grad():
+                loss = closure()
+            self._reduce()
+            if not self.strategy.sharded:
+                self._leave_out_unused()
+            return average_loss(self.comm, loss)
+        return evaluate
+
+    def _check_evaluated(self) -> None:
+        if not self._synced:
+            raise RuntimeError(f"DistributedOptimizer.step(closure): {type(self._inner).__name__}.step() "
+                               "did not call the closure, so it updated with gradients that were not "
+                               "averaged: run backward() before step(), or pass no closure")
 
     def _detect_unused(self) -> None:
         used = self.comm.allreduce(np.array(self._got, np.int32), "max", tag="unused")

@@ -4,7 +4,9 @@
 the optimizer state a sharded strategy (``DeAR``) keeps in 1/size pieces into
 the wrapped optimizer's own per-parameter format, and spreads it back: for
 ``state_dict()`` / ``load_state_dict()`` (a checkpoint loadable on any number of
-ranks, or by a plain optimizer) and for re-planning the buckets.
+ranks, or by a plain optimizer) and for re-planning the buckets; and that
+averages it over ranks where a strategy asks (SelSync's synchronized steps,
+Sync-Switch on its way back to BSP) or resets momentum at a phase switch.
 
 Example:
     >>> sd = opt.state_dict()            # a collective under DeAR: every rank
@@ -161,3 +163,22 @@ class ConsolidatedState:
             full = {i: self._inner.state[p] for i, p in enumerate(self._params) if p in self._inner.state}
             self._inner.state.clear()
             self._set_full_state(full)
+
+    # ------------------------------------------------------------------ what strategies ask of the state
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        return [v for p in self._params for v in self._inner.state.get(p, {}).values()
+                if torch.is_tensor(v) and v.dim() > 0]
+
+    def _average_optimizer_state(self) -> None:
+        for t in self._optimizer_tensors():
+            self.comm.allreduce(t, "avg", out=t, tag="optstate")
+
+    def _on_switch(self, old: str, new: str, changes: dict[str, Any]) -> None:
+        """Sync-Switch: reset momentum when asked, and make optimizers agree on the way back to BSP."""
+        if changes.get("momentum") == "reset":
+            for p in self._params:
+                buf = self._inner.state.get(p, {}).get("momentum_buffer")
+                if buf is not None:
+                    buf.zero_()
+        if new == "bsp":
+            self._average_optimizer_state()

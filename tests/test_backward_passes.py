@@ -5,8 +5,10 @@ discriminator: real, then fake; two losses of one forward with
 ``retain_graph``) adds that pass's average to them, for the strategies whose
 reduction is linear (AllReduce, DeAR: its shards are all-gathered before the
 pass accumulates); the others raise on every rank, naming the fix.  Activation
-checkpointing (a nested backward when reentrant) and a tied weight too.  Every
-result is checked against one process on the concatenated batch.
+checkpointing (a nested backward when reentrant) and a tied weight too; and
+``step(closure)``, whose optimizer may evaluate the closure (a pass each time)
+again and again (LBFGS).  Every result is checked against one process on the
+concatenated batch.
 """
 
 from __future__ import annotations
@@ -179,3 +181,117 @@ def test_activation_checkpointing_and_a_tied_weight_train_as_one_process(comm, s
         return flat(model)
 
     np.testing.assert_allclose(run(True), run(False), rtol=1e-5, atol=1e-6)
+
+
+def pinn_batch(comm, dist: bool) -> list[torch.Tensor]:
+    """A regression as small physics-informed models are trained with LBFGS: float64, whole batch."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(LOCAL * 4 * comm.size, 4, generator=g, dtype=torch.float64)
+    return local_slice(comm, dist, x, torch.sin(x.sum(1, keepdim=True)))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["allreduce", "sparse-dense"])
+@pytest.mark.parametrize("line_search", [None, "strong_wolfe"])
+def test_lbfgs_evaluates_its_closure_as_one_process(comm, strategy, line_search):
+    """LBFGS calls the closure several times a step: each pass is averaged before it reads the
+    gradient, and the loss it compares (convergence, the line search's conditions) is the average
+    over ranks, so every rank takes the same evaluations as one process on the whole batch (with
+    each rank's own loss, as with DDP, the ranks' line searches part and the job hangs)."""
+
+    def run(dist: bool) -> tuple[np.ndarray, list[float]]:
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+        opt = torch.optim.LBFGS(model.parameters(), lr=1, max_iter=5, line_search_fn=line_search)
+        if dist:
+            opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[strategy](), comm=comm)
+        x, y = pinn_batch(comm, dist)
+        evaluations = 0
+
+        def closure() -> torch.Tensor:
+            nonlocal evaluations
+            evaluations += 1
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        losses = [opt.step(closure).item() for _ in range(STEPS)]
+        return flat(model), losses + [evaluations]
+
+    (got, got_losses), (want, want_losses) = run(True), run(False)
+    assert got_losses[-1] == want_losses[-1] > STEPS         # evaluations: the same number, several a step
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-9)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_a_closure_with_an_elementwise_optimizer_trains_as_one_process(comm, strategy):
+    """``opt.step(closure)`` with Adam: one pass a step, averaged; the loss it returns is the
+    loss over the whole batch on every rank (what one process returns)."""
+
+    def run(dist: bool) -> tuple[np.ndarray, list[float]]:
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        if dist:
+            opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[strategy](), comm=comm)
+        x, y = pinn_batch(comm, dist)
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        losses = [opt.step(closure).item() for _ in range(STEPS)]
+        if dist:
+            opt.flush()
+        return flat(model), losses
+
+    (got, got_losses), (want, want_losses) = run(True), run(False)
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-9)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["selsync0", "syncswitch-bsp"])
+def test_lbfgs_is_refused_where_replicas_drift(comm, strategy):
+    """SelSync and Sync-Switch apply local updates between synchronizations: LBFGS's evaluations
+    would part between ranks.  Refused on every rank at construction, naming the fix."""
+    from commlib.errors import ValidationError
+
+    model = torch.nn.Linear(3, 1)
+    with pytest.raises(ValidationError, match="LBFGS evaluates the loss again.*use AllReduce"):
+        DistributedOptimizer(torch.optim.LBFGS(model.parameters()), model,
+                             strategy=STRATEGIES[strategy](), comm=comm)
+
+
+@pytest.mark.mpi
+def test_a_closure_misused_raises_on_every_rank(comm):
+    """A loss returned on some ranks only raises on every rank (before the next collective); an
+    optimizer that never calls the closure would update with gradients not averaged: raises."""
+
+    class Lazy(torch.optim.SGD):
+        def step(self, closure=None):       # noqa: ANN001, ANN202 - ignores its closure
+            return super().step()
+
+    model = torch.nn.Linear(3, 1)
+    x = torch.randn(LOCAL, 3)
+
+    def closure(loss_here: bool) -> torch.Tensor | None:
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss if loss_here else None
+
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, comm=comm)
+    assert opt.step(lambda: closure(False)) is None          # None everywhere: returned as it is
+    if comm.size > 1:
+        with pytest.raises(ValueError, match=f"returned a loss .* on {comm.size - 1} of {comm.size} ranks"):
+            opt.step(lambda: closure(comm.rank != 0))
+        opt.zero_grad()
+    opt = DistributedOptimizer(Lazy(model.parameters(), lr=0.1), model, comm=comm)
+    with pytest.raises(RuntimeError, match=r"Lazy.step\(\) did not call the closure"):
+        opt.step(lambda: closure(True))

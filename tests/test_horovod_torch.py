@@ -348,3 +348,41 @@ def test_synchronize_skip_and_unused_gradients():
         warnings.simplefilter("always")
         opt.step()
     assert any("skip_synchronize" in str(w.message) for w in ws)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["LBFGS", "SGD"])
+def test_a_closure_evaluates_as_one_process(kind):
+    """``opt.step(closure)``: each evaluation is synchronized before the optimizer reads it and its
+    loss averaged (LBFGS compares losses in its line search); Horovod synchronizes before the
+    closure runs and updates with local gradients."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+
+    def make(model: torch.nn.Module) -> torch.optim.Optimizer:
+        if kind == "LBFGS":
+            return torch.optim.LBFGS(model.parameters(), lr=1, max_iter=4, line_search_fn="strong_wolfe")
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def run(model: torch.nn.Module, opt: torch.optim.Optimizer, rows: slice) -> list[float]:
+        losses = []
+        for step in range(STEPS):
+            x, y = (t[rows] for t in _batch(step, n))
+
+            def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                return loss
+
+            losses.append(opt.step(closure).item())
+        return losses
+
+    ref = _net()
+    want = run(ref, make(ref), slice(None))
+    model = _net()
+    opt = hvd.DistributedOptimizer(make(model), named_parameters=model.named_parameters())
+    got = run(model, opt, slice(r * LOCAL, (r + 1) * LOCAL))
+    np.testing.assert_allclose(got, want, rtol=1e-10)
+    for k, q in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], q, rtol=1e-10, atol=1e-10)

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from commlib.bindings.torch_comm import average_loss
+
 from . import basics
 from .basics import Adasum, Average, global_process_set
 from .compression import Compression
@@ -205,7 +207,26 @@ class HorovodOptimizerMixin:
             self._should_synchronize = True
 
     def step(self, closure: Any = None) -> Any:
-        """Synchronize the gradients (unless :meth:`skip_synchronize`), then the wrapped optimizer's step."""
+        """Synchronize the gradients (unless :meth:`skip_synchronize`), then the wrapped optimizer's step.
+
+        With a ``closure`` the wrapped step evaluates it (LBFGS: several times): each evaluation is
+        synchronized before the optimizer reads its gradient, and its loss averaged over ranks,
+        so that every rank evaluates alike, as one process (Horovod synchronizes once, before the
+        closure ran, and the update reads local gradients).
+
+        Example:
+            >>> loss = opt.step(closure)        # closure: zero_grad, forward, backward, return loss
+        """
+        if closure is not None and self._should_synchronize and basics.size() > 1:
+            def evaluate() -> Any:
+                with torch.enable_grad():
+                    loss = closure()
+                self.synchronize()
+                return average_loss(basics.world(), loss)
+            try:
+                return super().step(evaluate)  # type: ignore[misc]
+            finally:
+                self._synchronized = False
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "

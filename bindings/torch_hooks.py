@@ -1,0 +1,75 @@
+"""The hooks :class:`bindings.torch.DistributedOptimizer` leaves on the user's model.
+
+A :class:`ModelHook` does nothing in a copy of the model (``copy.deepcopy``,
+``torch.save(model)``): the copy is a model of its own, which the optimizer
+does not train.  :func:`guard_module_hooks_under_compile` makes
+``torch.compile`` recompile when hooks come or go.
+
+Example:
+    >>> handle = model.register_forward_pre_hook(ModelHook(fn, before_copy))
+    >>> twin = copy.deepcopy(model)      # before_copy(memo) runs; twin's hook is an InertHook
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch._dynamo
+
+__all__ = ["ModelHook", "InertHook", "guard_module_hooks_under_compile"]
+
+
+def guard_module_hooks_under_compile() -> None:
+    """Make ``torch.compile`` notice module hooks, once per process.
+
+    By default Dynamo does not guard on module hooks
+    (``torch._dynamo.config.skip_nnmodule_hook_guards``): code compiled for a
+    model without them (the same class, compiled before wrapping, or a frozen
+    teacher) runs a wrapped model without DeAR's waits or the re-plan check,
+    and trains it wrong.  With the guards, a change of hooks recompiles; what
+    was compiled before, without them, is discarded (``torch.compiler.reset()``).
+    Measured cost: ~0.3 us per module per compiled call."""
+    config = torch._dynamo.config
+    if config.skip_nnmodule_hook_guards:
+        config.skip_nnmodule_hook_guards = False
+        torch.compiler.reset()
+
+
+class ModelHook:
+    """A hook that :class:`TrainingLoop` installs on the user's model; a copy of the model does not
+    keep it.
+
+    ``copy.deepcopy(model)`` (``torch.optim.swa_utils.AveragedModel``, an EMA model) and
+    ``torch.save(model)`` give a model of its own, which this optimizer does not train: in the
+    copy the hook does nothing.  Making the copy first completes the communication in flight
+    (DeAR's all-gathers), so the copy's parameters are current.
+
+    Example:
+        >>> swa = torch.optim.swa_utils.AveragedModel(model)     # after wrapping, any step
+    """
+
+    __slots__ = ("fn", "before_copy")
+
+    def __init__(self, fn: Any, before_copy: Any):
+        self.fn, self.before_copy = fn, before_copy
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __deepcopy__(self, memo: dict) -> "InertHook":
+        self.before_copy(memo)
+        return InertHook()
+
+    def __reduce__(self) -> tuple:
+        self.before_copy(None)
+        return (InertHook, ())
+
+
+class InertHook:
+    """What a :class:`ModelHook` becomes in a copy of the model: nothing."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any) -> None:
+        return None

@@ -24,7 +24,7 @@ between ``backward()`` and ``step()`` meet:
 * a parameter that starts or stops training (``requires_grad``, gradual
   unfreezing), or a model moved or converted after wrapping (``model.to()``,
   ``.double()``, ``.data`` assigned), re-plans the buckets at the next
-  training forward, on every rank.
+  forward with gradients enabled (train or eval mode), on every rank.
 
 Example (the full loop; ``scaler`` may be ``GradScaler("cpu", enabled=False)``):
     >>> for x, y in loader:
@@ -136,8 +136,9 @@ class TrainingLoop:
 
     @torch.compiler.disable
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
-        """Evaluation sees the last update; training re-plans when ``requires_grad`` changed or a
-        parameter no longer lives in its bucket (the model moved or converted after wrapping).
+        """Evaluation sees the last update; a forward with gradients (train or eval mode) re-plans when
+        ``requires_grad`` changed or a parameter no longer lives in its bucket (the model moved or
+        converted after wrapping).
 
         Like every hook that waits on communication, never traced by ``torch.compile``:
         Dynamo would replay the Python state it saw while tracing (a wait found
@@ -149,10 +150,12 @@ class TrainingLoop:
                 f"(model.to(), .double(), .half(), or .data assigned) while {self.strategy.name}'s "
                 "communication of the last step was still writing them, so they may miss part of that "
                 "update: call opt.flush() before moving or converting the model")
-        if not module.training or not torch.is_grad_enabled():
+        grad = torch.is_grad_enabled()
+        if not module.training or not grad:
             self.strategy.complete()
-        elif moved or self._trainable_changed():
-            # a collective: every rank changes requires_grad (or moves the model) at the same point
+        if grad and (moved or self._trainable_changed()):
+            # a collective: every rank changes requires_grad (or moves the model) at the same point;
+            # in eval mode too (training with dropout off or batch statistics frozen, as RLHF loops do)
             self.replan()
 
     def _trainable_changed(self) -> bool:

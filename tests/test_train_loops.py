@@ -6,7 +6,8 @@ the concatenated batch with the same loop (clipping, autocast, GradScaler with
 an inf injected on the last rank, accumulation, a checkpoint resumed without
 ``flush()``, evaluation mid-training, an unused head, gradual unfreezing, a
 parameter group added for the unfrozen layer, the model converted to float64 and a
-parameter's ``.data`` assigned).  Parameters must match the reference and be bitwise equal across ranks.
+parameter's ``.data`` assigned, unfreezing in a model trained in eval mode).  Parameters
+must match the reference and be bitwise equal across ranks.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ STEPS = 4
 CUT = 2            # checkpoint / evaluation / injected inf after this many steps
 MAX_NORM = 0.05    # small enough that every step clips
 PATTERNS = ["clip-horovod", "clip", "bf16", "fp16-scaler", "no_sync", "checkpoint", "eval", "unused-head",
-            "unfreeze", "add-group", "to-double"]
+            "unfreeze", "add-group", "to-double", "eval-mode"]
 
 # Mixed precision is compared with a single-process run under the same autocast.  The ranks'
 # weight gradients come from 16-bit matmuls over their own slice, averaged afterwards, where the
@@ -86,8 +87,10 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
     """``strategy=None``: the single-process reference on the whole batch."""
     rank, size = comm.rank, comm.size
     model, opt = make(rank if strategy else 0, pattern)
-    if pattern == "unfreeze":       # gradual unfreezing: fc1 frozen when wrapped, then fc2 frozen
+    if pattern in ("unfreeze", "eval-mode"):    # gradual unfreezing: fc1 frozen when wrapped, then fc2 frozen
         model.fc1.requires_grad_(False)
+    if pattern == "eval-mode":      # trained in eval mode (dropout off, as RLHF loops do), fc1 unfrozen
+        model.eval()
     if strategy:
         opt = wrap(comm, strategy, model, opt)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=pattern == "fp16-scaler")
@@ -107,7 +110,7 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
             opt = wrap(comm, strategy, model, base)
             model.load_state_dict(msd)
             opt.load_state_dict(osd)
-        if pattern == "unfreeze" and step in (1, 3):
+        if pattern in ("unfreeze", "eval-mode") and step in (1, 3):
             (model.fc1 if step == 1 else model.fc2).requires_grad_(step == 1)
         if pattern == "add-group" and step == 1:       # fine-tune fc1 from now on, at its own rate
             opt.add_param_group({"params": model.fc1.parameters(), "lr": 0.05})

@@ -33,11 +33,11 @@ setting ``.grad`` to ``None``; a model moved or converted after wrapping
 (``DeAR``: ``opt.flush()`` first).  Gradients are averaged over ranks; the
 ``backward_passes_per_step`` passes add up (scale the loss).  Optimizers must be
 elementwise for sharded strategies (``DeAR``): SGD (momentum, Nesterov),
-Adam, AdamW, RMSprop, Adagrad... but not LBFGS, Adafactor or Muon.  With ``DeAR``, ``.grad``
-after backward holds the averaged gradient on this rank's shard only: clip
-with ``opt.clip_grad_norm_``, or call ``opt.synchronize()`` (one extra
-all-gather) before code that reads every ``.grad`` (torch's
-``clip_grad_norm_``).
+Adam, AdamW, RMSprop, Adagrad... (tried when wrapping: LAMB, Adafactor, Muon
+are refused).  With ``DeAR``, ``.grad`` after backward holds the averaged
+gradient on this rank's shard only: clip with ``opt.clip_grad_norm_``, or
+call ``opt.synchronize()`` (one extra all-gather) before code that reads
+every ``.grad`` (torch's ``clip_grad_norm_``).
 """
 
 from __future__ import annotations
@@ -64,12 +64,7 @@ from .torch_comm import (
 )
 from .torch_loop import TrainingLoop
 from .torch_norm import SyncBatchNorm
-from .torch_state import ConsolidatedState
-
-#: torch optimizers whose update of an element depends on others of its tensor (a line search, factored
-#: second moments, orthogonalized matrices): they cannot run on shards
-_WHOLE_TENSOR_OPTIMIZERS = tuple(getattr(torch.optim, n) for n in ("LBFGS", "Adafactor", "Muon")
-                                 if hasattr(torch.optim, n))      # the last two: newer torch
+from .torch_state import ConsolidatedState, shard_problem
 
 __all__ = ["DistributedOptimizer", "SyncBatchNorm", "broadcast_parameters", "broadcast_optimizer_state",
            "register_comm_hook"]
@@ -216,10 +211,11 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
             problems.append(f"LBFGS evaluates the loss again and again within a step, each evaluation "
                             f"averaged on every rank, but {self.strategy.name} lets the replicas drift "
                             "between synchronizations (their line searches would part): use AllReduce")
-        if self.strategy.sharded and isinstance(self._inner, _WHOLE_TENSOR_OPTIMIZERS):
-            problems.append(f"{self.strategy.name} updates flat shards of the buckets: "
-                            f"{type(self._inner).__name__} is not elementwise (it needs whole parameters); "
-                            "use AllReduce, or an elementwise optimizer")
+        if self.strategy.sharded and not self._wrapped:
+            problem = shard_problem(self._inner)
+            if problem:
+                problems.append(f"{self.strategy.name} updates flat shards of the buckets: {problem}; use "
+                                "AllReduce, or an elementwise optimizer")
         agree_tensors(self.comm, "DistributedOptimizer", params,
                       f"groups {group_of}|{self.strategy!r}|{self.backward_passes_per_step}|"
                       f"{self.find_unused_parameters}",
@@ -270,21 +266,6 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
             self._build_shard_optimizer()
         s.setup(self.comm, self.buckets, self._flat_params, self._flat_grads,
                 self._shard_grads if s.sharded else None, broadcast=broadcast)
-
-    def _build_shard_optimizer(self) -> None:
-        """One optimizer of the user's class over this rank's pieces of every bucket."""
-        rank = self.comm.rank
-        groups: list[list[torch.Tensor]] = [[] for _ in self.param_groups]
-        # (piece, param index, slice of the flat parameter, bucket index, slice of the bucket)
-        self._pieces: list[tuple[torch.Tensor, int, slice, int, slice]] = []
-        for b in self.buckets:
-            for idx, pslice, bslice in b.pieces(rank):
-                piece = torch.nn.Parameter(self._flat_params[b.index][bslice], requires_grad=True)
-                piece.grad = self._flat_grads[b.index][bslice]     # the reduced shard lands here
-                groups[self._group_of[idx]].append(piece)
-                self._pieces.append((piece, idx, pslice, b.index, bslice))
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        self._shard_opt = type(self._inner)([{"params": ps, **h} for ps, h in zip(groups, hyper)])
 
     def _install_hooks(self) -> None:
         for h in self._hooks:

@@ -4,7 +4,9 @@
 the optimizer state a sharded strategy (``DeAR``) keeps in 1/size pieces into
 the wrapped optimizer's own per-parameter format, and spreads it back: for
 ``state_dict()`` / ``load_state_dict()`` (a checkpoint loadable on any number of
-ranks, or by a plain optimizer) and for re-planning the buckets; and that
+ranks, or by a plain optimizer) and for re-planning the buckets; that builds
+the optimizer over this rank's shards (:func:`shard_problem` says whether its
+class can run on them); and that
 averages it over ranks where a strategy asks (SelSync's synchronized steps,
 Sync-Switch on its way back to BSP) or resets momentum at a phase switch.
 
@@ -23,7 +25,7 @@ import torch
 
 from .torch_comm import Layout, dtype_name, flat_in_layout, in_layout
 
-__all__ = ["ConsolidatedState"]
+__all__ = ["ConsolidatedState", "shard_problem"]
 
 
 def _as_torch(obj: Any) -> Any:
@@ -51,6 +53,63 @@ def _as_numpy(obj: Any) -> Any:
     return obj
 
 
+def shard_problem(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer``'s class cannot run on shards, or ``None``: a sharded strategy runs one
+    optimizer per rank over the rank's flat pieces of the buckets, which updates as the whole
+    does only where the update of an element depends on that element alone (SGD, Adam, AdamW,
+    RMSprop...: not LAMB's or LARS's per-tensor trust ratio, Adafactor's factored moments, Muon's
+    orthogonalized matrices, LBFGS's line search).  Tried, not looked up, so that any class is
+    judged (yours, timm's): one 4x6 parameter under one optimizer against its flattened halves
+    under one each, six steps of a quadratic in float64 with the first group's settings (an
+    optimizer that departs from elementwise only on other problems, AdamP's projection, passes;
+    one that cannot run here on its own, a Hessian-based one, is left to its own errors).
+
+    Example:
+        >>> shard_problem(torch.optim.AdamW(model.parameters()))      # None: elementwise
+    """
+    cls = type(optimizer)
+    first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+    device = first.device if first is not None else torch.device("cpu")
+    settings = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    gen = torch.Generator().manual_seed(1234)
+    w0, a, b = (torch.rand(4, 6, generator=gen, dtype=torch.float64) + (0.5 if i == 1 else -0.5)
+                for i in range(3))
+
+    def train(pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        runs = []
+        for w, aw, bw in pieces:
+            p = torch.nn.Parameter(w.clone().to(device))
+            aw, bw = aw.to(device), bw.to(device)
+
+            def closure(p=p, aw=aw, bw=bw) -> torch.Tensor:     # noqa: ANN001 - one per piece
+                p.grad = None
+                with torch.enable_grad():
+                    loss = (0.5 * aw * p * p + bw * p).sum()
+                    loss.backward()
+                return loss
+            runs.append((p, cls([{"params": [p], **settings}]), closure))     # as the shard optimizer
+        for _ in range(6):
+            for _, opt, closure in runs:
+                opt.step(closure)
+        return torch.cat([p.detach().reshape(-1).cpu() for p, _, _ in runs])
+
+    try:
+        whole = train([(w0, a, b)])
+    except Exception:       # noqa: BLE001 - not runnable here: its own error comes when it runs
+        return None
+    halves = [tuple(t.reshape(-1)[k * 12:(k + 1) * 12] for t in (w0, a, b)) for k in range(2)]
+    try:
+        split = train(halves)
+    except Exception as e:  # noqa: BLE001 - Muon: "only supports 2D parameters"
+        return f"{cls.__name__} is not elementwise (on a flat piece of a parameter: {e})"
+    moved, off = whole - w0.reshape(-1), (split - whole).abs().max().item()
+    if off > 1e-9 * moved.abs().max().item():      # elementwise: the same bits, up to rounding
+        return (f"{cls.__name__} is not elementwise (its update of an element depends on others: on the two "
+                f"flat halves of a parameter, each under an optimizer of its own as on two ranks' shards, it "
+                f"differed from its update of the whole by {off / moved.abs().max().item():.2g} of its size)")
+    return None
+
+
 class ConsolidatedState:
     """Mixin of :class:`bindings.torch.DistributedOptimizer` (uses its buckets, pieces and strategy)."""
 
@@ -64,6 +123,21 @@ class ConsolidatedState:
     _pieces: list[tuple[torch.Tensor, int, slice, int, slice]]
     _shard_opt: torch.optim.Optimizer
     _planned_cap: int
+
+    def _build_shard_optimizer(self) -> None:
+        """One optimizer of the user's class over this rank's pieces of every bucket."""
+        rank = self.comm.rank
+        groups: list[list[torch.Tensor]] = [[] for _ in self.param_groups]
+        # (piece, param index, slice of the flat parameter, bucket index, slice of the bucket)
+        self._pieces: list[tuple[torch.Tensor, int, slice, int, slice]] = []
+        for b in self.buckets:
+            for idx, pslice, bslice in b.pieces(rank):
+                piece = torch.nn.Parameter(self._flat_params[b.index][bslice], requires_grad=True)
+                piece.grad = self._flat_grads[b.index][bslice]     # the reduced shard lands here
+                groups[self._group_of[idx]].append(piece)
+                self._pieces.append((piece, idx, pslice, b.index, bslice))
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        self._shard_opt = type(self._inner)([{"params": ps, **h} for ps, h in zip(groups, hyper)])
 
     def _full_state(self) -> dict[int, dict[str, Any]]:
         """Per parameter (index in ``self._params``): its optimizer state, gathered from the shards

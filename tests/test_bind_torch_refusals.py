@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH
+from conftest import HAVE_TORCH, SMALL
 
 pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 
@@ -107,3 +107,75 @@ def test_sparse_adam_is_refused_on_every_rank(comm):
     with pytest.raises(ValidationError, match="SparseAdam needs sparse gradients.*use Adam"):
         DistributedOptimizer(torch.optim.SparseAdam(model.parameters(), lr=0.01), model, comm=comm)
     assert comm.seq == before + 1            # the agreement only
+
+
+class Lamb(torch.optim.Optimizer if HAVE_TORCH else object):
+    """LAMB as large-batch training writes it (You et al. 2019; timm's, apex's): Adam's step
+    scaled per parameter tensor by the trust ratio ||w|| / ||update||."""
+
+    def __init__(self, params, lr: float = 1e-2, betas: tuple = (0.9, 0.999), eps: float = 1e-6):  # noqa: ANN001
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for g in self.param_groups:
+            b1, b2 = g["betas"]
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"], st["m"], st["v"] = 0, torch.zeros_like(p), torch.zeros_like(p)
+                st["step"] += 1
+                st["m"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                st["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                m_hat, v_hat = st["m"] / (1 - b1 ** st["step"]), st["v"] / (1 - b2 ** st["step"])
+                update = m_hat / (v_hat.sqrt() + g["eps"])
+                w_norm, u_norm = p.norm(), update.norm()
+                trust = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
+                p.add_(update, alpha=-g["lr"] * float(trust))
+        return loss
+
+
+@pytest.mark.mpi
+def test_an_optimizer_that_is_not_elementwise_is_refused_whatever_its_class(comm):
+    """DeAR runs the optimizer on each rank's flat pieces of the buckets: LAMB's trust ratio on a
+    piece is not the tensor's, and the update was silently wrong (seen with pytorch-optimizer's
+    Lamb, LARS, Shampoo, SOAP, CAME, Kron, Prodigy and D-Adaptation as with torch's Adafactor).
+    The class is tried on a small problem, not looked up: refused on every rank, naming it."""
+    model = torch.nn.Linear(8, 4)
+    before = comm.seq
+    with pytest.raises(ValidationError, match=r"Lamb is not elementwise \(its update of an element depends "
+                                              r"on others.*use AllReduce"):
+        DistributedOptimizer(Lamb(model.parameters()), model, strategy=DeAR(), comm=comm)
+    assert comm.seq == before + 1            # the agreement only
+    DistributedOptimizer(Lamb(model.parameters()), model, strategy=AllReduce(), comm=comm)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam",
+                                  "RAdam", "ASGD", "Rprop"])
+def test_elementwise_optimizers_train_on_shards_as_one_process(comm, kind):
+    """torch's elementwise optimizers pass the trial and, run on DeAR's shards, train as one process."""
+    def run(dist: bool) -> np.ndarray:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2)).double()
+        opt = getattr(torch.optim, kind)(model.parameters(), lr=0.05)
+        if dist:
+            opt = DistributedOptimizer(opt, model, strategy=DeAR(**SMALL), comm=comm)
+        g = torch.Generator().manual_seed(4)
+        for _ in range(3):
+            x = torch.randn(3 * comm.size, 5, generator=g, dtype=torch.float64)
+            y = torch.randn(3 * comm.size, 2, generator=g, dtype=torch.float64)
+            if dist:
+                x, y = x.chunk(comm.size)[comm.rank], y.chunk(comm.size)[comm.rank]
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        return torch.cat([v.reshape(-1) for v in model.state_dict().values()]).numpy()
+
+    np.testing.assert_allclose(run(True), run(False), rtol=1e-9, atol=1e-12)

@@ -87,7 +87,7 @@ from commlib.collectives import AllReduce, DeAR, Strategy
 from commlib.collectives.buckets import Bucket, MiB
 from commlib.errors import ValidationError
 
-from .jax_fusion import Plan, agree_plan, make_plan
+from .jax_fusion import Plan, agree_plan, make_plan, shard_problem
 
 __all__ = ["GradientSync", "average_gradients", "sharded_optimizer", "allreduce_gradients",
            "broadcast_params", "ShardedState"]
@@ -386,7 +386,8 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
     gradients, applies ``inner`` (any *elementwise* optax transformation:
     sgd with momentum or Nesterov, adam, adamw, schedules; not ones that look
     across leaves, such as ``clip_by_global_norm``, LAMB or masks keyed by the
-    tree) to the gradient and parameter shards, and all-gathers the updates,
+    tree: tried on a small problem first, refused with ``ValueError``) to the
+    gradient and parameter shards, and all-gathers the updates,
     which come back as a full pytree for ``optax.apply_updates``.  Optimizer
     state costs 1/world_size (it differs per rank: checkpoint every rank's).
     ``strategy`` must be sharded (default ``DeAR()``).  Eager only.
@@ -400,6 +401,10 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
     import jax.numpy as jnp
     import optax
 
+    problem = shard_problem(inner)
+    if problem:
+        raise ValueError(f"sharded_optimizer: the update runs on flat shards of the buckets: {problem}; "
+                         "use average_gradients(...) chained before it, or an elementwise transformation")
     strategy = strategy if strategy is not None else DeAR()
     if not strategy.sharded:
         raise ValueError(f"sharded_optimizer needs a sharded strategy (DeAR), got {strategy!r}")

@@ -1,5 +1,6 @@
 """Pytrees as fused buckets for :mod:`bindings.jax`: the plan of a tree structure, packing and
-unpacking, and the check that every rank has the same tree."""
+unpacking, the check that every rank has the same tree, and whether an optax transformation can
+run on flat shards of the buckets."""
 
 from __future__ import annotations
 
@@ -129,3 +130,49 @@ def make_plan(tree: Any, leaves: Sequence[Any], treedef: Any, allowed: Sequence[
     shapes = [tuple(np.shape(x)) for x in leaves]
     return Plan(treedef, paths, shapes, dtypes, allowed, world_size, cap_bytes, first_cap_bytes,
                  device, committed, error)
+
+
+def shard_problem(inner: Any) -> str | None:
+    """Why optax transformation ``inner`` cannot run on shards, or ``None``: each rank runs it on its
+    flat shards of the buckets, which updates as on the leaves only where an element's update
+    depends on that element alone (not LAMB's trust ratio, ``clip_by_global_norm``, Adafactor).
+    Tried, as :func:`bindings.torch_state.shard_problem` tries a torch optimizer: one 4x6 leaf
+    against its flat halves, each with a state of its own, six steps of a quadratic whose
+    gradients (~100 an element) are larger than any usual clipping norm.
+
+    Example:
+        >>> shard_problem(optax.lamb(1e-3))     # 'the transformation is not elementwise (...)'
+    """
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(1234)
+    w0, a, b = rng.random((3, 4, 6)) + np.array([-0.5, 0.5, -0.5])[:, None, None]
+    a, b = 100 * a, 100 * b
+    update = jax.jit(inner.update)          # one compilation per shape: eager ops cost seconds
+
+    def train(pieces: list[tuple[np.ndarray, ...]]) -> np.ndarray:
+        out = []
+        for w, aw, bw in pieces:
+            w = jnp.asarray(w, jnp.float32)
+            state = inner.init([w])
+            for _ in range(6):
+                updates, state = update([jnp.asarray(aw * w + bw, jnp.float32)], state, [w])
+                w = w + updates[0]
+            out.append(np.ravel(w))
+        return np.concatenate(out)
+
+    try:
+        whole = train([(w0, a, b)])
+    except Exception:       # noqa: BLE001 - not runnable on a list of arrays: its own error comes later
+        return None
+    try:
+        split = train([tuple(t.reshape(-1)[k * 12:(k + 1) * 12] for t in (w0, a, b)) for k in range(2)])
+    except Exception as e:  # noqa: BLE001
+        return f"the transformation is not elementwise (on a flat piece: {e})"
+    size = float(np.abs(whole - w0.reshape(-1)).max())
+    off = float(np.abs(split - whole).max())
+    if off > 1e-5 * size:
+        return (f"the transformation is not elementwise (its update of an element depends on others: on "
+                f"the two flat halves of a leaf, each with a state of its own as on two ranks' shards, it "
+                f"differed from its update of the whole by {off / size:.2g} of its size)")
+    return None

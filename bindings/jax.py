@@ -404,7 +404,8 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
     problem = shard_problem(inner)
     if problem:
         raise ValueError(f"sharded_optimizer: the update runs on flat shards of the buckets: {problem}; "
-                         "use average_gradients(...) chained before it, or an elementwise transformation")
+                         "use optax.chain(average_gradients(...), inner) instead (its state then on every "
+                         "rank), or an elementwise transformation")
     strategy = strategy if strategy is not None else DeAR()
     if not strategy.sharded:
         raise ValueError(f"sharded_optimizer needs a sharded strategy (DeAR), got {strategy!r}")

@@ -63,7 +63,7 @@ from .torch_comm import (
     register_comm_hook,
 )
 from .torch_loop import TrainingLoop
-from .torch_norm import SyncBatchNorm
+from .torch_norm import RunningStats, SyncBatchNorm
 from .torch_state import ConsolidatedState, shard_problem
 
 __all__ = ["DistributedOptimizer", "SyncBatchNorm", "broadcast_parameters", "broadcast_optimizer_state",
@@ -97,6 +97,10 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
     parameters got none, warns naming them and turns this on; a parameter that
     stops getting gradients later counts as a zero gradient (as in Horovod).
     ``broadcast``: start from rank 0's parameters (default ``True``).
+    ``broadcast_buffers``: after each step every rank gets rank 0's running
+    statistics of plain norm layers (``True``, the default), every buffer
+    (``"all"``, DDP's rule) or none (``False``, Horovod's); see
+    :class:`bindings.torch_norm.RunningStats`.
 
     The wrapper is a ``torch.optim.Optimizer`` sharing ``optimizer.param_groups``,
     so LR schedulers work on either.  ``state_dict()`` is the consolidated
@@ -115,13 +119,14 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                  strategy: Strategy | None = None, comm: commlib.Communicator | None = None, *,
                  backward_passes_per_step: int = 1, find_unused_parameters: bool = False,
-                 broadcast: bool = True):
+                 broadcast: bool = True, broadcast_buffers: bool | str = True):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer")
         self._checked_passes(backward_passes_per_step)
         self.comm = comm or commlib.init()
+        self._running_stats = RunningStats(model, self.comm, broadcast_buffers)
         self.strategy = strategy if strategy is not None else AllReduce()
         self.model = model
         self.backward_passes_per_step = backward_passes_per_step
@@ -218,7 +223,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
                                 "AllReduce, or an elementwise optimizer")
         agree_tensors(self.comm, "DistributedOptimizer", params,
                       f"groups {group_of}|{self.strategy!r}|{self.backward_passes_per_step}|"
-                      f"{self.find_unused_parameters}",
+                      f"{self.find_unused_parameters}|{self._running_stats.which}",
                       "; ".join(problems) or None, strides=True)
         self._params, self._group_of = params, group_of
         #: the optimizer's parameters that do not train now (watched for requires_grad changes)
@@ -386,6 +391,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
                     self._check_evaluated()
             for i in self._unused:
                 self._params[i].grad = self._grad_views[i]
+        self._running_stats.sync()      # before DeAR's all-gathers: nothing in flight to queue behind
         self.strategy.after_update()
         if self.strategy.syncs_optimizer_state():
             self._average_optimizer_state()     # SelSync in parameter mode: momentum agrees too

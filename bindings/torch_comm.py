@@ -82,10 +82,28 @@ def _tensors(params: Any) -> list[torch.Tensor]:
     return [t for t in items if torch.is_tensor(t)]
 
 
+#: the dtypes commlib carries as they are; other tensors (bool masks, uint8, int8, float8) travel widened
+_CARRIED = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
+
+
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` travels in: itself where commlib carries it, else widened
+    exactly (float64 for other floats, int64 for bool and other integers).
+
+    Example:
+        >>> wire_dtype(torch.bool)
+        torch.int64
+    """
+    if dtype in _CARRIED:
+        return dtype
+    return torch.float64 if dtype.is_floating_point else torch.int64
+
+
 def broadcast_parameters(params: Any, root_rank: int = 0, comm: commlib.Communicator | None = None) -> None:
     """Copy ``root_rank``'s tensors to every rank, in place.
 
-    ``params``: ``model.state_dict()``, ``model.named_parameters()`` or an iterable of tensors.
+    ``params``: ``model.state_dict()``, ``model.named_parameters()`` or an iterable of tensors, of
+    any dtype (bool masks and uint8 buffers travel widened, complex ones as real pairs).
 
     Example:
         >>> broadcast_parameters(model.state_dict(), root_rank=0)
@@ -96,11 +114,12 @@ def broadcast_parameters(params: Any, root_rank: int = 0, comm: commlib.Communic
     with torch.no_grad():
         for t in tensors:
             if t.numel():
-                data = t.detach()
-                if data.is_contiguous():
+                data = torch.view_as_real(t.detach()) if t.is_complex() else t.detach()
+                wire = wire_dtype(data.dtype)
+                if data.is_contiguous() and wire == data.dtype:
                     comm.broadcast(data, root_rank, out=data)
                 else:
-                    data.copy_(comm.broadcast(data.contiguous(), root_rank))
+                    data.copy_(comm.broadcast(data.contiguous().to(wire), root_rank))
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,

@@ -1,4 +1,5 @@
-"""Batch normalization over the batch of every rank together (re-exported by :mod:`bindings.torch`).
+"""Normalization statistics across ranks: ``SyncBatchNorm`` (re-exported by :mod:`bindings.torch`),
+and :class:`RunningStats`, which keeps plain norm layers' running statistics the same on every rank.
 
 ``SyncBatchNorm`` normalizes with the mean and variance of the global batch,
 as one process training on the concatenated batch does, where ``BatchNorm``
@@ -39,7 +40,12 @@ import torch.nn.functional as F
 import commlib
 from commlib.side import side_comm
 
-__all__ = ["SyncBatchNorm"]
+from .torch_comm import wire_dtype
+
+__all__ = ["SyncBatchNorm", "RunningStats"]
+
+#: what ``broadcast_buffers`` may say: norm layers' running statistics, every buffer, none
+BUFFER_CHOICES = (True, "all", False)
 
 class _CommRef:
     """A layer's communicator, held so that copies of the layer (``copy.deepcopy``: an EMA of the
@@ -226,3 +232,62 @@ class _SyncBatchNorm(torch.autograd.Function):
             grad_x = torch.sub(xc, mean.view(shape), out=buf).mul_(-k.view(shape)).add_(dyc)
             grad_x = grad_x.sub_(means[:c].view(shape)).mul_(scale.view(shape)).to(x.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+
+
+class RunningStats:
+    """Rank 0's buffers on every rank after each step, as DDP's ``broadcast_buffers``.
+
+    Plain ``BatchNorm`` (and ``InstanceNorm`` with ``track_running_stats``)
+    layers update their running statistics from their rank's slice, so without
+    this each rank would evaluate a model of its own, and a checkpoint saved on
+    rank 0 and resumed would change the other ranks' statistics (the resumed
+    run would not be the uninterrupted one).  ``which``: ``True`` sends the
+    running statistics of the norm layers in training mode (``SyncBatchNorm``'s
+    are the same everywhere already); ``"all"`` every buffer of the model
+    (DDP's rule: also a module's own running averages, at the cost of sending
+    constant masks too); ``False`` none (Horovod's rule).  One broadcast per
+    dtype, called by the binding at each ``step()`` while no gradient
+    communication is in flight.
+
+    Example:
+        >>> stats = RunningStats(model, comm, True)
+        >>> stats.sync()                 # a collective: every rank, at the same step
+    """
+
+    def __init__(self, model: torch.nn.Module, comm: commlib.Communicator, which: bool | str):
+        if not any(which is c for c in BUFFER_CHOICES):
+            raise ValueError(f"broadcast_buffers {which!r}: expected True (norm layers' running "
+                             "statistics), 'all' (every buffer) or False")
+        self.model, self.comm, self.which = model, comm, which
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The buffers :meth:`sync` sends now (the same list on every rank: model structure and modes)."""
+        if self.which is False:
+            return []
+        if self.which == "all":
+            return list(self.model.buffers())
+        norms = (m for m in self.model.modules()
+                 if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.training
+                 and m.track_running_stats and not isinstance(m, (SyncBatchNorm, torch.nn.SyncBatchNorm)))
+        return [b for m in norms for b in (m.running_mean, m.running_var, m.num_batches_tracked)
+                if b is not None]
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Give every rank rank 0's buffers now (a collective; nothing to send: no communication)."""
+        if self.comm.size == 1:
+            return
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for b in self.buffers():
+            b = torch.view_as_real(b) if b.is_complex() else b      # a view: written through
+            groups.setdefault((b.dtype, b.device), []).append(b)
+        root = self.comm.rank == 0
+        for (dtype, device), bufs in groups.items():
+            wire = wire_dtype(dtype)
+            sizes = [b.numel() for b in bufs]
+            flat = (torch.cat([b.reshape(-1).to(wire) for b in bufs]) if root
+                    else torch.empty(sum(sizes), dtype=wire, device=device))
+            self.comm.broadcast(flat, 0, out=flat, tag="buffers")
+            if not root:
+                for b, piece in zip(bufs, flat.split(sizes)):
+                    b.copy_(piece.view(b.shape))

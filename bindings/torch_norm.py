@@ -259,6 +259,10 @@ class RunningStats:
             raise ValueError(f"broadcast_buffers {which!r}: expected True (norm layers' running "
                              "statistics), 'all' (every buffer) or False")
         self.model, self.comm, self.which = model, comm, which
+        #: the model's plain norm layers that track running statistics (the model's structure is fixed)
+        self._norms = [m for m in model.modules()
+                       if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats
+                       and not isinstance(m, (SyncBatchNorm, torch.nn.SyncBatchNorm))]
 
     def buffers(self) -> list[torch.Tensor]:
         """The buffers :meth:`sync` sends now (the same list on every rank: model structure and modes)."""
@@ -266,11 +270,8 @@ class RunningStats:
             return []
         if self.which == "all":
             return list(self.model.buffers())
-        norms = (m for m in self.model.modules()
-                 if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.training
-                 and m.track_running_stats and not isinstance(m, (SyncBatchNorm, torch.nn.SyncBatchNorm)))
-        return [b for m in norms for b in (m.running_mean, m.running_var, m.num_batches_tracked)
-                if b is not None]
+        return [b for m in self._norms if m.training
+                for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -289,5 +290,4 @@ class RunningStats:
                     else torch.empty(sum(sizes), dtype=wire, device=device))
             self.comm.broadcast(flat, 0, out=flat, tag="buffers")
             if not root:
-                for b, piece in zip(bufs, flat.split(sizes)):
-                    b.copy_(piece.view(b.shape))
+                torch._foreach_copy_(bufs, [p.view(b.shape) for b, p in zip(bufs, flat.split(sizes))])

@@ -145,6 +145,10 @@ class Board:
                 if (p.state == IN_CALL and not call and p.seq < seq and p.calls > calls)
                 or (p.state == CLOSING and (p.calls < calls if call else p.seq < seq))]
 
+    def in_calls_not_made(self) -> list[PeerState]:
+        """Node-local ranks inside a blocking call every rank must make that this rank has not made."""
+        return [p for p in self.peers() if p.state == IN_CALL and p.calls > self.calls]
+
     def rejected(self, seq: int) -> list[PeerState]:
         """Peers that rejected their input to operation ``seq``."""
         return [p for p in self.peers() if p.state == REJECTED and p.seq == seq]

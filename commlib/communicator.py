@@ -97,9 +97,8 @@ class Communicator:
     def timeout(self) -> float:
         """Seconds an operation may take before :class:`CommTimeoutError` (0: no limit).
 
-        With 0 a hang stays a hang (after ``stall_warning`` seconds a
-        :class:`~commlib.errors.CommStallWarning` still names who is missing); a peer's
-        rejected input or abort still ends the wait.
+        With 0 a hang stays a hang (a :class:`~commlib.errors.CommStallWarning` after ``stall_warning``
+        seconds still names who is missing); a peer's rejected input or abort ends the wait.
         """
         return self._run.timeout
 
@@ -120,11 +119,11 @@ class Communicator:
 
     @property
     def mpi_comm(self) -> Any:
-        """An mpi4py communicator of the same ranks (for one-sided windows and
-        point-to-point traffic that commlib does not wrap); do not free it.
+        """An mpi4py communicator of the same ranks (for one-sided windows and point-to-point
+        traffic that commlib does not wrap); do not free it.
 
-        It is a duplicate, never the one commlib's operations run on, so calls
-        made on it cannot interleave with queued operations.
+        It is a duplicate, never the one commlib's operations run on, so calls made on it
+        cannot interleave with queued operations.
         """
         return self._user
 
@@ -421,8 +420,8 @@ class Communicator:
     def split(self, color: int, key: int | None = None) -> "Communicator":
         """A new communicator of the ranks that pass the same ``color`` (collective).
 
-        Ranks are ordered by ``key`` (default: this rank).  A negative
-        ``color`` returns ``None`` on that rank (``MPI_UNDEFINED``).
+        Ranks are ordered by ``key`` (default: this rank); a negative ``color`` returns ``None`` on that
+        rank (``MPI_UNDEFINED``).  Waits on a split of every rank in order also watch this one's board.
 
         Example:
             >>> half = comm.split(color=comm.rank % 2)
@@ -435,6 +434,8 @@ class Communicator:
             return None  # type: ignore[return-value]
         comm = Communicator(sub, self.config, self.backend, tracer=self._tracer)
         comm.timeout = self.timeout
+        if comm.size == self.size and key is None:      # the same ranks, in order: its waits watch ours
+            comm._run.parent = self._run
         return comm
 
     def synchronize(self) -> None:

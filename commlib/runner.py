@@ -59,6 +59,10 @@ class Runner:
         self.closed = False
         #: operations given up while posted: (label, whether it has completed since)
         self.dangling: list[tuple[str, Callable[[], bool]]] = []
+        #: the runner of the communicator this one was split from with the same ranks in the same
+        #: order (a side communicator: SyncBatchNorm's, stop_together's): its board is watched while
+        #: waiting, and it is aborted with this one when a wait here finds their calls diverged
+        self.parent: Runner | None = None
 
     def check_alive(self) -> None:
         """Raise :class:`CommAbortedError` if the communicator is closed or aborted."""
@@ -106,6 +110,11 @@ class Runner:
             err = self._peer_verdict(seq, name)
             if err is not None:
                 return err
+        parent = self.parent
+        if parent is not None and not parent.board.quiet():
+            err = self._parent_verdict(parent, seq, name)
+            if err is not None:
+                return err
         if self.timeout > 0 and waited >= self.timeout:
             return self.board.timeout_error(name, seq, self.timeout, self.rank, self.size)
         if 0 < self.stall_warning <= waited and self._stall_warned != seq:
@@ -141,6 +150,24 @@ class Runner:
                                  "same calls in the same order)", name, seq, [p.rank for p in absent])
         return None
 
+    def _parent_verdict(self, parent: "Runner", seq: int, name: str) -> CommlibError | None:
+        """A side communicator's wait: peers that have not come to operation ``seq`` and sit in a
+        blocking call on the parent that this rank has not made (the Horovod checkpoint with
+        SyncBatchNorm: rank 0 in ``opt.state_dict()``, the others in the next forward's
+        statistics) will not come before this rank makes that call, which it cannot while here.
+        The parent is aborted too, so that those peers' wait there ends at once as well."""
+        late = {p.rank for p in self.board.peers() if p.seq < seq}
+        absent = [p for p in parent.board.in_calls_not_made() if p.rank in late]
+        if not absent:
+            return None
+        err = MismatchError(f"{name} #{seq} on rank {self.rank} waits for ranks that will not call it: "
+                            + "; ".join(p.describe() for p in absent) + " on the communicator this one "
+                            "was split from (every rank must make the same calls in the same order)",
+                            name, seq, [p.rank for p in absent])
+        if parent.aborted is None:
+            parent.mark_aborted(err, "?", parent.posted)
+        return err
+
     def wait(self, p: Pending, name: str, seq: int) -> None:
         """Drive ``p`` to completion on this thread; raise (and abort) when it must be given up.
 
@@ -167,11 +194,16 @@ class Runner:
         The operation may still be posted inside the backend, so no later
         operation can be trusted; peers on this node see the abort on the board.
         """
+        self.mark_aborted(err, name, seq)
+        raise err
+
+    def mark_aborted(self, err: CommlibError, name: str, seq: int) -> None:
+        """Abort this communicator for ``err`` (raised in operation ``seq``, or in a side
+        communicator's wait): no later operation runs; peers on this node see it on the board."""
         self.tracer.instant("error", op=name, seq=seq, error=str(err))
         self.aborted = err
         self.backend.abort(str(err))    # NCCL: unblock the kernels still waiting
         self.board.set(seq, name, _board.ABORTED, str(err))
-        raise err
 
     def post(self, name: str, seq: int, start: Callable[..., Pending], args: tuple) -> Pending:
         """Post operation ``seq`` (``start(*args)``; operations are posted in call order) and

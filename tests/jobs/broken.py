@@ -127,14 +127,17 @@ def closed_early() -> None:
     report_and_end()
 
 
-def _dear(c: commlib.Communicator):
+def _dear(c: commlib.Communicator, syncbn: bool = False):
     import torch
 
-    from commlib.bindings.torch import DistributedOptimizer
+    from commlib.bindings.torch import DistributedOptimizer, SyncBatchNorm
     from commlib.collectives import DeAR
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    layers = [torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)]
+    if syncbn:      # statistics on a side communicator, in the forward
+        layers.insert(2, SyncBatchNorm(16, comm=c))
+    model = torch.nn.Sequential(*layers)
     opt = DistributedOptimizer(torch.optim.Adam(model.parameters()), model, strategy=DeAR(), comm=c)
 
     def step() -> None:
@@ -162,6 +165,22 @@ def state_on_rank0() -> None:
     report_and_end()
 
 
+def state_on_rank0_with_syncbn() -> None:
+    """The same with SyncBatchNorm: the others wait in the next forward's statistics, on a side
+    communicator (its board showed nothing of rank 0's call: they waited for the timeout)."""
+    c = fresh(timeout=60)
+    opt, step = _dear(c, syncbn=True)
+    step()
+    t0 = time.monotonic()
+    if c.rank == 0:
+        expect(commlib.CommAbortedError, opt.state_dict, "rank 0 is in DistributedOptimizer.state_dict()")
+    else:
+        expect(commlib.MismatchError, lambda: [step() for _ in range(3)],
+               "rank 0 is in DistributedOptimizer.state_dict() (after #")
+    assert time.monotonic() - t0 < 30, "must not wait for the timeout"
+    report_and_end()
+
+
 def state_on_rank0_at_the_end() -> None:
     """The same after the last step: the others close the communicator (their program ends)."""
     c = fresh(timeout=60)
@@ -178,7 +197,8 @@ def state_on_rank0_at_the_end() -> None:
 
 
 CASES = {f.__name__: f for f in (rejected, deadlock, never_arrives, stall_made_an_error, only_rank0,
-                                  unwaited, closed_early, state_on_rank0, state_on_rank0_at_the_end)}
+                                  unwaited, closed_early, state_on_rank0, state_on_rank0_with_syncbn,
+                                  state_on_rank0_at_the_end)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]]()

@@ -100,7 +100,8 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
     ``broadcast_buffers``: after each step every rank gets rank 0's running
     statistics of plain norm layers (``True``, the default), every buffer
     (``"all"``, DDP's rule) or none (``False``, Horovod's); see
-    :class:`bindings.torch_norm.RunningStats`.
+    :class:`bindings.torch_norm.RunningStats` (not with SelSync or SyncSwitch,
+    whose replicas drift between synchronizations).
 
     The wrapper is a ``torch.optim.Optimizer`` sharing ``optimizer.param_groups``,
     so LR schedulers work on either.  ``state_dict()`` is the consolidated
@@ -126,8 +127,11 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
             raise TypeError("optimizer is already a DistributedOptimizer")
         self._checked_passes(backward_passes_per_step)
         self.comm = comm or commlib.init()
-        self._running_stats = RunningStats(model, self.comm, broadcast_buffers)
         self.strategy = strategy if strategy is not None else AllReduce()
+        # replicas that drift between synchronizations (SelSync, Sync-Switch) keep their buffers too:
+        # a broadcast at every step would hold ASP's ranks in step
+        self._running_stats = RunningStats(model, self.comm, broadcast_buffers,
+                                           lockstep=not self.strategy.updates_parameters)
         self.model = model
         self.backward_passes_per_step = backward_passes_per_step
         self.find_unused_parameters = find_unused_parameters

@@ -247,18 +247,22 @@ class RunningStats:
     (DDP's rule: also a module's own running averages, at the cost of sending
     constant masks too); ``False`` none (Horovod's rule).  One broadcast per
     dtype, called by the binding at each ``step()`` while no gradient
-    communication is in flight.
+    communication is in flight; ``lockstep=False`` (SelSync, Sync-Switch: replicas
+    drift between synchronizations, ASP's ranks do not step together) sends nothing.
 
     Example:
         >>> stats = RunningStats(model, comm, True)
         >>> stats.sync()                 # a collective: every rank, at the same step
     """
 
-    def __init__(self, model: torch.nn.Module, comm: commlib.Communicator, which: bool | str):
+    def __init__(self, model: torch.nn.Module, comm: commlib.Communicator, which: bool | str,
+                 lockstep: bool = True):
         if not any(which is c for c in BUFFER_CHOICES):
             raise ValueError(f"broadcast_buffers {which!r}: expected True (norm layers' running "
                              "statistics), 'all' (every buffer) or False")
         self.model, self.comm, self.which = model, comm, which
+        #: the ranks step together (False: a strategy whose replicas drift; nothing is sent)
+        self.lockstep = lockstep
         #: the model's plain norm layers that track running statistics (the model's structure is fixed)
         self._norms = [m for m in model.modules()
                        if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats
@@ -276,7 +280,7 @@ class RunningStats:
     @torch.no_grad()
     def sync(self) -> None:
         """Give every rank rank 0's buffers now (a collective; nothing to send: no communication)."""
-        if self.comm.size == 1:
+        if self.comm.size == 1 or not self.lockstep:
             return
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for b in self.buffers():

@@ -116,10 +116,13 @@ class ConsolidatedState:
     comm: Any
     strategy: Any
     buckets: list[Any]
+    param_groups: list[dict[str, Any]]
     _inner: torch.optim.Optimizer
     _params: list[torch.nn.Parameter]
+    _group_of: list[int]
     _layouts: list[Layout]
     _flat_params: list[torch.Tensor]
+    _flat_grads: list[torch.Tensor]
     _pieces: list[tuple[torch.Tensor, int, slice, int, slice]]
     _shard_opt: torch.optim.Optimizer
     _planned_cap: int
@@ -129,7 +132,7 @@ class ConsolidatedState:
         rank = self.comm.rank
         groups: list[list[torch.Tensor]] = [[] for _ in self.param_groups]
         # (piece, param index, slice of the flat parameter, bucket index, slice of the bucket)
-        self._pieces: list[tuple[torch.Tensor, int, slice, int, slice]] = []
+        self._pieces = []
         for b in self.buckets:
             for idx, pslice, bslice in b.pieces(rank):
                 piece = torch.nn.Parameter(self._flat_params[b.index][bslice], requires_grad=True)

@@ -147,38 +147,32 @@ def _dear(c: commlib.Communicator, syncbn: bool = False):
     return opt, step
 
 
-def state_on_rank0() -> None:
-    """Horovod's checkpoint, ``if rank == 0: torch.save(opt.state_dict())``, with DeAR, whose
-    state is sharded: rank 0 waits in the state's gather while the others go on to the next
-    step; every rank fails at once, naming the call, instead of waiting for the timeout."""
+def _state_on_rank0(syncbn: bool, rank0_says: str) -> None:
     c = fresh(timeout=60)
-    opt, step = _dear(c)
+    opt, step = _dear(c, syncbn=syncbn)
     step()
     t0 = time.monotonic()
     if c.rank == 0:
-        expect(commlib.CommAbortedError, opt.state_dict, "waits for ranks that will not call it: "
-               "rank 0 is in DistributedOptimizer.state_dict()")
+        expect(commlib.CommAbortedError, opt.state_dict, rank0_says)
     else:
         expect(commlib.MismatchError, lambda: [step() for _ in range(3)],
                "rank 0 is in DistributedOptimizer.state_dict() (after #")
     assert time.monotonic() - t0 < 30, "must not wait for the timeout"
     report_and_end()
+
+
+def state_on_rank0() -> None:
+    """Horovod's checkpoint, ``if rank == 0: torch.save(opt.state_dict())``, with DeAR, whose
+    state is sharded: rank 0 waits in the state's gather while the others go on to the next
+    step; every rank fails at once, naming the call, instead of waiting for the timeout."""
+    _state_on_rank0(False, "waits for ranks that will not call it: "
+                           "rank 0 is in DistributedOptimizer.state_dict()")
 
 
 def state_on_rank0_with_syncbn() -> None:
     """The same with SyncBatchNorm: the others wait in the next forward's statistics, on a side
     communicator (its board showed nothing of rank 0's call: they waited for the timeout)."""
-    c = fresh(timeout=60)
-    opt, step = _dear(c, syncbn=True)
-    step()
-    t0 = time.monotonic()
-    if c.rank == 0:
-        expect(commlib.CommAbortedError, opt.state_dict, "rank 0 is in DistributedOptimizer.state_dict()")
-    else:
-        expect(commlib.MismatchError, lambda: [step() for _ in range(3)],
-               "rank 0 is in DistributedOptimizer.state_dict() (after #")
-    assert time.monotonic() - t0 < 30, "must not wait for the timeout"
-    report_and_end()
+    _state_on_rank0(True, "rank 0 is in DistributedOptimizer.state_dict()")
 
 
 def state_on_rank0_at_the_end() -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 import commlib
+from commlib.arrays import DTYPES
 from commlib.errors import MismatchError, ValidationError
 from commlib.ops import agree
 
@@ -82,10 +83,6 @@ def _tensors(params: Any) -> list[torch.Tensor]:
     return [t for t in items if torch.is_tensor(t)]
 
 
-#: the dtypes commlib carries as they are; other tensors (bool masks, uint8, int8, float8) travel widened
-_CARRIED = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
-
-
 def wire_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype a tensor of ``dtype`` travels in: itself where commlib carries it, else widened
     exactly (float64 for other floats, int64 for bool and other integers).
@@ -94,7 +91,7 @@ def wire_dtype(dtype: torch.dtype) -> torch.dtype:
         >>> wire_dtype(torch.bool)
         torch.int64
     """
-    if dtype in _CARRIED:
+    if str(dtype).removeprefix("torch.") in DTYPES:     # what commlib carries as it is
         return dtype
     return torch.float64 if dtype.is_floating_point else torch.int64
 

@@ -144,11 +144,15 @@ class Runner:
                 f"rank {r.rank} aborted the communicator after #{r.seq}: {r.reason}"
                 for r in aborted))
         absent = self.board.not_coming(seq, call=name not in OPS)
-        if absent:
-            return MismatchError(f"{name} #{seq} on rank {self.rank} waits for ranks that will not call it: "
-                                 + "; ".join(p.describe() for p in absent) + " (every rank must make the "
-                                 "same calls in the same order)", name, seq, [p.rank for p in absent])
-        return None
+        return self._not_coming_error(name, seq, absent, "") if absent else None
+
+    def _not_coming_error(self, name: str, seq: int, absent: list[_board.PeerState],
+                          where: str) -> MismatchError:
+        """The wait for operation ``seq`` cannot end: ``absent`` will not call it (``where``: on
+        which communicator they sit, when not this one)."""
+        return MismatchError(f"{name} #{seq} on rank {self.rank} waits for ranks that will not call it: "
+                             + "; ".join(p.describe() for p in absent) + where + " (every rank must make "
+                             "the same calls in the same order)", name, seq, [p.rank for p in absent])
 
     def _parent_verdict(self, parent: "Runner", seq: int, name: str) -> CommlibError | None:
         """A side communicator's wait: peers that have not come to operation ``seq`` and sit in a
@@ -160,10 +164,7 @@ class Runner:
         absent = [p for p in parent.board.in_calls_not_made() if p.rank in late]
         if not absent:
             return None
-        err = MismatchError(f"{name} #{seq} on rank {self.rank} waits for ranks that will not call it: "
-                            + "; ".join(p.describe() for p in absent) + " on the communicator this one "
-                            "was split from (every rank must make the same calls in the same order)",
-                            name, seq, [p.rank for p in absent])
+        err = self._not_coming_error(name, seq, absent, " on the communicator this one was split from")
         if parent.aborted is None:
             parent.mark_aborted(err, "?", parent.posted)
         return err

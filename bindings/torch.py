@@ -35,9 +35,10 @@ setting ``.grad`` to ``None``; a model moved or converted after wrapping
 elementwise for sharded strategies (``DeAR``): SGD (momentum, Nesterov),
 Adam, AdamW, RMSprop, Adagrad... (tried when wrapping: LAMB, Adafactor, Muon
 are refused).  With ``DeAR``, ``.grad`` after backward holds the averaged
-gradient on this rank's shard only: clip with ``opt.clip_grad_norm_``, or
-call ``opt.synchronize()`` (one extra all-gather) before code that reads
-every ``.grad`` (torch's ``clip_grad_norm_``).
+gradient on this rank's shard only; its full norms read as the global gradient's
+(torch's ``clip_grad_norm_`` and ``get_total_norm`` clip and log as one process:
+``torch_grads``); call ``opt.synchronize()`` (one extra all-gather) before code
+that reads ``.grad``'s values otherwise.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from .torch_comm import (
     layout,
     register_comm_hook,
 )
+from .torch_grads import ShardedGrad, ShardNorms
 from .torch_loop import TrainingLoop
 from .torch_norm import RunningStats, SyncBatchNorm
 from .torch_state import ConsolidatedState, shard_problem
@@ -246,6 +248,9 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         self._bucket_of = [0] * len(self._params)
         self._flat_params, self._flat_grads, self._shard_grads = [], [], []
         self._grad_views: list[torch.Tensor] = [None] * len(self._params)   # type: ignore[list-item]
+        # sharded: .grad is averaged on this rank's shard only, and its norms read the global one
+        norms = (ShardNorms(self.comm, len(self._params), [], self._flat_grads)
+                 if s.sharded and self.comm.size > 1 else None)
         for b in self.buckets:
             p0 = self._params[b.slots[0].index]
             fp = torch.zeros(b.padded, dtype=p0.dtype, device=p0.device)
@@ -257,6 +262,8 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
                 data.copy_(p.detach())
                 p.data = data
                 view = in_layout(fg, sl.offset, layout(p))
+                if norms is not None:
+                    view = ShardedGrad.of(view, norms, sl.index)
                 if p.grad is not None:
                     view.copy_(p.grad)
                 p.grad = view
@@ -265,6 +272,9 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
             self._flat_grads.append(fg)
             if s.sharded:
                 self._shard_grads.append(torch.zeros(b.shard_numel, dtype=p0.dtype, device=p0.device))
+            if norms is not None:
+                norms.parts += [(idx, fg[bslice]) for idx, _, bslice in b.pieces(self.comm.rank)]
+        self._shard_norms = norms
         #: where each parameter's data lives: a view of its bucket (moved or converted: re-planned),
         #: laid out as the parameter was (a conversion may change the parameter's layout)
         self._data_ptrs = [p.data_ptr() for p in self._params]
@@ -347,6 +357,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
             self._close_skipped_step()
         for g in self._flat_grads:
             g.zero_()
+        self._shards_settled(False)
         for i, p in enumerate(self._params):
             if p.grad is not self._grad_views[i]:
                 p.grad = self._grad_views[i]

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from .torch_comm import average_loss
+from .torch_grads import ShardNorms
 from .torch_hooks import InertHook, ModelHook, guard_module_hooks_under_compile
 
 __all__ = ["TrainingLoop", "ModelHook", "InertHook"]     # the hooks: here too, for models pickled before
@@ -80,6 +81,7 @@ class TrainingLoop:
     _flat_grads: list[torch.Tensor]
     _shard_grads: list[torch.Tensor]
     _grad_views: list[torch.Tensor]
+    _shard_norms: ShardNorms | None
     _signaled: list[bool]
 
     def _init_loop(self) -> None:
@@ -198,7 +200,8 @@ class TrainingLoop:
                                    "cannot add another pass to them (AllReduce and DeAR can); accumulate "
                                    "with opt.no_sync() or backward_passes_per_step")
         self._got[i] = True
-        if not self._callback_queued:
+        if not self._callback_queued:       # a pass begins: .grad is this rank's own until reduced
+            self._shards_settled(False)
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         return self._no_sync_depth == 0
@@ -254,17 +257,24 @@ class TrainingLoop:
 
     def _settle_shards(self) -> None:
         """Sharded strategies: the reduced shard into ``.grad``'s positions (the update reads
-        them there), and a non-finite gradient on any rank made non-finite everywhere."""
-        if self.comm.size > 1:
-            bad = torch.tensor([float(any(not bool(torch.isfinite(g).all()) for g in self._flat_grads))])
-            self.comm.allreduce(bad, "max", out=bad, tag="nonfinite")
-            if bad.item():
-                for g in self._flat_grads:
-                    g.fill_(float("nan"))
-                return
+        them there), and a non-finite gradient on any rank made non-finite everywhere.  The
+        parameters' gradient norms over the ranks' shards come with that agreement (one small
+        all-reduce), so that reading them (torch's ``clip_grad_norm_``) needs no other."""
         rank = self.comm.rank
         for b, g, sg in zip(self.buckets, self._flat_grads, self._shard_grads):
             g[b.shard(rank)].copy_(sg)
+        if self._shard_norms is not None:       # more than one rank
+            finite = self._shard_norms.settle()
+            if not finite:
+                for g in self._flat_grads:
+                    g.fill_(float("nan"))
+            self._shards_settled(finite)
+
+    def _shards_settled(self, settled: bool) -> None:
+        """Whether ``.grad`` now holds the average on this rank's shards only, so that its norms
+        are read over the ranks' shards (see ``torch_grads``)."""
+        if self._shard_norms is not None:
+            self._shard_norms.active = settled
 
     def _leave_out_unused(self) -> None:
         """Parameters no rank gave a gradient: out of the update about to run (``.grad`` is ``None``
@@ -319,11 +329,12 @@ class TrainingLoop:
         """Make ``.grad`` hold the gradient averaged over ranks now (Horovod's name).
 
         Gradients are already averaged when ``backward()`` returns; a sharded
-        strategy (``DeAR``) then has only its shard, and ``synchronize()``
-        all-gathers the rest (one extra all-gather, the cost of an all-reduce's
-        second half), so that code reading every ``.grad`` (torch's
-        ``clip_grad_norm_``) sees the global gradient.  Collective: call it on
-        every rank.  ``step()`` then updates from ``.grad`` as modified.
+        strategy (``DeAR``) then has only its shard (whose norms read as the
+        global gradient's, so torch's ``clip_grad_norm_`` needs no more), and
+        ``synchronize()`` all-gathers the rest (one extra all-gather, the cost of
+        an all-reduce's second half), so that code reading every value of ``.grad``
+        sees the global gradient.  Collective: call it on every rank.  ``step()``
+        then updates from ``.grad`` as modified.
 
         Example:
             >>> opt.synchronize()
@@ -338,6 +349,7 @@ class TrainingLoop:
                      for b, g in zip(self.buckets, self._flat_grads)]
             for w in works:
                 w.wait()
+            self._shards_settled(False)     # .grad is the whole average: its norms are local reads
         self._gathered = True
 
     @contextmanager

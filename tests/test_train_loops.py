@@ -2,11 +2,12 @@
 
 One body, looped over strategies and patterns: every rank trains on its slice
 of each global batch; the reference is plain torch training the same model on
-the concatenated batch with the same loop (clipping, autocast, GradScaler with
-an inf injected on the last rank, accumulation, a checkpoint resumed without
-``flush()``, evaluation mid-training, an unused head, gradual unfreezing, a
-parameter group added for the unfrozen layer, the model converted to float64 and a
-parameter's ``.data`` assigned, unfreezing in a model trained in eval mode).  Parameters
+the concatenated batch with the same loop (clipping: ours, Horovod's, torch's
+under a GradScaler; autocast, GradScaler with an inf injected on the last rank,
+accumulation, a checkpoint resumed without ``flush()``, evaluation mid-training,
+an unused head, gradual unfreezing, a parameter group added for the unfrozen
+layer, the model converted to float64 and a parameter's ``.data`` assigned,
+unfreezing in a model trained in eval mode).  Parameters
 must match the reference and be bitwise equal across ranks.
 """
 
@@ -37,8 +38,8 @@ LOCAL = 4          # samples per rank per step (even: no_sync splits it in two)
 STEPS = 4
 CUT = 2            # checkpoint / evaluation / injected inf after this many steps
 MAX_NORM = 0.05    # small enough that every step clips
-PATTERNS = ["clip-horovod", "clip", "bf16", "fp16-scaler", "no_sync", "checkpoint", "eval", "unused-head",
-            "unfreeze", "add-group", "to-double", "eval-mode"]
+PATTERNS = ["clip-horovod", "clip", "clip-torch", "bf16", "fp16-scaler", "no_sync", "checkpoint", "eval",
+            "unused-head", "unfreeze", "add-group", "to-double", "eval-mode"]
 
 # Mixed precision is compared with a single-process run under the same autocast.  The ranks'
 # weight gradients come from 16-bit matmuls over their own slice, averaged afterwards, where the
@@ -93,7 +94,7 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
         model.eval()
     if strategy:
         opt = wrap(comm, strategy, model, opt)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=pattern == "fp16-scaler")
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=pattern in ("fp16-scaler", "clip-torch"))
     out = {"norms": [], "evals": [], "scales": []}
     for step in range(STEPS):
         x, y = batch(step, size)
@@ -143,9 +144,9 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
             with opt.skip_synchronize() if strategy else contextlib.nullcontext():
                 opt.step()
-        elif pattern in ("clip", "fp16-scaler"):
+        elif pattern in ("clip", "fp16-scaler", "clip-torch"):
             scaler.unscale_(opt)
-            norm = (opt.clip_grad_norm_(MAX_NORM) if strategy
+            norm = (opt.clip_grad_norm_(MAX_NORM) if strategy and pattern != "clip-torch"
                     else torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
             out["norms"].append(float(norm))
             scaler.step(opt)

@@ -1,0 +1,239 @@
+"""Gradients that a sharded strategy leaves in ``.grad``: norms read as the global gradient's.
+
+After ``backward()`` under ``DeAR``, each rank's ``.grad`` holds the gradient averaged over
+ranks only on its own shard of each bucket (the part its update reads); the rest is its own
+pass, never sent.  Code written for one process or for DDP reads norms of ``.grad``: torch's
+``clip_grad_norm_`` and ``get_total_norm`` (per tensor, then the norm of those), a logged
+``p.grad.norm()``.  So that these read the norm one process computes on the whole batch, as
+FSDP2's DTensor gradients do, each parameter's ``.grad`` is a :class:`ShardedGrad` (a plain
+tensor to everything else) whose full norms are taken over the ranks' shards: the first norm
+read after the gradients change sums every parameter's shard parts on every rank in one small
+all-reduce, and the norms read after it, until the gradients change again, are those.  A norm
+read is therefore a collective while the gradients are sharded (the same reads on every rank,
+as with DTensor); reductions of other kinds, or norms over some dimensions only, see this
+rank's values: ``opt.synchronize()`` first makes ``.grad`` the whole average everywhere.
+"""
+
+from __future__ import annotations
+
+import numbers
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+import commlib
+
+
+class ShardNorms:
+    """The global norms of the parameters' gradients, from this rank's shard parts.
+
+    ``parts``: ``(parameter index, 1-D slice of a flat gradient on this rank's shard)``;
+    ``flat_grads``: the buckets' flat gradients, whose version counters say when ``.grad``
+    changed.  :meth:`settle` (after the reduction, on every rank) takes every parameter's 2-norm
+    in one small all-reduce; the norms follow the in-place scalings ``.grad`` goes through next
+    (GradScaler's unscale, clipping's multiply: :meth:`rescale`), so that reading them needs no
+    communication.  A norm of another order, or after another change of ``.grad``, is taken
+    when read, in one all-reduce (the same read on every rank).
+
+    Example:
+        >>> norms = ShardNorms(comm, n_params, parts, flat_grads)
+        >>> finite = norms.settle()         # collective: after the reduce-scatter
+        >>> norms.of(3, 2.0)                # the 2-norm of parameter 3's averaged gradient
+    """
+
+    def __init__(self, comm: commlib.Communicator, n_params: int,
+                 parts: list[tuple[int, torch.Tensor]], flat_grads: list[torch.Tensor]) -> None:
+        self.comm = comm
+        self.n_params = n_params
+        self.parts = parts
+        self.flat_grads = flat_grads
+        #: set while ``.grad`` holds the average on the shards (see the training loop)
+        self.active = False
+        self._cached: dict[float, torch.Tensor] = {}    # order -> every parameter's norm (float64)
+        self._versions: tuple[int, ...] = ()            # the flat gradients' versions they are of
+
+    def _now(self) -> tuple[int, ...]:
+        return tuple(g._version for g in self.flat_grads)
+
+    def current(self) -> bool:
+        """Whether the norms held are those of ``.grad`` as it is."""
+        return bool(self._cached) and self._versions == self._now()
+
+    def settle(self) -> bool:
+        """After the reduction (collective): every parameter's 2-norm; False when some element
+        of the gradient is not finite on some rank (then nothing is held)."""
+        norms = self._reduce(2.0)
+        finite = bool(torch.isfinite(norms).all())
+        self._cached, self._versions = ({2.0: norms}, self._now()) if finite else ({}, ())
+        return finite
+
+    def of(self, index: int, ord: float) -> torch.Tensor:
+        """The ``ord``-norm of parameter ``index``'s averaged gradient (float64, 0-d); a collective
+        unless held (see the class)."""
+        if not self.current():
+            self._cached, self._versions = {}, self._now()
+        if ord not in self._cached:
+            self._cached[ord] = self._reduce(ord)
+        return self._cached[ord][index]
+
+    def rescale(self, indices: list[int], factors: list[Any]) -> None:
+        """Gradients ``indices`` were just multiplied in place by ``factors`` (numbers or
+        one-element tensors); call only when :meth:`current` held before the multiplication."""
+        held = self._cached
+        self._cached, self._versions = {}, ()
+        device = next(iter(held.values())).device if held else None
+        f = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device).reshape(()).abs()
+                         for x in factors])
+        if not held or not bool(torch.isfinite(f).all()):
+            return
+        idx = torch.tensor(indices, device=device)
+        for ord, norms in held.items():     # the count of non-zero elements (ord 0) only if by zero
+            norms[idx] = norms[idx] * (torch.where(f == 0, 0.0, 1.0).to(f.dtype) if ord == 0 else f)
+        self._cached, self._versions = held, self._now()
+
+    def _reduce(self, ord: float) -> torch.Tensor:
+        combine = {float("inf"): "max", float("-inf"): "min"}.get(ord, "sum")
+        local = np.full(self.n_params, float("inf") if combine == "min" else 0.0)
+        if self.parts:
+            values = torch.stack(torch._foreach_norm([g for _, g in self.parts], ord, dtype=torch.float64))
+            if combine == "sum" and ord != 0:
+                values = values.pow(ord)
+            for (i, _), v in zip(self.parts, values.tolist()):     # a parameter may span two buckets
+                local[i] = max(local[i], v) if combine == "max" else min(local[i], v) if combine == "min" \
+                    else local[i] + v
+        total = torch.from_numpy(self.comm.allreduce(local, combine, tag="gradnorm"))
+        if combine == "sum" and ord != 0:
+            total = total.pow(1.0 / ord)
+        return total.to(self.flat_grads[0].device)
+
+
+_NORMS = {torch.linalg.vector_norm, torch.linalg.norm, torch.norm, torch.Tensor.norm, torch._foreach_norm}
+
+
+class ShardedGrad(torch.Tensor):
+    """A parameter's ``.grad`` under a sharded strategy: a plain tensor to every operation, except
+    that a full norm reads the norm of the gradient averaged over ranks (see the module).
+
+    Example:
+        >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)    # DeAR: the global norm
+    """
+
+    _norms: weakref.ref[ShardNorms]
+    _index: int
+
+    @staticmethod
+    def of(view: torch.Tensor, norms: ShardNorms, index: int) -> ShardedGrad:
+        """``view`` (parameter ``index``'s gradient in its bucket) as a ShardedGrad."""
+        g = view.as_subclass(ShardedGrad)
+        g._norms, g._index = weakref.ref(norms), index
+        return g
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _NORMS:
+            out = _global_norm(func, args, kwargs)
+            if out is not None:
+                return out
+        scaled = _scalings(func, args, kwargs) if func in _SCALINGS else []
+        held = {id(n): n.current() for n, _, _ in scaled}
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        for norms in {id(n): n for n, _, _ in scaled}.values():
+            if held[id(norms)]:
+                mine = [(i, f) for n, i, f in scaled if n is norms]
+                norms.rescale([i for i, _ in mine], [f for _, f in mine])
+        return out
+
+    def __reduce_ex__(self, protocol: Any) -> Any:      # saved as the plain tensor it is
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:     # a copied model's gradient is its own
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor).clone()
+
+
+_SCALINGS = {torch.Tensor.mul_, torch.Tensor.div_, torch._foreach_mul_, torch._foreach_div_,
+             torch._amp_foreach_non_finite_check_and_unscale_}
+
+
+def _scalings(func: Any, args: Any, kwargs: dict) -> list[tuple[ShardNorms, int, Any]]:
+    """The live gradients that ``func`` multiplies in place by a scalar, with the factor: GradScaler's
+    unscale, clipping's multiply (the norms held follow them); [] for any other change."""
+    if func is torch._amp_foreach_non_finite_check_and_unscale_:
+        tensors, factors = args[0], [args[2]] * len(args[0])
+    elif kwargs.get("rounding_mode") is not None:
+        return []
+    else:
+        other = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("scalar", kwargs.get("scalars")))
+        tensors = args[0] if func in (torch._foreach_mul_, torch._foreach_div_) else [args[0]]
+        factors = list(other) if isinstance(other, (list, tuple)) else [other] * len(tensors)
+    out = []
+    for t, f in zip(tensors, factors):
+        norms = _live(t)
+        scalar = (isinstance(f, numbers.Real) and not isinstance(f, bool)) or (
+            isinstance(f, torch.Tensor) and f.numel() == 1)
+        if norms is None:
+            continue
+        if not scalar:
+            return []
+        if func in (torch.Tensor.div_, torch._foreach_div_):
+            f = 1.0 / f
+        out.append((norms, t._index, f))
+    return out
+
+
+def _live(t: Any) -> ShardNorms | None:
+    """``t``'s norms while ``.grad`` is sharded (not a copy, nor read outside a sharded phase)."""
+    if not isinstance(t, ShardedGrad):
+        return None
+    norms = t._norms()
+    return norms if norms is not None and norms.active else None
+
+
+def _order(ord: Any) -> float | None:
+    if ord is None or ord == "fro":
+        return 2.0
+    if isinstance(ord, (int, float)) and not isinstance(ord, bool) and (ord >= 0 or ord == float("-inf")):
+        return float(ord)
+    return None
+
+
+def _global_norm(func: Any, args: Any, kwargs: dict) -> Any:
+    """The norm ``func(*args, **kwargs)`` of averaged gradients, or None where it is not one of them."""
+    if func is torch._foreach_norm:
+        tensors, ord = args[0], (args[1] if len(args) > 1 else kwargs.get("ord", 2))
+        live = [_live(t) for t in tensors]
+        if not any(live):
+            return None
+        if not all(live) or _order(ord) is None or kwargs.get("dtype") is not None:
+            raise RuntimeError(_partial_read("torch._foreach_norm over gradients not all sharded alike"))
+        return [n.of(t._index, _order(ord)).to(t.dtype).to(t.device) for n, t in zip(live, tensors)]
+    names = ("input", "p" if func in (torch.norm, torch.Tensor.norm) else "ord", "dim", "keepdim")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    t = bound.get("input", bound.get("A", bound.get("x", bound.get("self"))))
+    norms = _live(t)
+    if norms is None:
+        return None
+    ord = bound.get("p" if func in (torch.norm, torch.Tensor.norm) else "ord")
+    if func is torch.linalg.norm and ord is not None and t.dim() == 2:
+        ord = "matrix"      # a matrix norm: not a function of the shards' norms
+    dim = bound.get("dim")
+    whole = dim is None or sorted(d % t.dim() for d in ([dim] if isinstance(dim, int) else dim)) == list(
+        range(t.dim()))
+    if _order(ord) is None or not whole:
+        raise RuntimeError(_partial_read(f"{getattr(func, '__name__', func)}(ord={ord!r}, dim={dim!r})"))
+    out = norms.of(t._index, _order(ord)).to(bound.get("dtype") or t.dtype).to(t.device)
+    if bound.get("keepdim"):
+        out = out.reshape([1] * t.dim())
+    return out
+
+
+def _partial_read(what: str) -> str:
+    return (f"{what} of a gradient that DeAR holds averaged only on this rank's shard: its full norms "
+            "(ord >= 0, inf or -inf, no dim) read as the global gradient's; for others call "
+            "opt.synchronize() first, which makes .grad the whole average on every rank")

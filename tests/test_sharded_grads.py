@@ -1,0 +1,172 @@
+"""Norms of ``.grad`` under DeAR, whose ranks hold the averaged gradient on their own shards only.
+
+Code written for one process reads them (torch's ``clip_grad_norm_`` and ``get_total_norm``, a
+logged ``p.grad.norm()``): each must read the norm one process computes on the concatenated
+batch, in float64 here (the reference), whatever the order, the tensor or the spelling; reads that
+are not a function of the shards' norms raise, naming ``synchronize()``.  (Training with torch's
+``clip_grad_norm_`` against one process: pattern ``clip-torch`` in ``test_train_loops.py``.)
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import numpy as np
+import pytest
+
+from conftest import HAVE_TORCH, SMALL
+
+pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+
+if HAVE_TORCH:
+    import torch
+
+    from commlib.bindings.torch import DistributedOptimizer
+    from commlib.collectives import DeAR
+
+    torch.set_num_threads(1)
+
+LOCAL = 3
+ORDERS = [2.0, 1.0, 3.5, 0.0, float("inf"), float("-inf")]
+
+
+def make() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3), torch.nn.Flatten(), torch.nn.Linear(64, 3)).double()
+
+
+def batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(LOCAL * size, 2, 6, 6, generator=g, dtype=torch.float64)
+    x[:, :, 0, 0] = 0.0       # some gradient elements exactly zero: the 0-"norm" counts the others
+    return x, torch.randn(LOCAL * size, 3, generator=g, dtype=torch.float64)
+
+
+def backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def reference(size: int) -> list[torch.Tensor]:
+    model = make()
+    backward(model, *batch(size))
+    return [p.grad for p in model.parameters()]
+
+
+def sharded(comm) -> tuple[torch.nn.Module, DistributedOptimizer]:
+    model = make()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, comm=comm,
+                               strategy=DeAR(**SMALL))
+    x, y = batch(comm.size)
+    sl = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL)
+    opt.zero_grad()
+    backward(model, x[sl], y[sl])
+    return model, opt
+
+
+@pytest.mark.mpi(min_size=2)
+def test_norms_of_sharded_gradients_read_as_one_process(comm):
+    model, opt = sharded(comm)
+    ref = reference(comm.size)
+    grads = [p.grad for p in model.parameters()]
+    for ord in ORDERS:
+        want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, ord) for g in ref]), ord)
+        np.testing.assert_allclose(torch.nn.utils.get_total_norm(grads, ord), want, rtol=1e-12,
+                                   err_msg=f"ord {ord}")
+        np.testing.assert_allclose(torch.nn.utils.get_total_norm(grads, ord, foreach=True), want,
+                                   rtol=1e-12, err_msg=f"ord {ord}, foreach")
+    w, rw = model[2].weight.grad, ref[2]
+    spellings = {"Tensor.norm": w.norm(), "torch.norm": torch.norm(w, p="fro"),
+                 "linalg.norm": torch.linalg.norm(w), "Tensor.norm(1)": w.norm(1),
+                 "vector_norm(keepdim)": torch.linalg.vector_norm(w, keepdim=True),
+                 "vector_norm(dim=all)": torch.linalg.vector_norm(w, 2, dim=(0, 1)),
+                 "vector_norm(dtype)": torch.linalg.vector_norm(w, dtype=torch.float64)}
+    for name, got in spellings.items():
+        want = torch.linalg.vector_norm(rw, 1 if "(1)" in name else 2)
+        assert got.shape == ((1, 1) if "keepdim" in name else ()), name
+        np.testing.assert_allclose(got.reshape(()), want, rtol=1e-12, err_msg=name)
+    # what is not a function of the shards' norms raises on every rank, before any collective
+    for read in (lambda: w.norm(dim=0), lambda: torch.linalg.norm(w, ord=2), lambda: w.norm(p="nuc"),
+                 lambda: torch.linalg.vector_norm(w, -1.0)):
+        with pytest.raises(RuntimeError, match=r"opt\.synchronize\(\) first"):
+            read()
+    # the update reads the same averaged shards: clipping with torch's function matches one process
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    ref_model = make()
+    backward(ref_model, *batch(comm.size))
+    want = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.01)
+    np.testing.assert_allclose(total, want, rtol=1e-12)
+    opt.step()
+    torch.optim.SGD(ref_model.parameters(), lr=0.1).step()
+    for p, q in zip(model.state_dict().values(), ref_model.state_dict().values()):
+        np.testing.assert_allclose(p, q, rtol=1e-12, atol=1e-15)
+    # after step() .grad is still the sharded average: a norm logged there reads the same
+    np.testing.assert_allclose(torch.nn.utils.get_total_norm(grads), torch.nn.utils.get_total_norm(
+        [p.grad for p in ref_model.parameters()]), rtol=1e-12)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_after_synchronize_and_in_copies_norms_are_local_reads(comm):
+    model, opt = sharded(comm)
+    ref = reference(comm.size)
+    opt.synchronize()           # .grad is the whole average on every rank: no collective in a norm
+    for p, r in zip(model.parameters(), ref):
+        np.testing.assert_allclose(p.grad, r, rtol=1e-12, atol=1e-15)
+    if comm.rank == 0:          # one rank alone reads a norm: nothing to wait for
+        np.testing.assert_allclose(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]),
+                                   torch.nn.utils.get_total_norm(ref), rtol=1e-12)
+    comm.barrier()
+    # a copied gradient is a plain tensor of its own; a saved gradient loads as a plain tensor
+    twin = copy.deepcopy(model[0].weight.grad)
+    assert type(twin) is torch.Tensor and twin.data_ptr() != model[0].weight.grad.data_ptr()
+    buf = io.BytesIO()
+    torch.save(model[0].weight.grad, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    assert type(loaded) is torch.Tensor
+    np.testing.assert_array_equal(loaded, model[0].weight.grad.detach().clone())
+    # after zero_grad() (until the next reduction) .grad is this rank's own: a norm read is local
+    opt.zero_grad()
+    if comm.rank == 0:
+        assert float(model[0].weight.grad.norm()) == 0.0
+    comm.barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_two_norms_follow_unscale_and_clipping_without_communication(comm):
+    """The AMP loop: unscale, clip with torch's function, log the norm on rank 0 alone.  The
+    2-norms taken with the reduction follow both in-place scalings: no read communicates."""
+    model = make()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, comm=comm,
+                               strategy=DeAR(**SMALL))
+    ref_model = make()
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    x, y = batch(comm.size)
+    sl = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL)
+    for run, (m, o, xs, ys) in enumerate([(model, opt, x[sl], y[sl]), (ref_model, ref_opt, x, y)]):
+        scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+        o.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(m(xs), ys)).backward()
+        seq = comm.seq
+        scaler.unscale_(o)
+        total = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01)
+        after = torch.nn.utils.get_total_norm([p.grad for p in m.parameters()])
+        if run == 0:
+            assert comm.seq == seq, "a norm read communicated"
+            got = (total, after)
+            if comm.rank == 0:      # one rank alone: held, nothing to wait for
+                assert float(m[2].weight.grad.norm()) > 0 and comm.seq == seq
+        else:
+            np.testing.assert_allclose(got[0], total, rtol=1e-12)
+            np.testing.assert_allclose(got[1], after, rtol=1e-12)
+            np.testing.assert_allclose(got[1], 0.01, rtol=1e-6)
+        scaler.step(o)
+        scaler.update()
+    for p, q in zip(model.state_dict().values(), ref_model.state_dict().values()):
+        np.testing.assert_allclose(p, q, rtol=1e-12, atol=1e-15)
+    # another change (an added term) is not followed: the next read takes the norms again, on every rank
+    model[2].bias.grad.add_(1.0)
+    seq = comm.seq
+    ref_model[2].bias.grad.add_(1.0)
+    np.testing.assert_allclose(model[2].bias.grad.norm(), ref_model[2].bias.grad.norm(), rtol=1e-12)
+    assert comm.seq == seq + 1

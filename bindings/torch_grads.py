@@ -53,6 +53,7 @@ class ShardNorms:
         self.active = False
         self._cached: dict[float, torch.Tensor] = {}    # order -> every parameter's norm (float64)
         self._versions: tuple[int, ...] = ()            # the flat gradients' versions they are of
+        self._scalings: list[tuple[int, Any]] = []      # (parameter, factor) since, not yet applied
 
     def _now(self) -> tuple[int, ...]:
         return tuple(g._version for g in self.flat_grads)
@@ -67,31 +68,41 @@ class ShardNorms:
         norms = self._reduce(2.0)
         finite = bool(torch.isfinite(norms).all())
         self._cached, self._versions = ({2.0: norms}, self._now()) if finite else ({}, ())
+        self._scalings = []
         return finite
 
     def of(self, index: int, ord: float) -> torch.Tensor:
         """The ``ord``-norm of parameter ``index``'s averaged gradient (float64, 0-d); a collective
         unless held (see the class)."""
         if not self.current():
-            self._cached, self._versions = {}, self._now()
+            self._cached, self._versions, self._scalings = {}, self._now(), []
+        self._apply_scalings()
         if ord not in self._cached:
             self._cached[ord] = self._reduce(ord)
         return self._cached[ord][index]
 
     def rescale(self, indices: list[int], factors: list[Any]) -> None:
         """Gradients ``indices`` were just multiplied in place by ``factors`` (numbers or
-        one-element tensors); call only when :meth:`current` held before the multiplication."""
-        held = self._cached
-        self._cached, self._versions = {}, ()
-        device = next(iter(held.values())).device if held else None
-        f = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device).reshape(()).abs()
-                         for x in factors])
-        if not held or not bool(torch.isfinite(f).all()):
-            return
-        idx = torch.tensor(indices, device=device)
-        for ord, norms in held.items():     # the count of non-zero elements (ord 0) only if by zero
-            norms[idx] = norms[idx] * (torch.where(f == 0, 0.0, 1.0).to(f.dtype) if ord == 0 else f)
-        self._cached, self._versions = held, self._now()
+        one-element tensors); call only when :meth:`current` held before the multiplication.
+        A norm scales by ``|factor|`` (an infinite or NaN factor too, as one process's norm
+        does), applied when next read; the count of non-zero elements (order 0) is dropped."""
+        self._cached.pop(0.0, None)
+        self._scalings += zip(indices, factors)
+        self._versions = self._now()
+
+    def _apply_scalings(self) -> None:
+        by_factor: dict[int, tuple[Any, list[int]]] = {}    # the same factor object: one op
+        for i, f in self._scalings:
+            by_factor.setdefault(id(f), (f, []))[1].append(i)
+        self._scalings = []
+        for norms in self._cached.values():
+            for f, idx in by_factor.values():
+                m = f.abs().to(norms.device) if isinstance(f, torch.Tensor) else abs(float(f))
+                if len(set(idx)) == len(idx):
+                    norms[torch.tensor(idx, device=norms.device)] *= m
+                else:                       # a gradient scaled twice by it
+                    for i in idx:
+                        norms[i] *= m
 
     def _reduce(self, ord: float) -> torch.Tensor:
         combine = {float("inf"): "max", float("-inf"): "min"}.get(ord, "sum")
@@ -133,19 +144,21 @@ class ShardedGrad(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in _NORMS:
-            out = _global_norm(func, args, kwargs)
-            if out is not None:
+        with torch._C.DisableTorchFunctionSubclass():      # what runs here sees plain tensors
+            if func in _NORMS:
+                out = _global_norm(func, args, kwargs)
+                if out is not None:
+                    return out
+            elif func in _SCALINGS:
+                scaled = _scalings(func, args, kwargs)
+                held = {id(n): (n, n.current()) for n, _, _ in scaled}
+                out = func(*args, **kwargs)
+                for norms, current in held.values():
+                    if current:
+                        mine = [(i, f) for n, i, f in scaled if n is norms]
+                        norms.rescale([i for i, _ in mine], [f for _, f in mine])
                 return out
-        scaled = _scalings(func, args, kwargs) if func in _SCALINGS else []
-        held = {id(n): n.current() for n, _, _ in scaled}
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        for norms in {id(n): n for n, _, _ in scaled}.values():
-            if held[id(norms)]:
-                mine = [(i, f) for n, i, f in scaled if n is norms]
-                norms.rescale([i for i, _ in mine], [f for _, f in mine])
-        return out
+            return func(*args, **kwargs)
 
     def __reduce_ex__(self, protocol: Any) -> Any:      # saved as the plain tensor it is
         with torch._C.DisableTorchFunctionSubclass():
@@ -204,6 +217,10 @@ def _order(ord: Any) -> float | None:
 
 def _global_norm(func: Any, args: Any, kwargs: dict) -> Any:
     """The norm ``func(*args, **kwargs)`` of averaged gradients, or None where it is not one of them."""
+    if func is torch.linalg.vector_norm and not kwargs and len(args) <= 2:     # clip_grad_norm_'s
+        t, norms, ord = args[0], _live(args[0]), _order(args[1] if len(args) > 1 else 2)
+        if norms is not None and ord is not None:
+            return norms.of(t._index, ord).to(device=t.device, dtype=t.dtype)
     if func is torch._foreach_norm:
         tensors, ord = args[0], (args[1] if len(args) > 1 else kwargs.get("ord", 2))
         live = [_live(t) for t in tensors]
@@ -211,7 +228,7 @@ def _global_norm(func: Any, args: Any, kwargs: dict) -> Any:
             return None
         if not all(live) or _order(ord) is None or kwargs.get("dtype") is not None:
             raise RuntimeError(_partial_read("torch._foreach_norm over gradients not all sharded alike"))
-        return [n.of(t._index, _order(ord)).to(t.dtype).to(t.device) for n, t in zip(live, tensors)]
+        return [n.of(t._index, _order(ord)).to(device=t.device, dtype=t.dtype) for n, t in zip(live, tensors)]
     names = ("input", "p" if func in (torch.norm, torch.Tensor.norm) else "ord", "dim", "keepdim")
     bound = dict(zip(names, args))
     bound.update(kwargs)
@@ -227,7 +244,7 @@ def _global_norm(func: Any, args: Any, kwargs: dict) -> Any:
         range(t.dim()))
     if _order(ord) is None or not whole:
         raise RuntimeError(_partial_read(f"{getattr(func, '__name__', func)}(ord={ord!r}, dim={dim!r})"))
-    out = norms.of(t._index, _order(ord)).to(bound.get("dtype") or t.dtype).to(t.device)
+    out = norms.of(t._index, _order(ord)).to(device=t.device, dtype=bound.get("dtype") or t.dtype)
     if bound.get("keepdim"):
         out = out.reshape([1] * t.dim())
     return out

@@ -170,3 +170,15 @@ def test_two_norms_follow_unscale_and_clipping_without_communication(comm):
     ref_model[2].bias.grad.add_(1.0)
     np.testing.assert_allclose(model[2].bias.grad.norm(), ref_model[2].bias.grad.norm(), rtol=1e-12)
     assert comm.seq == seq + 1
+    # scalings of every spelling are followed: twice by one factor, a division, a factor per tensor
+    half = torch.tensor(0.5, dtype=torch.float64)
+    for m in (model, ref_model):
+        grads = [p.grad for p in m.parameters()]
+        torch._foreach_mul_(grads, half)
+        torch._foreach_mul_(grads, half)
+        grads[0].div_(4.0)
+        torch._foreach_mul_(grads, [float(i + 1) for i in range(len(grads))])
+    seq = comm.seq
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        np.testing.assert_allclose(p.grad.norm(), q.grad.norm(), rtol=1e-12)
+    assert comm.seq == seq

@@ -38,6 +38,7 @@ LOCAL = 4          # samples per rank per step (even: no_sync splits it in two)
 STEPS = 4
 CUT = 2            # checkpoint / evaluation / injected inf after this many steps
 MAX_NORM = 0.05    # small enough that every step clips
+CLIP_VALUE = 0.02  # clamps some gradient elements
 PATTERNS = ["clip-horovod", "clip", "clip-torch", "bf16", "fp16-scaler", "no_sync", "checkpoint", "eval",
             "unused-head", "unfreeze", "add-group", "to-double", "eval-mode"]
 
@@ -146,6 +147,8 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
                 opt.step()
         elif pattern in ("clip", "fp16-scaler", "clip-torch"):
             scaler.unscale_(opt)
+            if pattern == "clip-torch":     # by value, then by norm: the norm of the clamped average
+                torch.nn.utils.clip_grad_value_(model.parameters(), CLIP_VALUE)
             norm = (opt.clip_grad_norm_(MAX_NORM) if strategy and pattern != "clip-torch"
                     else torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
             out["norms"].append(float(norm))

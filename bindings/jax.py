@@ -16,6 +16,9 @@ with the original shapes, dtypes and devices.
                                    optax optimizer on this rank's shard, all-gather
 :func:`allreduce_gradients`        one-shot average of a gradient pytree
 :func:`broadcast_params`           every rank gets ``root``'s pytree (parameters, optimizer state)
+:func:`allreduce`                  one array reduced over the ranks, eagerly, inside ``jax.jit``
+:func:`allgather`                  and under ``jax.grad`` (mpi4jax's calls: ``jax_ops``)
+:func:`broadcast`
 =================================  =====================================================
 
 Example (under ``mpiexec -n 4``):
@@ -88,9 +91,10 @@ from commlib.collectives.buckets import Bucket, MiB
 from commlib.errors import ValidationError
 
 from .jax_fusion import Plan, agree_plan, make_plan, shard_problem
+from .jax_ops import allgather, allreduce, broadcast
 
 __all__ = ["GradientSync", "average_gradients", "sharded_optimizer", "allreduce_gradients",
-           "broadcast_params", "ShardedState"]
+           "broadcast_params", "ShardedState", "allreduce", "allgather", "broadcast"]
 
 _MAX_PLANS = 16            # bucket plans kept per GradientSync (least recently used dropped)
 

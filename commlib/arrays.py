@@ -235,9 +235,9 @@ def as_view(x: Any, name: str) -> View:
     elif kind == "jax":
         if is_tracer(x):
             raise ValidationError(
-                f"{name}: a traced jax array (inside jax.jit, grad or vmap): commlib's collectives take "
-                "concrete arrays; call them outside the traced function (inside jax.jit, average "
-                "gradients with commlib.jax.average_gradients)")
+                f"{name}: a traced jax array (inside jax.jit, grad or vmap): the communicator's calls take "
+                "concrete arrays; inside jax.jit use commlib.bindings.jax's allreduce, allgather and "
+                "broadcast (or average_gradients for a gradient pytree)")
         devs = list(x.devices()) if hasattr(x, "devices") else []
         platform = devs[0].platform if devs else "cpu"
         if platform == "cpu":

@@ -126,3 +126,21 @@ def test_coming_from_horovod(comm):
     assert (hvd.rank(), hvd.size()) == (comm.rank, comm.size)
     got = hvd.allreduce(torch.full((5,), float(comm.rank)), name="readme")
     np.testing.assert_allclose(got.numpy(), np.full(5, (comm.size - 1) / 2))
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not HAVE_JAX, reason="jax is not installed")
+def test_jax_collectives_inside_jit(comm):
+    """The jitted error rate over every rank's slice of a validation set, against numpy on the whole set."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(4)
+    w, b = rng.standard_normal((5, 3)).astype(np.float32), rng.standard_normal(3).astype(np.float32)
+    sizes = [3 + r for r in range(comm.size)]            # uneven slices: the counts are summed too
+    xs = [rng.standard_normal((n, 5)).astype(np.float32) for n in sizes]
+    ys = [rng.integers(0, 3, n) for n in sizes]
+    ns = run("Collectives inside `jax.jit` (mpi4jax's calls)")
+    got = ns["error_rate"]({"w": jnp.asarray(w), "b": jnp.asarray(b)}, jnp.asarray(xs[comm.rank]),
+                           jnp.asarray(ys[comm.rank]))
+    x, y = np.concatenate(xs), np.concatenate(ys)
+    np.testing.assert_allclose(float(got), np.mean((x @ w + b).argmax(-1) != y), rtol=1e-6)

@@ -7,7 +7,11 @@ In one run, on the same float32 numpy buffers, per operation and message size:
 * ``commlib-nb``  the ``i``-form plus ``wait()`` (through the progress engine);
 * ``commlib-t0``  blocking calls with ``timeout=0`` (MPI's blocking collectives, no hang detection);
 * ``gloo``        ``torch.distributed`` on gloo, same memory (``all_reduce`` is in place: a copy first);
-* ``mpi4py-nb``   (only with ``--contenders``) raw ``Iallreduce(...).Wait()`` and so on.
+* ``mpi4py-nb``   (only with ``--contenders``) raw ``Iallreduce(...).Wait()`` and so on;
+* ``jax-jit``     (only with ``--contenders``; allreduce, allgather) a jitted function calling
+  ``commlib.bindings.jax.allreduce`` / ``allgather`` on a jax array, result ready;
+* ``mpi4jax``     (only with ``--contenders``, where it imports) the same jitted function with
+  mpi4jax's ``allreduce`` / ``allgather`` on ``MPI.COMM_WORLD``: what a JAX user has today.
 
 Operations: ``allreduce``, ``reduce_scatter``, ``allgather`` and ``rs+ag`` (reduce_scatter,
 then allgather of the shard).  The size S is the full buffer (as nccl-tests): allreduce S in
@@ -54,11 +58,12 @@ from benchmarks import engine_figures
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "rs+ag")
 CONTENDERS = ("mpi4py", "commlib", "commlib-nb", "commlib-t0", "gloo")
-OPTIONAL = ("mpi4py-nb",)
+OPTIONAL = ("mpi4py-nb", "jax-jit", "mpi4jax")
 #: ratio name -> (first, second contender)
 RATIOS = {"commlib/mpi4py": ("commlib", "mpi4py"), "nb/blocking": ("commlib-nb", "commlib"),
           "t0/mpi4py": ("commlib-t0", "mpi4py"), "gloo/mpi4py": ("gloo", "mpi4py"),
-          "mpi4py-nb/mpi4py": ("mpi4py-nb", "mpi4py")}
+          "mpi4py-nb/mpi4py": ("mpi4py-nb", "mpi4py"), "jax-jit/mpi4jax": ("jax-jit", "mpi4jax"),
+          "jax-jit/mpi4py": ("jax-jit", "mpi4py")}
 #: (ratio, sizes, limit): the project's targets, checked per operation at the end of a run
 TARGETS = (("commlib/mpi4py", ">=1MiB", 1.05), ("commlib/mpi4py", "4KiB", 1.5),
            ("nb/blocking", "1MiB", 1.10))
@@ -131,6 +136,13 @@ def make_calls(op: str, count: int, world: Any, comm: commlib.Communicator,
     }
     calls = {k: f for k, f in table[op].items() if k in wanted}
     skipped: dict[str, str] = {}
+    for name in ("jax-jit", "mpi4jax"):
+        if name in wanted:
+            call, why = jax_call(name, op, x, part, world, c)
+            if call is not None:
+                calls[name] = call
+            else:
+                skipped[name] = why
     if "gloo" in wanted and dist is not None:
         import torch
 
@@ -152,6 +164,31 @@ def make_calls(op: str, count: int, world: Any, comm: commlib.Communicator,
         else:
             calls["gloo"] = g
     return calls, skipped
+
+
+def jax_call(name: str, op: str, x: np.ndarray, part: np.ndarray, world: Any,
+             comm: commlib.Communicator) -> tuple[Callable[[], Any] | None, str]:
+    """A jitted JAX function doing ``op`` through commlib (``jax-jit``) or mpi4jax, result ready;
+    or None and why not."""
+    if op not in ("allreduce", "allgather"):
+        return None, "allreduce and allgather only"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    if name == "jax-jit":
+        from commlib.bindings import jax as ours
+
+        fn = (lambda a: ours.allreduce(a, "sum", comm)) if op == "allreduce" else (
+            lambda a: ours.allgather(a, comm))
+    else:
+        try:
+            import mpi4jax
+        except ImportError as exc:
+            return None, f"mpi4jax does not import here ({exc})"
+        fn = (lambda a: mpi4jax.allreduce(a, op=MPI.SUM, comm=world)) if op == "allreduce" else (
+            lambda a: mpi4jax.allgather(a, comm=world))
+    f, arg = jax.jit(fn), jax.numpy.asarray(x if op == "allreduce" else part)
+    return (lambda: f(arg).block_until_ready()), ""
 
 
 def make_row(op: str, nbytes: int, n: int, iters: dict[str, int], runs: dict[str, list[float]],

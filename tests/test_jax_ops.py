@@ -133,3 +133,14 @@ def test_a_jitted_step_averages_its_loss_as_one_process(comm):
         ref_w, ref_state, ref_value = ref_step(ref_w, ref_state, xs, ys)
         np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     np.testing.assert_allclose(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+def test_successive_jitted_results_are_their_own(comm):
+    """The callback's host buffer is reused across calls: each result must still be its own."""
+    f = jax.jit(lambda v: (allreduce(v, "sum", comm), allgather(v, comm)))
+    first, second = f(jnp.ones(4)), f(jnp.full(4, 2.0))
+    np.testing.assert_array_equal(first[0], np.full(4, comm.size))
+    np.testing.assert_array_equal(second[0], np.full(4, 2 * comm.size))
+    np.testing.assert_array_equal(first[1], np.ones((comm.size, 4)))
+    scalar = jax.jit(lambda v: allreduce(v, "max", comm))(jnp.float32(comm.rank))
+    assert scalar.shape == () and float(scalar) == comm.size - 1

@@ -243,7 +243,10 @@ class TrainingLoop:
         if self._synced:
             return
         for i, got in enumerate(self._got):
-            if not got:          # no gradient this step (.grad may hold a stale value): zeros
+            grad = self._params[i].grad
+            if grad is not None and grad is not self._grad_views[i]:
+                self._take_assigned(i)
+            elif not got:          # no gradient this step (.grad may hold a stale value): zeros
                 self._grad_views[i].zero_()
         for b in range(len(self.buckets)):
             if not self._signaled[b]:
@@ -254,6 +257,19 @@ class TrainingLoop:
         if self.strategy.sharded:
             self._settle_shards()
         self._synced = True
+
+    def _take_assigned(self, i: int) -> None:
+        """Parameter ``i``'s ``.grad`` was assigned, not accumulated by backward (``torch.func.grad``,
+        ``torch.autograd.grad``, Opacus-style per-sample clipping): it is this step's gradient, averaged
+        as Horovod averages it, through the bucket it belongs to."""
+        p, view = self._params[i], self._grad_views[i]
+        if self._signaled[self._bucket_of[i]]:
+            raise RuntimeError(f"DistributedOptimizer: .grad of parameter #{i} {tuple(p.shape)} was "
+                               "assigned after backward() had sent its bucket; modify .grad in place, or "
+                               "assign gradients before the step without calling backward()")
+        view.copy_(p.grad)
+        p.grad = view
+        self._got[i] = True
 
     def _settle_shards(self) -> None:
         """Sharded strategies: the reduced shard into ``.grad``'s positions (the update reads

@@ -7,7 +7,8 @@ under a GradScaler; autocast, GradScaler with an inf injected on the last rank,
 accumulation, a checkpoint resumed without ``flush()``, evaluation mid-training,
 an unused head, gradual unfreezing, a parameter group added for the unfrozen
 layer, the model converted to float64 and a parameter's ``.data`` assigned,
-unfreezing in a model trained in eval mode).  Parameters
+unfreezing in a model trained in eval mode, gradients computed with ``torch.func`` and
+assigned to ``.grad``).  Parameters
 must match the reference and be bitwise equal across ranks.
 """
 
@@ -40,7 +41,7 @@ CUT = 2            # checkpoint / evaluation / injected inf after this many step
 MAX_NORM = 0.05    # small enough that every step clips
 CLIP_VALUE = 0.02  # clamps some gradient elements
 PATTERNS = ["clip-horovod", "clip", "clip-torch", "bf16", "fp16-scaler", "no_sync", "checkpoint", "eval",
-            "unused-head", "unfreeze", "add-group", "to-double", "eval-mode"]
+            "unused-head", "unfreeze", "add-group", "to-double", "eval-mode", "assigned-grads"]
 
 # Mixed precision is compared with a single-process run under the same autocast.  The ranks'
 # weight gradients come from 16-bit matmuls over their own slice, averaged afterwards, where the
@@ -132,13 +133,16 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
             with opt.no_sync() if strategy else contextlib.nullcontext():
                 (loss_fn(model(x[:half]), y[:half]) / 2).backward()
             loss = loss_fn(model(x[half:]), y[half:]) / 2
+        elif pattern == "assigned-grads":   # computed functionally and assigned: no backward()
+            assign_functional_grads(model, loss_fn, x, y)
         else:
             with autocast(pattern):
                 loss = loss_fn(model(x), y)
         if pattern == "fp16-scaler" and step == CUT - 1 and (not strategy or rank == size - 1):
             # one rank overflows in one gradient element: every rank must skip this step
             loss = loss + model.fc1.bias[0] * float("inf")
-        scaler.scale(loss).backward()
+        if pattern != "assigned-grads":
+            scaler.scale(loss).backward()
         if pattern == "clip-horovod":
             if strategy:
                 opt.synchronize()
@@ -165,6 +169,14 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
     out["model"] = model
     out["opt"] = opt
     return out
+
+
+def assign_functional_grads(model: Net, loss_fn, x: torch.Tensor, y: torch.Tensor) -> None:
+    """``p.grad = ...`` from ``torch.func.grad`` (no backward() on the model: no hook fires)."""
+    params = dict(model.named_parameters())
+    grads = torch.func.grad(lambda ps: loss_fn(torch.func.functional_call(model, ps, (x,)), y))(params)
+    for name, p in params.items():
+        p.grad = grads[name]
 
 
 def params_of(model: Net) -> np.ndarray:

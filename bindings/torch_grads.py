@@ -6,12 +6,14 @@ pass, never sent.  Code written for one process or for DDP reads norms of ``.gra
 ``clip_grad_norm_`` and ``get_total_norm`` (per tensor, then the norm of those), a logged
 ``p.grad.norm()``.  So that these read the norm one process computes on the whole batch, as
 FSDP2's DTensor gradients do, each parameter's ``.grad`` is a :class:`ShardedGrad` (a plain
-tensor to everything else) whose full norms are taken over the ranks' shards: the first norm
-read after the gradients change sums every parameter's shard parts on every rank in one small
-all-reduce, and the norms read after it, until the gradients change again, are those.  A norm
-read is therefore a collective while the gradients are sharded (the same reads on every rank,
-as with DTensor); reductions of other kinds, or norms over some dimensions only, see this
-rank's values: ``opt.synchronize()`` first makes ``.grad`` the whole average everywhere.
+tensor to everything else) whose full norms are taken over the ranks' shards
+(:class:`ShardNorms`): every parameter's 2-norm comes with the reduction, in the small
+all-reduce that already agreed on non-finite gradients, and follows the in-place scalings
+``.grad`` goes through next (GradScaler's unscale, clipping's multiply), so that reading it
+never communicates.  A norm of another order, or one read after another change of ``.grad``,
+is one all-reduce when read (the same read on every rank, as with DTensor).  Norms over some
+dimensions, matrix norms and reductions of other kinds see this rank's values:
+``opt.synchronize()`` first makes ``.grad`` the whole average everywhere.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class ShardNorms:
     def settle(self) -> bool:
         """After the reduction (collective): every parameter's 2-norm; False when some element
         of the gradient is not finite on some rank (then nothing is held)."""
-        norms = self._reduce(2.0)
+        norms = self._over_ranks(2.0)
         finite = bool(torch.isfinite(norms).all())
         self._cached, self._versions = ({2.0: norms}, self._now()) if finite else ({}, ())
         self._scalings = []
@@ -78,7 +80,7 @@ class ShardNorms:
             self._cached, self._versions, self._scalings = {}, self._now(), []
         self._apply_scalings()
         if ord not in self._cached:
-            self._cached[ord] = self._reduce(ord)
+            self._cached[ord] = self._over_ranks(ord)
         return self._cached[ord][index]
 
     def rescale(self, indices: list[int], factors: list[Any]) -> None:
@@ -104,7 +106,7 @@ class ShardNorms:
                     for i in idx:
                         norms[i] *= m
 
-    def _reduce(self, ord: float) -> torch.Tensor:
+    def _over_ranks(self, ord: float) -> torch.Tensor:
         combine = {float("inf"): "max", float("-inf"): "min"}.get(ord, "sum")
         local = np.full(self.n_params, float("inf") if combine == "min" else 0.0)
         if self.parts:
@@ -221,14 +223,15 @@ def _global_norm(func: Any, args: Any, kwargs: dict) -> Any:
         t, norms, ord = args[0], _live(args[0]), _order(args[1] if len(args) > 1 else 2)
         if norms is not None and ord is not None:
             return norms.of(t._index, ord).to(device=t.device, dtype=t.dtype)
-    if func is torch._foreach_norm:
+    if func is torch._foreach_norm:     # plain tensors among them (another optimizer's): their own norm
         tensors, ord = args[0], (args[1] if len(args) > 1 else kwargs.get("ord", 2))
-        live = [_live(t) for t in tensors]
+        live, dtype = [_live(t) for t in tensors], kwargs.get("dtype")
         if not any(live):
             return None
-        if not all(live) or _order(ord) is None or kwargs.get("dtype") is not None:
-            raise RuntimeError(_partial_read("torch._foreach_norm over gradients not all sharded alike"))
-        return [n.of(t._index, _order(ord)).to(device=t.device, dtype=t.dtype) for n, t in zip(live, tensors)]
+        if _order(ord) is None:
+            raise RuntimeError(_partial_read(f"torch._foreach_norm(ord={ord!r})"))
+        return [n.of(t._index, _order(ord)).to(device=t.device, dtype=dtype or t.dtype) if n is not None
+                else torch.linalg.vector_norm(t, ord, dtype=dtype) for n, t in zip(live, tensors)]
     names = ("input", "p" if func in (torch.norm, torch.Tensor.norm) else "ord", "dim", "keepdim")
     bound = dict(zip(names, args))
     bound.update(kwargs)

@@ -85,6 +85,10 @@ def test_norms_of_sharded_gradients_read_as_one_process(comm):
         want = torch.linalg.vector_norm(rw, 1 if "(1)" in name else 2)
         assert got.shape == ((1, 1) if "keepdim" in name else ()), name
         np.testing.assert_allclose(got.reshape(()), want, rtol=1e-12, err_msg=name)
+    # a foreach norm over them and plain tensors (another optimizer's gradients): each its own
+    mixed = torch._foreach_norm([w, torch.ones(3, dtype=torch.float64)])
+    np.testing.assert_allclose(mixed[0], torch.linalg.vector_norm(rw), rtol=1e-12)
+    np.testing.assert_allclose(mixed[1], 3 ** 0.5, rtol=1e-12)
     # what is not a function of the shards' norms raises on every rank, before any collective
     for read in (lambda: w.norm(dim=0), lambda: torch.linalg.norm(w, ord=2), lambda: w.norm(p="nuc"),
                  lambda: torch.linalg.vector_norm(w, -1.0)):

@@ -11,7 +11,8 @@ tensor to everything else) whose full norms are taken over the ranks' shards
 all-reduce that already agreed on non-finite gradients, and follows the in-place scalings
 ``.grad`` goes through next (GradScaler's unscale, clipping's multiply), so that reading it
 never communicates.  A norm of another order, or one read after another change of ``.grad``,
-is one all-reduce when read (the same read on every rank, as with DTensor).  Norms over some
+is gathered when read: a call every rank makes (as with DTensor), outside the operations'
+order, so that a read on some ranks only fails on every rank, naming it.  Norms over some
 dimensions, matrix norms and reductions of other kinds see this rank's values:
 ``opt.synchronize()`` first makes ``.grad`` the whole average everywhere.
 """
@@ -37,7 +38,7 @@ class ShardNorms:
     in one small all-reduce; the norms follow the in-place scalings ``.grad`` goes through next
     (GradScaler's unscale, clipping's multiply: :meth:`rescale`), so that reading them needs no
     communication.  A norm of another order, or after another change of ``.grad``, is taken
-    when read, in one all-reduce (the same read on every rank).
+    when read, in a call every rank makes (``Communicator.allgather_object``).
 
     Example:
         >>> norms = ShardNorms(comm, n_params, parts, flat_grads)
@@ -67,7 +68,7 @@ class ShardNorms:
     def settle(self) -> bool:
         """After the reduction (collective): every parameter's 2-norm; False when some element
         of the gradient is not finite on some rank (then nothing is held)."""
-        norms = self._over_ranks(2.0)
+        norms = self._over_ranks(2.0, in_order=True)
         finite = bool(torch.isfinite(norms).all())
         self._cached, self._versions = ({2.0: norms}, self._now()) if finite else ({}, ())
         self._scalings = []
@@ -80,7 +81,7 @@ class ShardNorms:
             self._cached, self._versions, self._scalings = {}, self._now(), []
         self._apply_scalings()
         if ord not in self._cached:
-            self._cached[ord] = self._over_ranks(ord)
+            self._cached[ord] = self._over_ranks(ord, in_order=False)
         return self._cached[ord][index]
 
     def rescale(self, indices: list[int], factors: list[Any]) -> None:
@@ -106,7 +107,12 @@ class ShardNorms:
                     for i in idx:
                         norms[i] *= m
 
-    def _over_ranks(self, ord: float) -> torch.Tensor:
+    def _over_ranks(self, ord: float, in_order: bool) -> torch.Tensor:
+        """Every parameter's ``ord``-norm from the ranks' shard parts.  ``in_order``: inside the
+        step's reduction, an operation in the communicator's order; else a read, outside that
+        order: a labeled call every rank must make, so that a read made on some ranks only (a
+        norm logged on rank 0) fails on every rank, naming it, instead of meeting another
+        collective inside MPI."""
         combine = {float("inf"): "max", float("-inf"): "min"}.get(ord, "sum")
         local = np.full(self.n_params, float("inf") if combine == "min" else 0.0)
         if self.parts:
@@ -116,12 +122,18 @@ class ShardNorms:
             for (i, _), v in zip(self.parts, values.tolist()):     # a parameter may span two buckets
                 local[i] = max(local[i], v) if combine == "max" else min(local[i], v) if combine == "min" \
                     else local[i] + v
-        total = torch.from_numpy(self.comm.allreduce(local, combine, tag="gradnorm"))
+        if in_order:
+            total = torch.from_numpy(self.comm.allreduce(local, combine, tag="gradnorm"))
+        else:
+            rows = np.stack(self.comm.allgather_object(local, label=_READ))
+            total = torch.from_numpy(rows.max(0) if combine == "max" else rows.min(0) if combine == "min"
+                                     else rows.sum(0))
         if combine == "sum" and ord != 0:
             total = total.pow(1.0 / ord)
         return total.to(self.flat_grads[0].device)
 
 
+_READ = "a norm of DeAR's sharded .grad (clip_grad_norm_, get_total_norm, .norm())"
 _NORMS = {torch.linalg.vector_norm, torch.linalg.norm, torch.norm, torch.Tensor.norm, torch._foreach_norm}
 
 

@@ -102,9 +102,15 @@ def unwaited() -> None:
 
 def report_and_end() -> None:
     """This rank's checks passed: report, and end without the closing barrier (a peer is stuck;
-    commlib ends the job with MPI_Abort at exit, as an operation was given up)."""
+    commlib ends the job with MPI_Abort at exit, as an operation was given up).  The first rank
+    to end takes the others with it: wait (10 s at most) until every rank has reported, so that
+    a peer still noticing the failure is not ended before it could."""
     with open(os.path.join(sys.argv[2], f"ok.{MPI.COMM_WORLD.rank}"), "w") as f:
         f.write(sys.argv[1])
+    until = time.monotonic() + 10
+    while time.monotonic() < until and not all(
+            os.path.exists(os.path.join(sys.argv[2], f"ok.{r}")) for r in range(MPI.COMM_WORLD.size)):
+        time.sleep(0.01)
     sys.exit(0)
 
 
@@ -147,18 +153,24 @@ def _dear(c: commlib.Communicator, syncbn: bool = False):
     return opt, step
 
 
-def _state_on_rank0(syncbn: bool, rank0_says: str) -> None:
+def _alone_on_rank0(call, rank0_says: str, others_say: str, syncbn: bool = False) -> None:
+    """After a DeAR step, rank 0 alone makes ``call(opt)``, a call every rank must make, while
+    the others go on stepping: every rank fails at once, naming it, instead of at the timeout."""
     c = fresh(timeout=60)
     opt, step = _dear(c, syncbn=syncbn)
     step()
     t0 = time.monotonic()
     if c.rank == 0:
-        expect(commlib.CommAbortedError, opt.state_dict, rank0_says)
+        expect(commlib.CommAbortedError, lambda: call(opt), rank0_says)
     else:
-        expect(commlib.MismatchError, lambda: [step() for _ in range(3)],
-               "rank 0 is in DistributedOptimizer.state_dict() (after #")
+        expect(commlib.MismatchError, lambda: [step() for _ in range(3)], others_say)
     assert time.monotonic() - t0 < 30, "must not wait for the timeout"
     report_and_end()
+
+
+def _state_on_rank0(syncbn: bool, rank0_says: str) -> None:
+    _alone_on_rank0(lambda opt: opt.state_dict(), rank0_says,
+                    "rank 0 is in DistributedOptimizer.state_dict() (after #", syncbn)
 
 
 def state_on_rank0() -> None:
@@ -190,9 +202,40 @@ def state_on_rank0_at_the_end() -> None:
     c.close()       # ended by rank 0's MPI_Abort
 
 
+def norm_on_rank0() -> None:
+    """A gradient norm logged on rank 0 alone under DeAR, of an order not held with the reduction
+    (inf): a call the other ranks never make.  Every rank fails at once, naming it (it met the
+    others' collectives inside MPI, which ended the job with an internal assertion)."""
+    import torch
+
+    def inf_norm(opt) -> None:
+        torch.nn.utils.get_total_norm([p.grad for g in opt.param_groups for p in g["params"]], float("inf"))
+    _alone_on_rank0(inf_norm, "a norm of DeAR's sharded .grad", "rank 0 is in a norm of DeAR's sharded .grad")
+
+
+def call_while_ops_in_flight() -> None:
+    """Rank 0 enters a call every rank must make (``allgather_object``) alone while its
+    nonblocking operation is still in flight; that operation completes during the call (its
+    engine thread settles it). Rank 1's next operation must still see rank 0 in the call and fail
+    at once, naming it (the settle showed rank 0 idle instead: rank 1 waited for the timeout)."""
+    c = fresh(timeout=60)
+    t0 = time.monotonic()
+    if c.rank == 0:
+        work = c.iallreduce(np.ones(4))
+        expect(commlib.CommAbortedError, lambda: c.allgather_object(0, label="rank 0's own call"),
+               "rank 0's own call")
+        assert work.test()          # it completed meanwhile
+    else:
+        time.sleep(0.5)             # rank 0 is in its call when this operation completes there
+        c.allreduce(np.ones(4))
+        expect(commlib.MismatchError, lambda: c.allreduce(np.ones(4)), "rank 0 is in rank 0's own call")
+    assert time.monotonic() - t0 < 30, "must not wait for the timeout"
+    report_and_end()
+
+
 CASES = {f.__name__: f for f in (rejected, deadlock, never_arrives, stall_made_an_error, only_rank0,
                                   unwaited, closed_early, state_on_rank0, state_on_rank0_with_syncbn,
-                                  state_on_rank0_at_the_end)}
+                                  state_on_rank0_at_the_end, norm_on_rank0, call_while_ops_in_flight)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]]()

@@ -12,7 +12,6 @@ Ranks on other nodes are not observable: they are reported as unknown.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -86,34 +85,17 @@ class Board:
         self._mine[:] = 0
         #: calls outside the operations' order this rank has made (:meth:`calling`)
         self.calls = 0
-        self._lock = threading.Lock()
-        #: inside a call: this rank's operation state to show after it (seq, op code, state)
-        self._held: tuple[int, int, int] | None = None
-        self._call_seq = 0
+        #: inside a call: (its seq, the operations' state to show after it)
+        self._call: tuple[int, tuple[int, int, int]] | None = None
         self.node.Barrier()
 
     def set(self, seq: int, op: str, state: int, reason: str = "") -> None:
-        """Publish this rank's current operation (plain stores, no MPI call).  Inside a call
-        (:meth:`calling`), operations in flight that progress (posted, done) leave the call shown
-        and are shown after it; a failure shows at once."""
-        code = self._codes.get(op, -1)
-        if self._held is None:      # not in a call (the caller's thread, or no call began meanwhile)
-            self._write(seq, code, state, reason)
-            if self._held is None:
-                return
-        with self._lock:            # a call began (on the caller's thread) or is on: it stays shown
-            if self._held is not None and state <= IN_OP:
-                self._held = (seq, code, state)
-                self._write(self._call_seq, -1, IN_CALL, None)
-            else:
-                self._write(seq, code, state, reason)
-
-    def _write(self, seq: int, code: int, state: int, reason: str | None) -> None:
-        if state > IN_OP and reason is not None:   # REJECTED, TIMED_OUT, ABORTED...: the reason replaces
+        """Publish this rank's current operation (plain stores, no MPI call)."""
+        if state > IN_OP:   # REJECTED, TIMED_OUT, ABORTED, ...: the reason (may be empty) replaces the last
             self._text(reason)
         mine = self._mine_mv
         mine[0] = seq       # the state last: a peer reading meanwhile sees the old state beside the
-        mine[1] = code      # new operation, never the new state beside an old one
+        mine[1] = self._codes.get(op, -1)      # new operation, never the new state beside an old one
         mine[2] = state
 
     def quiet(self) -> bool:
@@ -145,18 +127,27 @@ class Board:
         """Show this rank in the call ``label`` (after operation ``seq``) while inside; as before after,
         unless the communicator was aborted meanwhile."""
         mine = self._mine_mv
-        with self._lock:        # the engine thread may settle an operation meanwhile (see set)
-            self._held, self._call_seq = (mine[0], mine[1], mine[2]), seq
-            self.calls += 1
-            mine[3] = self.calls
-            self._write(seq, -1, IN_CALL, label)
+        self._call = (seq, (mine[0], mine[1], mine[2]))
+        self.calls += 1
+        mine[3] = self.calls
+        self.set(seq, "?", IN_CALL, label)
         try:
             yield
         finally:
-            with self._lock:
-                held, self._held = self._held, None
-                if mine[2] == IN_CALL and held is not None:
-                    self._write(*held, "")
+            saved, self._call = self._call[1], None
+            if mine[2] == IN_CALL:
+                mine[0], mine[1], mine[2] = saved
+
+    def keep_call_shown(self) -> None:
+        """From the wait of the call this rank is in (each poll): operations in flight that
+        progressed meanwhile (the engine thread publishes them with :meth:`set`) wrote over the
+        call; show it again, and their state after it.  The operations' path stays as it was."""
+        call, mine = self._call, self._mine_mv
+        if call is not None and mine[2] <= IN_OP:
+            self._call = (call[0], (mine[0], mine[1], mine[2]))
+            mine[0] = call[0]
+            mine[1] = -1
+            mine[2] = IN_CALL
 
     def not_coming(self, seq: int, call: bool) -> list[PeerState]:
         """Node-local ranks that cannot join this rank's wait for operation ``seq`` (with ``call``:

@@ -85,8 +85,14 @@ class Control:
         return [pickle.loads(buf[end - n:end].tobytes()) for n, end in zip(sizes, ends)]
 
     def _wait(self, req: Any, name: str, seq: int) -> None:
-        """Wait for the MPI request ``req`` as for operation ``seq`` (timeout, peers' failures)."""
-        self._run.wait(Pending(req.Test, None, req), name, seq)
+        """Wait for the MPI request ``req`` as for operation ``seq`` (timeout, peers' failures); inside a
+        call, each poll keeps the call shown on the board (see :meth:`Board.keep_call_shown`)."""
+        board = self._run.board
+
+        def test() -> bool:
+            board.keep_call_shown()
+            return req.Test()
+        self._run.wait(Pending(test, None, req), name, seq)
 
     def free(self) -> None:
         self.ctl.Free()

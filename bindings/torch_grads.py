@@ -114,20 +114,17 @@ class ShardNorms:
         norm logged on rank 0) fails on every rank, naming it, instead of meeting another
         collective inside MPI."""
         combine = {float("inf"): "max", float("-inf"): "min"}.get(ord, "sum")
+        ufunc = {"max": np.maximum, "min": np.minimum, "sum": np.add}[combine]    # parts, then ranks
         local = np.full(self.n_params, float("inf") if combine == "min" else 0.0)
         if self.parts:
             values = torch.stack(torch._foreach_norm([g for _, g in self.parts], ord, dtype=torch.float64))
             if combine == "sum" and ord != 0:
                 values = values.pow(ord)
-            for (i, _), v in zip(self.parts, values.tolist()):     # a parameter may span two buckets
-                local[i] = max(local[i], v) if combine == "max" else min(local[i], v) if combine == "min" \
-                    else local[i] + v
+            ufunc.at(local, [i for i, _ in self.parts], values.cpu().numpy())    # one may span buckets
         if in_order:
             total = torch.from_numpy(self.comm.allreduce(local, combine, tag="gradnorm"))
         else:
-            rows = np.stack(self.comm.allgather_object(local, label=_READ))
-            total = torch.from_numpy(rows.max(0) if combine == "max" else rows.min(0) if combine == "min"
-                                     else rows.sum(0))
+            total = torch.from_numpy(ufunc.reduce(np.stack(self.comm.allgather_object(local, label=_READ))))
         if combine == "sum" and ord != 0:
             total = total.pow(1.0 / ord)
         return total.to(self.flat_grads[0].device)

@@ -29,8 +29,9 @@ Sharp bits: parameters and gradients become views of the strategy's fused
 buckets (as DDP's ``gradient_as_bucket_view``, each in its own layout:
 channels_last stays so), so ``zero_grad`` zeroes the buckets instead of
 setting ``.grad`` to ``None``; a model moved or converted after wrapping
-(``model.to()``, ``.double()``) re-plans at the next training forward
-(``DeAR``: ``opt.flush()`` first).  Gradients are averaged over ranks; the
+(``model.to()``, ``.double()``) re-plans at the next training forward.
+With ``DeAR`` a parameter whose all-gather is in flight waits for it when
+first used, wherever (an EMA, weight clipping: ``torch_params``).  Gradients are averaged over ranks; the
 ``backward_passes_per_step`` passes add up (scale the loss).  Optimizers must be
 elementwise for sharded strategies (``DeAR``): SGD (momentum, Nesterov),
 Adam, AdamW, RMSprop, Adagrad... (tried when wrapping: LAMB, Adafactor, Muon
@@ -66,6 +67,7 @@ from .torch_comm import (
 from .torch_grads import ShardedGrad, ShardNorms
 from .torch_loop import TrainingLoop
 from .torch_norm import RunningStats, SyncBatchNorm
+from .torch_params import InFlight
 from .torch_state import ConsolidatedState, shard_problem
 
 __all__ = ["DistributedOptimizer", "SyncBatchNorm", "broadcast_parameters", "broadcast_optimizer_state",
@@ -275,6 +277,8 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
             if norms is not None:
                 norms.parts += [(idx, fg[bslice]) for idx, _, bslice in b.pieces(self.comm.rank)]
         self._shard_norms = norms
+        self._in_flight = InFlight([[self._params[sl.index] for sl in b.slots] for b in self.buckets],
+                                   s.before_forward)
         #: where each parameter's data lives: a view of its bucket (moved or converted: re-planned),
         #: laid out as the parameter was (a conversion may change the parameter's layout)
         self._data_ptrs = [p.data_ptr() for p in self._params]
@@ -336,6 +340,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
                 return
             for b in bs:
                 self.strategy.before_forward(b)
+                self._in_flight.landed(b)
         return hook
 
     def _signal(self, b: int) -> None:
@@ -358,9 +363,10 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         for g in self._flat_grads:
             g.zero_()
         self._shards_settled(False)
-        for i, p in enumerate(self._params):
-            if p.grad is not self._grad_views[i]:
-                p.grad = self._grad_views[i]
+        with torch._C.DisableTorchFunctionSubclass():     # parameters DeAR still gathers: .grad only
+            for i, p in enumerate(self._params):
+                if p.grad is not self._grad_views[i]:
+                    p.grad = self._grad_views[i]
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -407,7 +413,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
             for i in self._unused:
                 self._params[i].grad = self._grad_views[i]
         self._running_stats.sync()      # before DeAR's all-gathers: nothing in flight to queue behind
-        self.strategy.after_update()
+        self._after_update()
         if self.strategy.syncs_optimizer_state():
             self._average_optimizer_state()     # SelSync in parameter mode: momentum agrees too
         self._end_step()
@@ -436,7 +442,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
             >>> model.backbone.requires_grad_(True)     # the next forward re-plans on every rank
             >>> opt.replan(64 << 20)                    # or by hand, with a 64 MiB cap
         """
-        self.strategy.flush()
+        self._flush()
         before = self._params
         for b in self.buckets:      # moved or converted: .grad left its bucket, which zero_grad() zeroes
             for sl in b.slots:
@@ -487,7 +493,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
 
         Also a context manager: ``with opt.flush(): evaluate(model)``.
         """
-        self.strategy.flush()
+        self._flush()
         return _Flush(self)
 
     def __repr__(self) -> str:

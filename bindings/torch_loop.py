@@ -16,7 +16,8 @@ between ``backward()`` and ``step()`` meet:
   (AllReduce, DeAR), as DDP's does;
 * ``model.state_dict()``, ``model.load_state_dict()``, ``opt.state_dict()``
   and evaluation forwards (``model.eval()`` or ``torch.no_grad()``) wait
-  for the communication in flight (DeAR's all-gathers) first;
+  for the communication in flight (DeAR's all-gathers) first, and any other
+  use of a parameter waits for its own bucket (``torch_params``);
 * ``opt.step(closure)``: each evaluation of the closure is averaged, its
   loss too, so that LBFGS takes the same evaluations on every rank;
 * parameters no rank gave a gradient at the first step are found (one small
@@ -53,6 +54,7 @@ import torch
 from .torch_comm import average_loss
 from .torch_grads import ShardNorms
 from .torch_hooks import InertHook, ModelHook, guard_module_hooks_under_compile
+from .torch_params import InFlight
 
 __all__ = ["TrainingLoop", "ModelHook", "InertHook"]     # the hooks: here too, for models pickled before
 
@@ -82,6 +84,7 @@ class TrainingLoop:
     _shard_grads: list[torch.Tensor]
     _grad_views: list[torch.Tensor]
     _shard_norms: ShardNorms | None
+    _in_flight: InFlight
     _signaled: list[bool]
 
     def _init_loop(self) -> None:
@@ -91,7 +94,7 @@ class TrainingLoop:
         self._end_step()
         model = self.model
         guard_module_hooks_under_compile()
-        complete = self._hook(lambda *_: self.strategy.complete())
+        complete = self._hook(lambda *_: self._complete())
         self._loop_hooks = [h for m in model.modules() for h in (m.register_state_dict_pre_hook(complete),
                                                                   m.register_load_state_dict_pre_hook(complete))]
         self._loop_hooks.append(model.register_forward_pre_hook(self._hook(self._before_forward)))
@@ -117,11 +120,28 @@ class TrainingLoop:
 
     def _retire(self, by: str) -> None:
         """A newer optimizer wraps these parameters: finish what is in flight, leave the model."""
-        self.strategy.flush()
+        self._flush()
         for h in self._hooks + self._loop_hooks:
             h.remove()
         self._hooks, self._loop_hooks = [], []
         self._retired_by = by
+
+    def _after_update(self) -> None:
+        """The update is applied: the strategy starts what overlaps the next forward, and parameters
+        it still writes wait for it when used (:class:`InFlight`)."""
+        self.strategy.after_update()
+        if self.strategy.writes_in_flight():
+            self._in_flight.mark()
+
+    def _complete(self) -> None:
+        """Wait for the communication in flight and start none (safe from a module hook)."""
+        self.strategy.complete()
+        self._in_flight.landed_all()
+
+    def _flush(self) -> None:
+        """Make parameters current on every rank (a collective for some strategies)."""
+        self.strategy.flush()
+        self._in_flight.landed_all()
 
     def _hook(self, fn: Any) -> "ModelHook":
         """``fn`` as a hook on the user's model, left behind by copies of the model."""
@@ -130,7 +150,7 @@ class TrainingLoop:
     def _before_copy(self, memo: dict | None) -> None:
         """A copy of the model (or a pickle) is being made: it gets every parameter current, also
         those copied before this hook (``memo``: ``copy.deepcopy``'s, original id to copy)."""
-        self.strategy.complete()
+        self._complete()
         for p in self._params if memo else ():
             twin = memo.get(id(p))
             if twin is not None:
@@ -145,17 +165,13 @@ class TrainingLoop:
         Like every hook that waits on communication, never traced by ``torch.compile``:
         Dynamo would replay the Python state it saw while tracing (a wait found
         nothing to wait for) instead of waiting."""
-        moved = list(map(_DATA_PTR, self._params)) != self._data_ptrs
-        if moved and self.strategy.writes_in_flight():
-            raise RuntimeError(
-                f"DistributedOptimizer: parameters {self._moved_names()} were moved or replaced "
-                f"(model.to(), .double(), .half(), or .data assigned) while {self.strategy.name}'s "
-                "communication of the last step was still writing them, so they may miss part of that "
-                "update: call opt.flush() before moving or converting the model")
+        with torch._C.DisableTorchFunctionSubclass():     # parameters DeAR still gathers: metadata only
+            moved = list(map(_DATA_PTR, self._params)) != self._data_ptrs
+            changed = self._trainable_changed()
         grad = torch.is_grad_enabled()
         if not module.training or not grad:
-            self.strategy.complete()
-        if grad and (moved or self._trainable_changed()):
+            self._complete()
+        if grad and (moved or changed):
             # a collective: every rank changes requires_grad (or moves the model) at the same point;
             # in eval mode too (training with dropout off or batch statistics frozen, as RLHF loops do)
             self.replan()
@@ -166,12 +182,6 @@ class TrainingLoop:
         params, frozen = self._params, self._frozen
         return ((not all(map(_REQUIRES_GRAD, params)) or any(map(_REQUIRES_GRAD, frozen)))
                 and (any(map(_REQUIRES_GRAD, params)) or any(map(_REQUIRES_GRAD, frozen))))
-
-    def _moved_names(self) -> str:
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        moved = [names.get(id(p), f"#{i}") for i, (p, ptr) in enumerate(zip(self._params, self._data_ptrs))
-                 if p.data_ptr() != ptr]
-        return ", ".join(moved[:5]) + (f" and {len(moved) - 5} more" if len(moved) > 5 else "")
 
     def _end_step(self) -> None:
         n = len(self._params)
@@ -336,7 +346,7 @@ class TrainingLoop:
 
     def _close_skipped_step(self) -> None:
         """A step whose update was skipped (GradScaler found inf): the strategy's step ends all the same."""
-        self.strategy.after_update()
+        self._after_update()
         self._end_step()
 
     # ------------------------------------------------------------------ the Horovod and DDP names

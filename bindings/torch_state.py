@@ -211,7 +211,7 @@ class ConsolidatedState:
 
         A collective for sharded strategies: call it on every rank.
         """
-        self.strategy.complete()
+        self._complete()
         full = self._full_state()
         saved = dict(self._inner.state)
         try:

@@ -53,6 +53,16 @@ def _strategies() -> dict:
 STRATEGIES = _strategies()
 
 
+def rank_part(comm, local: int, *batch):
+    """This rank's ``local`` rows of each tensor of a global batch (rank ``r``: rows ``r * local`` on).
+
+    Example:
+        >>> x, y = rank_part(comm, 4, *batch(step, comm.size))
+    """
+    lo = comm.rank * local
+    return tuple(t[lo:lo + local] for t in batch)
+
+
 def readme_example(heading: str) -> str:
     """The first python block of README.md under the section titled ``heading``, as it stands."""
     text = README.read_text()

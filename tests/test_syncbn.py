@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH
+from conftest import HAVE_TORCH, rank_part
 
 pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 
@@ -68,7 +68,7 @@ def train(comm, strategy: str | None) -> tuple[Net, list[np.ndarray]]:
     for step in range(STEPS):
         x, y = batch(step, comm.size)
         if strategy:
-            x, y = x[comm.rank * LOCAL:(comm.rank + 1) * LOCAL], y[comm.rank * LOCAL:(comm.rank + 1) * LOCAL]
+            x, y = rank_part(comm, LOCAL, x, y)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()

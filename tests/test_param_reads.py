@@ -134,3 +134,45 @@ def test_values_wait_for_their_bucket_and_metadata_does_not(comm):
     assert type(twin) is torch.nn.Parameter and type(model[0].bias) is torch.nn.Parameter
     model(x)                                    # the forward hooks wait for the rest
     assert type(w0) is torch.nn.Parameter and not opt.strategy.writes_in_flight()
+
+
+#: strategies whose communication still writes the parameters after a step: DeAR's all-gathers,
+#: SelSync's parameter averages (every step at delta 0, so that flush() starts nothing new)
+IN_FLIGHT_AFTER_STEP = {
+    "dear": lambda: DeAR(**SMALL),
+    "selsync0-params": lambda: SelSync(inner=DeAR(**SMALL), delta=0.0, mode="params"),
+    "selsync0-params-allreduce": lambda: SelSync(inner=STRATEGIES["allreduce"](), delta=0.0, mode="params"),
+}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", list(IN_FLIGHT_AFTER_STEP))
+def test_an_ema_and_clipping_right_after_step_see_what_flush_gives(comm, strategy):
+    """Written as in one process (no ``flush()``), an EMA and weight clipping after each step give
+    what they give after ``opt.flush()``; the averages in flight are waited for, not raced with."""
+
+    def run(flush: bool) -> np.ndarray:
+        torch.manual_seed(comm.rank)
+        model = Encoder()
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
+                                   strategy=IN_FLIGHT_AFTER_STEP[strategy](), comm=comm)
+        ema = [p.detach().clone() for p in model.parameters()]
+        for step in range(STEPS):
+            x, y = rank_part(comm, LOCAL, *data(step, comm.size))
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            if flush:
+                opt.flush()
+            # (one rank: SelSync averages nothing; DeAR's all-gather is there all the same)
+            assert opt.strategy.writes_in_flight() == (not flush and (comm.size > 1 or strategy == "dear"))
+            with torch.no_grad():
+                torch._foreach_lerp_(ema, list(model.parameters()), 0.5)
+                for p in model.parameters():
+                    p.clamp_(-0.2, 0.2)
+        return np.concatenate([params_of(model)] + [e.reshape(-1).double().numpy() for e in ema])
+
+    got = run(False)
+    for r, other in enumerate(comm.allgather(got)):
+        np.testing.assert_array_equal(other, got, err_msg=f"rank {r} differs from rank {comm.rank}")
+    np.testing.assert_array_equal(got, run(True))

@@ -338,9 +338,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         def hook(module: torch.nn.Module, args: Any) -> None:
             if installed is not self._hooks:    # removed by a replan during this forward's hooks
                 return
-            for b in bs:
-                self.strategy.before_forward(b)
-                self._in_flight.landed(b)
+            self._in_flight.before_module(id(module), bs)
         return hook
 
     def _signal(self, b: int) -> None:

@@ -171,6 +171,8 @@ class TrainingLoop:
         grad = torch.is_grad_enabled()
         if not module.training or not grad:
             self._complete()
+        else:
+            self._in_flight.before_module(id(module), ())
         if grad and (moved or changed):
             # a collective: every rank changes requires_grad (or moves the model) at the same point;
             # in eval mode too (training with dropout off or batch statistics frozen, as RLHF loops do)

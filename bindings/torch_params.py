@@ -132,17 +132,34 @@ class InFlight:
         self._marks = [[(p, type(p), marked(b, type(p))) for p in ps if _markable(type(p))]
                        for b, ps in enumerate(buckets)]
         self._marked = [False] * len(self._marks)
+        #: the module whose forward runs now (its id), None outside a training forward
+        self.running: int | None = None
+        #: buckets a module's forward used without their own module running first (nn.MultiheadAttention's
+        #: out_proj): that module's hook waits for them from then on, so that forwards (and the code
+        #: torch.compile made of them) meet plain parameters only
+        self._also: dict[int, list[int]] = {}
 
     def mark(self) -> None:
         """Every bucket's writes are in flight: operations on its parameters wait for them."""
+        self.running = None
         for b, marks in enumerate(self._marks):
             for p, _, cls in marks:
                 p.__class__ = cls
             self._marked[b] = True
 
+    def before_module(self, module: int, buckets: Sequence[int]) -> None:
+        """A module's forward starts (``id(module)``): wait for its buckets and those its forward used
+        before, and make their parameters plain."""
+        self.running = module
+        for b in (*buckets, *self._also.get(module, ())):
+            self._wait(b)
+            self.landed(b)
+
     def land(self, b: int) -> None:
         """Wait for bucket ``b``'s writes (an operation on one of its parameters is about to run)."""
         self._wait(b)
+        if self.running is not None and self._marked[b]:
+            self._also.setdefault(self.running, []).append(b)
         self.landed(b)
 
     def landed(self, b: int) -> None:

@@ -94,6 +94,12 @@ def shard_problem(optimizer: torch.optim.Optimizer) -> str | None:
         return torch.cat([p.detach().reshape(-1).cpu() for p, _, _ in runs])
 
     try:
+        cls([{"params": [torch.nn.Parameter(w0.clone().to(device))], **settings}])
+    except Exception as e:  # noqa: BLE001 - timm's Lookahead: cls(base_optimizer)
+        return (f"{cls.__name__} cannot be made from parameter groups, as the shard optimizer is made "
+                f"({type(e).__name__}: {e}); an optimizer that wraps another (Lookahead) goes around "
+                f"DistributedOptimizer: {cls.__name__}(DistributedOptimizer(inner, model, ...))")
+    try:
         whole = train([(w0, a, b)])
     except Exception:       # noqa: BLE001 - not runnable here: its own error comes when it runs
         return None

@@ -63,6 +63,37 @@ def rank_part(comm, local: int, *batch):
     return tuple(t[lo:lo + local] for t in batch)
 
 
+if HAVE_TORCH:
+    import torch
+
+    class Lookahead(torch.optim.Optimizer):
+        """Lookahead (Zhang et al. 2019) as timm and others write it: it wraps another optimizer
+        (``Lookahead(base)``), and every ``k`` steps moves slow weights ``alpha`` of the way to the
+        fast ones and copies them back, reading the parameters right after ``base.step()``."""
+
+        def __init__(self, base: torch.optim.Optimizer, alpha: float = 0.5, k: int = 2):
+            self.base, self.alpha, self.k, self.steps = base, alpha, k, 0
+            super().__init__(base.param_groups, base.defaults)
+            self.param_groups = base.param_groups
+
+        @torch.no_grad()
+        def step(self, closure=None):  # noqa: ANN001, ANN201 - torch's signature
+            loss = self.base.step(closure)
+            self.steps += 1
+            if self.steps % self.k == 0:
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if "slow" not in self.state[p]:
+                            self.state[p]["slow"] = p.detach().clone()
+                        slow = self.state[p]["slow"]
+                        slow.add_(p - slow, alpha=self.alpha)
+                        p.copy_(slow)
+            return loss
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            self.base.zero_grad(set_to_none)
+
+
 def readme_example(heading: str) -> str:
     """The first python block of README.md under the section titled ``heading``, as it stands."""
     text = README.read_text()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH, SMALL
+from conftest import HAVE_TORCH, SMALL, Lookahead
 
 pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 
@@ -96,6 +96,19 @@ def test_sharded_strategies_refuse_whole_tensor_optimizers(comm, kind):
     with pytest.raises(ValidationError, match=f"{kind} is not elementwise"):
         DistributedOptimizer(make(model.parameters(), lr=0.01), model, strategy=DeAR(), comm=comm)
     DistributedOptimizer(make(model.parameters(), lr=0.01), model, strategy=AllReduce(), comm=comm)
+
+
+@pytest.mark.mpi
+def test_an_optimizer_that_wraps_another_is_refused_naming_the_way_around(comm):
+    """DeAR makes the optimizer's class over the shards: ``Lookahead(base)`` cannot be made so and
+    failed with ``AttributeError: 'list' object has no attribute 'param_groups'``; now refused on
+    every rank, saying to put it around (``test_param_reads`` trains it so)."""
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ValidationError, match=r"Lookahead cannot be made from parameter groups.*goes around "
+                                              r"DistributedOptimizer: Lookahead\(DistributedOptimizer\("):
+        DistributedOptimizer(Lookahead(torch.optim.SGD(model.parameters(), lr=0.1)), model, strategy=DeAR(),
+                             comm=comm)
+    DistributedOptimizer(Lookahead(torch.optim.SGD(model.parameters(), lr=0.1)), model, comm=comm)
 
 
 @pytest.mark.mpi

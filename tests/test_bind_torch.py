@@ -282,8 +282,9 @@ def test_backward_passes_per_step(comm, name, set_passes):
 
 
 @pytest.mark.mpi
-def test_dear_overlaps_and_flush_is_needed_for_current_parameters(comm):
-    """After step() the gathered parameters may still be in flight; flush() makes them current."""
+def test_dear_leaves_gathers_in_flight_after_step_and_flush_lands_them(comm):
+    """After step() the all-gathers are still in flight (a parameter used then waits for its own:
+    test_param_reads); flush() lands them all."""
     model, opt = distributed(comm, "sgd", DeAR(cap_mb=0.0003, first_cap_mb=0.0001), 2, extra_forward=False)
     assert opt.strategy.writes_in_flight()         # all-gathers left to overlap a forward
     opt.flush()

@@ -31,8 +31,9 @@ channels_last stays so), so ``zero_grad`` zeroes the buckets instead of
 setting ``.grad`` to ``None``; a model moved or converted after wrapping
 (``model.to()``, ``.double()``) re-plans at the next training forward.
 With ``DeAR`` a parameter whose all-gather is in flight waits for it when
-first used, wherever (an EMA, weight clipping: ``torch_params``).  Gradients are averaged over ranks; the
-``backward_passes_per_step`` passes add up (scale the loss).  Optimizers must be
+first used, wherever (an EMA, weight clipping: ``torch_params``).  Gradients
+are averaged over ranks; the ``backward_passes_per_step`` passes add up
+(scale the loss).  Optimizers must be
 elementwise for sharded strategies (``DeAR``): SGD (momentum, Nesterov),
 Adam, AdamW, RMSprop, Adagrad... (tried when wrapping: LAMB, Adafactor, Muon
 are refused).  With ``DeAR``, ``.grad`` after backward holds the averaged

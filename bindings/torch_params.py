@@ -14,8 +14,8 @@ the parameter's bucket before any operation that reads or writes its values,
 then lets the operation run on the plain parameter.  Reading its metadata
 (shape, dtype, ``requires_grad``, ``.grad``, hashing) waits for nothing.  A
 module's forward hook unmarks its bucket's parameters after waiting for them,
-so forwards run on plain parameters: marking and unmarking a step costs about
-25 ns a parameter.
+so forwards run on plain parameters: marking and unmarking costs about 70 ns
+a parameter a step; a metadata read of a marked parameter about 0.9 us.
 
 Example:
     >>> opt.step()                                  # DeAR: all-gathers in flight

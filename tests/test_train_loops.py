@@ -327,6 +327,7 @@ def test_readme_loop_runs_verbatim(comm, tmp_path):
     ref, _ = make(0, "plain")
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=6)
+    ema = None          # AveragedModel: the first update copies, the next ones lerp
     for _epoch in range(2):
         for x, y in loader(0, 3, slice(None)):
             opt.zero_grad()
@@ -335,12 +336,20 @@ def test_readme_loop_runs_verbatim(comm, tmp_path):
             loss.backward()
             torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
             opt.step()
+            with torch.no_grad():
+                if ema is None:
+                    ema = [p.detach().clone() for p in ref.parameters()]
+                else:
+                    torch._foreach_lerp_(ema, list(ref.parameters()), 1 - 0.999)
             sched.step()
     vec = params_of(model)
     for r, other in enumerate(comm.allgather(vec)):
         np.testing.assert_array_equal(other, vec, err_msg=f"rank {r} differs from rank {comm.rank}")
     moved = np.abs(params_of(ref) - params_of(make(0, "plain")[0])).max()
     np.testing.assert_allclose(vec, params_of(ref), rtol=0, atol=moved / 20)    # bf16: see TOLERANCE
+    ema_vec = torch.cat([p.detach().reshape(-1) for p in ns["ema"].module.parameters()]).numpy()
+    ema_ref = torch.cat([e.reshape(-1) for e in ema]).numpy()
+    np.testing.assert_allclose(ema_vec, ema_ref, rtol=0, atol=moved / 20)
     with torch.no_grad():
         val = sum(torch.nn.functional.mse_loss(ref(x), y).item() for x, y in ns["val_loader"]) / 2
     assert ns["val_loss"] == pytest.approx(val, rel=2e-2)

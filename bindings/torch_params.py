@@ -74,7 +74,7 @@ class InFlightParameter(torch.nn.Parameter):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        if func in _METADATA:
+        if func in _METADATA:     # (a getter's method-wrapper refuses even an empty kwargs dict)
             return _AS_PLAIN(func, types, args, kwargs) if kwargs else _AS_PLAIN(func, types, args)
         kwargs = kwargs or {}
         for t in tree_leaves((args, kwargs)):

@@ -62,7 +62,8 @@ def shard_problem(optimizer: torch.optim.Optimizer) -> str | None:
     judged (yours, timm's): one 4x6 parameter under one optimizer against its flattened halves
     under one each, six steps of a quadratic in float64 with the first group's settings (an
     optimizer that departs from elementwise only on other problems, AdamP's projection, passes;
-    one that cannot run here on its own, a Hessian-based one, is left to its own errors).
+    one that cannot run here on its own, a Hessian-based one, is left to its own errors; one that
+    cannot be made from parameter groups, a wrapper of another optimizer, is refused).
 
     Example:
         >>> shard_problem(torch.optim.AdamW(model.parameters()))      # None: elementwise

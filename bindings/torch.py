@@ -39,8 +39,8 @@ Adam, AdamW, RMSprop, Adagrad... (tried when wrapping: LAMB, Adafactor, Muon
 are refused).  With ``DeAR``, ``.grad`` after backward holds the averaged
 gradient on this rank's shard only; its full norms read as the global gradient's
 (torch's ``clip_grad_norm_`` and ``get_total_norm`` clip and log as one process:
-``torch_grads``); call ``opt.synchronize()`` (one extra all-gather) before code
-that reads ``.grad``'s values otherwise.
+``torch_grads``), and other reads of its values gather the whole average first
+(one extra all-gather, on every rank).
 """
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         self._flat_params, self._flat_grads, self._shard_grads = [], [], []
         self._grad_views: list[torch.Tensor] = [None] * len(self._params)   # type: ignore[list-item]
         # sharded: .grad is averaged on this rank's shard only, and its norms read the global one
-        norms = (ShardNorms(self.comm, len(self._params), [], self._flat_grads)
+        norms = (ShardNorms(self.comm, len(self._params), [], self._flat_grads, self._whole_grads)
                  if s.sharded and self.comm.size > 1 else None)
         for b in self.buckets:
             p0 = self._params[b.slots[0].index]

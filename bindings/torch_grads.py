@@ -12,21 +12,29 @@ all-reduce that already agreed on non-finite gradients, and follows the in-place
 ``.grad`` goes through next (GradScaler's unscale, clipping's multiply), so that reading it
 never communicates.  A norm of another order, or one read after another change of ``.grad``,
 is gathered when read: a call every rank makes (as with DTensor), outside the operations'
-order, so that a read on some ranks only fails on every rank, naming it.  Norms over some
-dimensions, matrix norms and reductions of other kinds see this rank's values:
-``opt.synchronize()`` first makes ``.grad`` the whole average everywhere.
+order, so that a read on some ranks only fails on every rank, naming it.  Any other read of
+``.grad``'s values (a norm over some dimensions, a matrix norm, ``p.grad.sum()``,
+``torch.isfinite(p.grad)``, ``print(p.grad)``, gradient centralization's mean) first makes
+``.grad`` the whole average on every rank (``opt.synchronize()``: one all-gather, in a call
+every rank makes likewise), then reads it as it is.  In-place writes that read no gradient
+(``clip_grad_value_``'s clamp, ``g[mask] = 0``, ``g.add_(noise)``) stay elementwise on the
+shards the update reads, and communicate nothing.
 """
 
 from __future__ import annotations
 
 import numbers
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_leaves
 
 import commlib
+
+from .torch_params import METADATA
 
 
 class ShardNorms:
@@ -47,11 +55,13 @@ class ShardNorms:
     """
 
     def __init__(self, comm: commlib.Communicator, n_params: int,
-                 parts: list[tuple[int, torch.Tensor]], flat_grads: list[torch.Tensor]) -> None:
+                 parts: list[tuple[int, torch.Tensor]], flat_grads: list[torch.Tensor],
+                 whole: Callable[[], None]) -> None:
         self.comm = comm
         self.n_params = n_params
         self.parts = parts
         self.flat_grads = flat_grads
+        self._whole = whole
         #: set while ``.grad`` holds the average on the shards (see the training loop)
         self.active = False
         self._cached: dict[float, torch.Tensor] = {}    # order -> every parameter's norm (float64)
@@ -83,6 +93,13 @@ class ShardNorms:
         if ord not in self._cached:
             self._cached[ord] = self._over_ranks(ord, in_order=False)
         return self._cached[ord][index]
+
+    def read_values(self) -> None:
+        """Code reads the values of ``.grad`` (not a norm of them): every rank agrees that it does,
+        in a labeled call (a read on some ranks only fails on every rank, naming it), then ``whole``
+        makes ``.grad`` the whole average everywhere (one all-gather) and the read is local."""
+        self.comm.allgather_object(None, label=_VALUES)
+        self._whole()
 
     def rescale(self, indices: list[int], factors: list[Any]) -> None:
         """Gradients ``indices`` were just multiplied in place by ``factors`` (numbers or
@@ -131,12 +148,14 @@ class ShardNorms:
 
 
 _READ = "a norm of DeAR's sharded .grad (clip_grad_norm_, get_total_norm, .norm())"
+_VALUES = "a read of DeAR's sharded .grad's values (p.grad.sum(), print(p.grad)...), which gathers them"
 _NORMS = {torch.linalg.vector_norm, torch.linalg.norm, torch.norm, torch.Tensor.norm, torch._foreach_norm}
 
 
 class ShardedGrad(torch.Tensor):
-    """A parameter's ``.grad`` under a sharded strategy: a plain tensor to every operation, except
-    that a full norm reads the norm of the gradient averaged over ranks (see the module).
+    """A parameter's ``.grad`` under a sharded strategy: a full norm reads the norm of the gradient
+    averaged over ranks, and any other read of its values first gathers the whole average (see
+    the module).
 
     Example:
         >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)    # DeAR: the global norm
@@ -158,7 +177,7 @@ class ShardedGrad(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():      # what runs here sees plain tensors
             if func in _NORMS:
                 out = _global_norm(func, args, kwargs)
-                if out is not None:
+                if out is not None and out is not _VALUES:
                     return out
             elif func in _SCALINGS:
                 scaled = _scalings(func, args, kwargs)
@@ -169,6 +188,9 @@ class ShardedGrad(torch.Tensor):
                         mine = [(i, f) for n, i, f in scaled if n is norms]
                         norms.rescale([i for i, _ in mine], [f for _, f in mine])
                 return out
+            norms = _reader(func, args, kwargs)
+            if norms is not None:       # values of the shards and of this rank's own pass: the whole first
+                norms.read_values()
             return func(*args, **kwargs)
 
     def __reduce_ex__(self, protocol: Any) -> Any:      # saved as the plain tensor it is
@@ -210,6 +232,23 @@ def _scalings(func: Any, args: Any, kwargs: dict) -> list[tuple[ShardNorms, int,
     return out
 
 
+def _reader(func: Any, args: Any, kwargs: dict) -> ShardNorms | None:
+    """The norms of a live gradient whose values ``func`` reads; None for metadata and for the
+    gradients an in-place operation only writes (``clip_grad_value_``'s clamp, ``g[mask] = 0``, a
+    ``mul_``: elementwise, right on the shards the update reads)."""
+    if func in METADATA:
+        return None
+    name = getattr(func, "__name__", "")
+    inplace = (name.endswith("_") and not name.endswith("__")) or func is torch.Tensor.__setitem__
+    written = args[0] if inplace and args else ()
+    written = {id(t) for t in written} if isinstance(written, (list, tuple)) else {id(written)}
+    for t in tree_leaves((args, kwargs)):
+        norms = _live(t) if id(t) not in written else None
+        if norms is not None:
+            return norms
+    return None
+
+
 def _live(t: Any) -> ShardNorms | None:
     """``t``'s norms while ``.grad`` is sharded (not a copy, nor read outside a sharded phase)."""
     if not isinstance(t, ShardedGrad):
@@ -227,7 +266,9 @@ def _order(ord: Any) -> float | None:
 
 
 def _global_norm(func: Any, args: Any, kwargs: dict) -> Any:
-    """The norm ``func(*args, **kwargs)`` of averaged gradients, or None where it is not one of them."""
+    """The norm ``func(*args, **kwargs)`` of averaged gradients; None where it is not one of them;
+    ``_VALUES`` where it is one that the shards' norms do not give (over some dimensions, a matrix
+    norm, a negative order): a read of the values."""
     if func is torch.linalg.vector_norm and not kwargs and len(args) <= 2:     # clip_grad_norm_'s
         t, norms, ord = args[0], _live(args[0]), _order(args[1] if len(args) > 1 else 2)
         if norms is not None and ord is not None:
@@ -238,7 +279,7 @@ def _global_norm(func: Any, args: Any, kwargs: dict) -> Any:
         if not any(live):
             return None
         if _order(ord) is None:
-            raise RuntimeError(_partial_read(f"torch._foreach_norm(ord={ord!r})"))
+            return _VALUES
         return [n.of(t._index, _order(ord)).to(device=t.device, dtype=dtype or t.dtype) if n is not None
                 else torch.linalg.vector_norm(t, ord, dtype=dtype) for n, t in zip(live, tensors)]
     names = ("input", "p" if func in (torch.norm, torch.Tensor.norm) else "ord", "dim", "keepdim")
@@ -255,14 +296,8 @@ def _global_norm(func: Any, args: Any, kwargs: dict) -> Any:
     whole = dim is None or sorted(d % t.dim() for d in ([dim] if isinstance(dim, int) else dim)) == list(
         range(t.dim()))
     if _order(ord) is None or not whole:
-        raise RuntimeError(_partial_read(f"{getattr(func, '__name__', func)}(ord={ord!r}, dim={dim!r})"))
+        return _VALUES
     out = norms.of(t._index, _order(ord)).to(device=t.device, dtype=bound.get("dtype") or t.dtype)
     if bound.get("keepdim"):
         out = out.reshape([1] * t.dim())
     return out
-
-
-def _partial_read(what: str) -> str:
-    return (f"{what} of a gradient that DeAR holds averaged only on this rank's shard: its full norms "
-            "(ord >= 0, inf or -inf, no dim) read as the global gradient's; for others call "
-            "opt.synchronize() first, which makes .grad the whole average on every rank")

@@ -361,7 +361,8 @@ class TrainingLoop:
         global gradient's, so torch's ``clip_grad_norm_`` needs no more), and
         ``synchronize()`` all-gathers the rest (one extra all-gather, the cost of
         an all-reduce's second half), so that code reading every value of ``.grad``
-        sees the global gradient.  Collective: call it on every rank.  ``step()``
+        sees the global gradient (a read of its values calls it by itself,
+        ``torch_grads``).  Collective: call it on every rank.  ``step()``
         then updates from ``.grad`` as modified.
 
         Example:
@@ -372,13 +373,26 @@ class TrainingLoop:
         """
         self._reduce()
         if self.strategy.sharded and not self._gathered and self.comm.size > 1:
-            rank = self.comm.rank
-            works = [self.comm.iallgather(g[b.shard(rank)], out=g, tag=f"grad.ag{b.index}")
-                     for b, g in zip(self.buckets, self._flat_grads)]
-            for w in works:
-                w.wait()
-            self._shards_settled(False)     # .grad is the whole average: its norms are local reads
+            self._gather_shards()
         self._gathered = True
+
+    def _gather_shards(self) -> None:
+        """Every rank's averaged shard of the flat gradients to every rank: ``.grad`` is the whole
+        average, its reads local."""
+        rank = self.comm.rank
+        works = [self.comm.iallgather(g[b.shard(rank)], out=g, tag=f"grad.ag{b.index}")
+                 for b, g in zip(self.buckets, self._flat_grads)]
+        for w in works:
+            w.wait()
+        self._shards_settled(False)
+
+    def _whole_grads(self) -> None:
+        """Code reads the values of a sharded ``.grad`` (``torch_grads``): before the step,
+        :meth:`synchronize`; after it (a gradient logged after ``step()``), the all-gather alone."""
+        if self._synced:
+            self.synchronize()
+        else:
+            self._gather_shards()
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[Any]:

@@ -33,11 +33,12 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["InFlight", "InFlightParameter"]
+__all__ = ["InFlight", "InFlightParameter", "METADATA"]
 
 _T = torch.Tensor
-#: what reads no value: these run at once on a marked parameter
-_METADATA = frozenset(
+#: the operations on a tensor that read none of its values (shape, dtype, ``.grad``, hashing...): they
+#: run at once on a marked parameter, and on a sharded gradient (``torch_grads``)
+METADATA = frozenset(
     [getattr(_T, name).__get__ for name in (
         "shape", "dtype", "device", "layout", "requires_grad", "grad", "grad_fn", "is_leaf", "ndim",
         "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_nested", "_version",
@@ -74,7 +75,7 @@ class InFlightParameter(torch.nn.Parameter):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        if func in _METADATA:     # (a getter's method-wrapper refuses even an empty kwargs dict)
+        if func in METADATA:     # (a getter's method-wrapper refuses even an empty kwargs dict)
             return _AS_PLAIN(func, types, args, kwargs) if kwargs else _AS_PLAIN(func, types, args)
         kwargs = kwargs or {}
         for t in tree_leaves((args, kwargs)):

@@ -3,8 +3,10 @@
 Code written for one process reads them (torch's ``clip_grad_norm_`` and ``get_total_norm``, a
 logged ``p.grad.norm()``): each must read the norm one process computes on the concatenated
 batch, in float64 here (the reference), whatever the order, the tensor or the spelling; reads that
-are not a function of the shards' norms raise, naming ``synchronize()``.  (Training with torch's
-``clip_grad_norm_`` against one process: pattern ``clip-torch`` in ``test_train_loops.py``.)
+are not a function of the shards' norms, and every other read of the values, gather the whole
+average first, on every rank.  (Training with torch's ``clip_grad_norm_`` against one process:
+pattern ``clip-torch`` in ``test_train_loops.py``; a read on rank 0 alone: broken-job cases
+``norm_on_rank0`` and ``values_on_rank0``.)
 """
 
 from __future__ import annotations
@@ -89,11 +91,6 @@ def test_norms_of_sharded_gradients_read_as_one_process(comm):
     mixed = torch._foreach_norm([w, torch.ones(3, dtype=torch.float64)])
     np.testing.assert_allclose(mixed[0], torch.linalg.vector_norm(rw), rtol=1e-12)
     np.testing.assert_allclose(mixed[1], 3 ** 0.5, rtol=1e-12)
-    # what is not a function of the shards' norms raises on every rank, before any collective
-    for read in (lambda: w.norm(dim=0), lambda: torch.linalg.norm(w, ord=2), lambda: w.norm(p="nuc"),
-                 lambda: torch.linalg.vector_norm(w, -1.0)):
-        with pytest.raises(RuntimeError, match=r"opt\.synchronize\(\) first"):
-            read()
     # the update reads the same averaged shards: clipping with torch's function matches one process
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
     ref_model = make()
@@ -188,3 +185,52 @@ def test_two_norms_follow_unscale_and_clipping_without_communication(comm):
         for p, q in zip(model.parameters(), ref_model.parameters()):
             np.testing.assert_allclose(p.grad.norm(), q.grad.norm(), rtol=1e-12)
     comm.barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_reads_of_the_values_see_the_whole_average(comm):
+    """Reads that the shards' norms do not give (a norm over a dimension, a matrix norm, a sum, a
+    clone, ``isfinite``, ``.data``, a list) read what one process reads: the first gathers the whole
+    average on every rank (they read this rank's own pass outside its shards before).  In-place
+    writes that read no gradient (a clamp) communicate nothing."""
+    model, opt = sharded(comm)
+    ref = reference(comm.size)
+    w, rw = model[2].weight.grad, ref[2]
+    seq = comm.seq
+    torch.nn.utils.clip_grad_value_(model.parameters(), 1e3)      # writes only: no collective
+    assert comm.seq == seq
+    got = w.norm(dim=0)
+    np.testing.assert_allclose(got, rw.norm(dim=0), rtol=1e-12)
+    assert comm.seq > seq       # gathered once; then .grad is plain, every read local
+    seq = comm.seq
+    reads = {"matrix norm": (torch.linalg.norm(w, ord=2), torch.linalg.norm(rw, ord=2)),
+             "nuclear": (w.norm(p="nuc"), rw.norm(p="nuc")),
+             "negative order": (torch.linalg.vector_norm(w, -1.0), torch.linalg.vector_norm(rw, -1.0)),
+             "sum": (w.sum(), rw.sum()), "abs max": (w.abs().max(), rw.abs().max()),
+             "clone": (w.clone(), rw), "data": (w.data, rw),
+             "tolist": (torch.tensor(w.tolist(), dtype=torch.float64), rw),
+             "isfinite": (torch.isfinite(w).all(), torch.tensor(True))}
+    for name, (a, b) in reads.items():
+        np.testing.assert_allclose(a, b, rtol=1e-12, err_msg=name)
+    for p, r in zip(model.parameters(), ref):
+        np.testing.assert_allclose(p.grad, r, rtol=1e-12, atol=1e-15)
+    assert comm.seq == seq
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gradient_centralization_and_a_read_after_step_train_as_one_process(comm):
+    """Gradient centralization (each weight's gradient minus its mean over the input dimensions,
+    in place) before the step, and the gradient logged after it: each reads values, on every rank."""
+    model, opt = sharded(comm)
+    ref_model = make()
+    backward(ref_model, *batch(comm.size))
+    for m in (model, ref_model):
+        for p in m.parameters():
+            if p.dim() > 1:
+                p.grad.sub_(p.grad.mean(dim=tuple(range(1, p.dim())), keepdim=True))
+    opt.step()
+    torch.optim.SGD(ref_model.parameters(), lr=0.1).step()
+    for p, q in zip(model.state_dict().values(), ref_model.state_dict().values()):
+        np.testing.assert_allclose(p, q, rtol=1e-12, atol=1e-15)
+    for p, q in zip(model.parameters(), ref_model.parameters()):       # after step(): the whole average
+        np.testing.assert_allclose(p.grad.abs().max(), q.grad.abs().max(), rtol=1e-12)

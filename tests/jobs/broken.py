@@ -213,6 +213,16 @@ def norm_on_rank0() -> None:
     _alone_on_rank0(inf_norm, "a norm of DeAR's sharded .grad", "rank 0 is in a norm of DeAR's sharded .grad")
 
 
+def values_on_rank0() -> None:
+    """A gradient's values logged on rank 0 alone under DeAR (``p.grad.abs().max()``), a read that
+    gathers the whole average: every rank fails at once, naming it (it read rank 0's own pass)."""
+
+    def grad_max(opt) -> None:
+        opt.param_groups[0]["params"][0].grad.abs().max()
+    _alone_on_rank0(grad_max, "a read of DeAR's sharded .grad's values",
+                    "rank 0 is in a read of DeAR's sharded .grad's values")
+
+
 def call_while_ops_in_flight() -> None:
     """Rank 0 enters a call every rank must make (``allgather_object``) alone while its
     nonblocking operation is still in flight; that operation completes during the call (its
@@ -235,7 +245,8 @@ def call_while_ops_in_flight() -> None:
 
 CASES = {f.__name__: f for f in (rejected, deadlock, never_arrives, stall_made_an_error, only_rank0,
                                   unwaited, closed_early, state_on_rank0, state_on_rank0_with_syncbn,
-                                  state_on_rank0_at_the_end, norm_on_rank0, call_while_ops_in_flight)}
+                                  state_on_rank0_at_the_end, norm_on_rank0, values_on_rank0,
+                                  call_while_ops_in_flight)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]]()

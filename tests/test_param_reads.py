@@ -36,9 +36,11 @@ if HAVE_TORCH:
 LOCAL = 3          # sequences per rank per step
 STEPS = 4
 
-#: DeAR under the gate too: its all-gathers are in flight after a step as well
+#: DeAR under the gate too, and the gate's parameter averages (in flight after a step as well; linear
+#: in the update, so at delta 0 with SGD they train as one process)
 WITH_DEAR = dict(STRATEGIES, **{
     "selsync0-dear": lambda: SelSync(inner=DeAR(**SMALL), delta=0.0, mode="grads"),
+    "selsync0-params": lambda: SelSync(inner=STRATEGIES["allreduce"](), delta=0.0, mode="params"),
 })
 
 

@@ -149,6 +149,7 @@ class ShardNorms:
 
 _READ = "a norm of DeAR's sharded .grad (clip_grad_norm_, get_total_norm, .norm())"
 _VALUES = "a read of DeAR's sharded .grad's values (p.grad.sum(), print(p.grad)...), which gathers them"
+_NOT_HELD = object()    # a norm the shards' norms do not give
 _NORMS = {torch.linalg.vector_norm, torch.linalg.norm, torch.norm, torch.Tensor.norm, torch._foreach_norm}
 
 
@@ -177,7 +178,7 @@ class ShardedGrad(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():      # what runs here sees plain tensors
             if func in _NORMS:
                 out = _global_norm(func, args, kwargs)
-                if out is not None and out is not _VALUES:
+                if out is not None and out is not _NOT_HELD:
                     return out
             elif func in _SCALINGS:
                 scaled = _scalings(func, args, kwargs)
@@ -267,7 +268,7 @@ def _order(ord: Any) -> float | None:
 
 def _global_norm(func: Any, args: Any, kwargs: dict) -> Any:
     """The norm ``func(*args, **kwargs)`` of averaged gradients; None where it is not one of them;
-    ``_VALUES`` where it is one that the shards' norms do not give (over some dimensions, a matrix
+    ``_NOT_HELD`` where it is one that the shards' norms do not give (over some dimensions, a matrix
     norm, a negative order): a read of the values."""
     if func is torch.linalg.vector_norm and not kwargs and len(args) <= 2:     # clip_grad_norm_'s
         t, norms, ord = args[0], _live(args[0]), _order(args[1] if len(args) > 1 else 2)
@@ -279,7 +280,7 @@ def _global_norm(func: Any, args: Any, kwargs: dict) -> Any:
         if not any(live):
             return None
         if _order(ord) is None:
-            return _VALUES
+            return _NOT_HELD
         return [n.of(t._index, _order(ord)).to(device=t.device, dtype=dtype or t.dtype) if n is not None
                 else torch.linalg.vector_norm(t, ord, dtype=dtype) for n, t in zip(live, tensors)]
     names = ("input", "p" if func in (torch.norm, torch.Tensor.norm) else "ord", "dim", "keepdim")
@@ -296,7 +297,7 @@ def _global_norm(func: Any, args: Any, kwargs: dict) -> Any:
     whole = dim is None or sorted(d % t.dim() for d in ([dim] if isinstance(dim, int) else dim)) == list(
         range(t.dim()))
     if _order(ord) is None or not whole:
-        return _VALUES
+        return _NOT_HELD
     out = norms.of(t._index, _order(ord)).to(device=t.device, dtype=bound.get("dtype") or t.dtype)
     if bound.get("keepdim"):
         out = out.reshape([1] * t.dim())

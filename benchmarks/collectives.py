@@ -8,6 +8,9 @@ In one run, on the same float32 numpy buffers, per operation and message size:
 * ``commlib-t0``  blocking calls with ``timeout=0`` (MPI's blocking collectives, no hang detection);
 * ``gloo``        ``torch.distributed`` on gloo, same memory (``all_reduce`` is in place: a copy first);
 * ``mpi4py-nb``   (only with ``--contenders``) raw ``Iallreduce(...).Wait()`` and so on;
+* ``mpi4py-new``, ``commlib-new`` (only with ``--contenders``) a new result per call, kept until
+  the next call returns (``r = f(x)`` in a loop): raw calls into ``np.empty_like`` results, and
+  commlib's calls without ``out``;
 * ``jax-jit``     (only with ``--contenders``; allreduce, allgather) a jitted function calling
   ``commlib.bindings.jax.allreduce`` / ``allgather`` on a jax array, result ready;
 * ``mpi4jax``     (only with ``--contenders``, where it imports) the same jitted function with
@@ -58,12 +61,13 @@ from benchmarks import engine_figures
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "rs+ag")
 CONTENDERS = ("mpi4py", "commlib", "commlib-nb", "commlib-t0", "gloo")
-OPTIONAL = ("mpi4py-nb", "jax-jit", "mpi4jax")
+OPTIONAL = ("mpi4py-nb", "mpi4py-new", "commlib-new", "jax-jit", "mpi4jax")
 #: ratio name -> (first, second contender)
 RATIOS = {"commlib/mpi4py": ("commlib", "mpi4py"), "nb/blocking": ("commlib-nb", "commlib"),
           "t0/mpi4py": ("commlib-t0", "mpi4py"), "gloo/mpi4py": ("gloo", "mpi4py"),
           "mpi4py-nb/mpi4py": ("mpi4py-nb", "mpi4py"), "jax-jit/mpi4jax": ("jax-jit", "mpi4jax"),
-          "jax-jit/mpi4py": ("jax-jit", "mpi4py")}
+          "jax-jit/mpi4py": ("jax-jit", "mpi4py"), "new/out": ("commlib-new", "commlib"),
+          "commlib-new/mpi4py-new": ("commlib-new", "mpi4py-new")}
 #: (ratio, sizes, limit): the project's targets, checked per operation at the end of a run
 TARGETS = (("commlib/mpi4py", ">=1MiB", 1.05), ("commlib/mpi4py", "4KiB", 1.5),
            ("nb/blocking", "1MiB", 1.10))
@@ -106,20 +110,36 @@ def make_calls(op: str, count: int, world: Any, comm: commlib.Communicator,
     x = np.random.default_rng(world.rank).random(count, dtype=np.float32)
     full, shard = np.empty(count, np.float32), np.empty(count // n, np.float32)
     part, counts, c, c0 = x[:count // n].copy(), [count // n] * n, comm, comm0
+    kept: list[Any] = [None]        # the last new result, held while the next call runs
+
+    def new(fill: Callable[[np.ndarray], Any], like: np.ndarray) -> None:
+        r = np.empty_like(like)
+        fill(r)
+        kept[0] = r
+
+    def keep(r: Any) -> None:
+        kept[0] = r
+
     table: dict[str, dict[str, Callable[[], Any]]] = {
         "allreduce": {
+            "mpi4py-new": lambda: new(lambda r: world.Allreduce(x, r), full),
+            "commlib-new": lambda: keep(c.allreduce(x)),
             "mpi4py": lambda: world.Allreduce(x, full),
             "mpi4py-nb": lambda: world.Iallreduce(x, full).Wait(),
             "commlib": lambda: c.allreduce(x, out=full),
             "commlib-nb": lambda: c.iallreduce(x, out=full).wait(),
             "commlib-t0": lambda: c0.allreduce(x, out=full)},
         "reduce_scatter": {
+            "mpi4py-new": lambda: new(lambda r: world.Reduce_scatter(x, r, counts), shard),
+            "commlib-new": lambda: keep(c.reduce_scatter(x)),
             "mpi4py": lambda: world.Reduce_scatter(x, shard, counts),
             "mpi4py-nb": lambda: world.Ireduce_scatter(x, shard, counts).Wait(),
             "commlib": lambda: c.reduce_scatter(x, out=shard),
             "commlib-nb": lambda: c.ireduce_scatter(x, out=shard).wait(),
             "commlib-t0": lambda: c0.reduce_scatter(x, out=shard)},
         "allgather": {
+            "mpi4py-new": lambda: new(lambda r: world.Allgather(part, r), full),
+            "commlib-new": lambda: keep(c.allgather(part)),
             "mpi4py": lambda: world.Allgather(part, full),
             "mpi4py-nb": lambda: world.Iallgather(part, full).Wait(),
             "commlib": lambda: c.allgather(part, out=full),

@@ -11,7 +11,9 @@ bfloat16 travels as ``uint16`` storage with ``dtype == "bfloat16"``.
 
 from __future__ import annotations
 
+import math
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,59 @@ _STORAGE = {
 _NUMPY_LOGICAL = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
 }
+
+
+class HostResults:
+    """Host arrays for the results of calls made without ``out``, reused once the caller holds
+    no reference to one (its reference count says so; a view, a torch tensor or a DLPack
+    capsule made from it holds one).
+
+    A fresh result of 1 MiB or more meets MPI's own temporaries and glibc's trimming of the
+    heap: about 180 page faults a call, an all-reduce of 1 MiB at 450 us instead of 150 (raw
+    mpi4py writing into a fresh array per call pays the same).  Arrays under 64 KiB (numpy
+    keeps those cheap) or over 64 MiB are plain ``np.empty``; at most 4 are kept per shape and
+    dtype, 256 MiB in all.  Off where reference counts are not exact (a free-threaded Python).
+
+    Example:
+        >>> r = HOST_RESULTS.empty((1 << 18,), np.float32)   # reused after ``del r``
+    """
+
+    MIN_BYTES, MAX_BYTES, PER_KEY, TOTAL_BYTES = 64 << 10, 64 << 20, 4, 256 << 20
+    _IDLE = 3           # the pool's list, the loop's name, getrefcount's argument
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: dict[tuple, list[np.ndarray]] = {}
+        self._bytes = 0
+        self._on = getattr(sys, "_is_gil_enabled", lambda: True)()
+
+    def like(self, x: np.ndarray) -> np.ndarray:
+        """An array of ``x``'s shape and dtype (``x`` C-contiguous) that no caller holds."""
+        if not (self._on and self.MIN_BYTES <= x.nbytes <= self.MAX_BYTES):
+            return np.empty_like(x)
+        return self.empty(x.shape, x.dtype)
+
+    def empty(self, shape: tuple, dtype: Any) -> np.ndarray:
+        """A C-contiguous array of ``shape`` and ``dtype`` that no caller holds."""
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not (self._on and self.MIN_BYTES <= nbytes <= self.MAX_BYTES):
+            return np.empty(shape, dtype)
+        with self._lock:
+            kept = self._kept.setdefault((tuple(shape), dtype), [])
+            for buf in kept:
+                if sys.getrefcount(buf) == self._IDLE:
+                    return buf
+            if len(kept) < self.PER_KEY and self._bytes + nbytes <= self.TOTAL_BYTES:
+                buf = np.empty(shape, dtype)
+                kept.append(buf)
+                self._bytes += nbytes
+                return buf
+        return np.empty(shape, dtype)
+
+
+#: the process's pool of host results (one for every communicator)
+HOST_RESULTS = HostResults()
 
 
 #: numpy dtype -> commlib name, for the fast path
@@ -118,7 +173,7 @@ class View:
     def empty(self, count: int) -> Any:
         """A new flat storage array of ``count`` elements on the same device."""
         if self.device == "cpu":
-            return np.empty(count, dtype=storage_dtype(self.dtype))
+            return HOST_RESULTS.empty((count,), storage_dtype(self.dtype))
         import cupy
         with cupy.cuda.Device(self.device_id):
             return cupy.empty(count, dtype=storage_dtype(self.dtype))

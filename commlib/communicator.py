@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from . import board as _board
 from . import shutdown
-from .arrays import View, as_view, host_pair
+from .arrays import HOST_RESULTS, View, as_view, host_pair
 from .backends.base import Backend, Pending, split_counts
 from .config import Config
 from .control import Control
@@ -220,7 +220,7 @@ class Communicator:
             dt = host_pair(x, out)
             if dt is not None and reduce_op_ok(op, dt):
                 if out is None:
-                    out = np.empty_like(x)
+                    out = HOST_RESULTS.like(x)
                 if out.size == x.size:
                     return self._run.call_host("allreduce", self._number(), self._host_backend.allreduce,
                                                (x, out, dt, op), out, x.nbytes, tag)
@@ -261,7 +261,7 @@ class Communicator:
             counts = self._split.get(x.size) if dt is not None else None
             if counts is not None and reduce_op_ok(op, dt):
                 if out is None:
-                    out = np.empty(counts[self.rank], x.dtype)
+                    out = HOST_RESULTS.empty((counts[self.rank],), x.dtype)
                 if out.size == counts[self.rank]:
                     return self._run.call_host("reduce_scatter", self._number(),
                                                self._host_backend.reduce_scatter,
@@ -294,7 +294,7 @@ class Communicator:
             dt = host_pair(x, out)
             if dt is not None:
                 if out is None:
-                    out = np.empty((self.size, *x.shape), x.dtype)
+                    out = HOST_RESULTS.empty((self.size, *x.shape), x.dtype)
                 if out.size == x.size * self.size:
                     return self._run.call_host("allgather", self._number(), self._host_backend.allgather,
                                                (x, out, dt), out, out.nbytes, tag)

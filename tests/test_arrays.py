@@ -48,3 +48,35 @@ def test_rejects_what_it_cannot_alias():
     ro = np.ones(3)
     ro.flags.writeable = False
     assert not as_view(ro, "x").writable
+
+
+
+def test_host_results_are_reused_only_when_no_caller_holds_them():
+    """``HostResults``: a result is handed out again only after every reference to it is gone (a
+    view, a reshape, a memoryview or a DLPack capsule made from it holds it); below 64 KiB, new
+    arrays."""
+    from commlib.arrays import HostResults
+
+    pool = HostResults()
+    shape = (1 << 16,)                                      # 256 KiB of float32: pooled
+    holders = {"view": lambda r: r[10:20], "reshape": lambda r: r.reshape(256, 256),
+               "memoryview": memoryview, "dlpack capsule": lambda r: r.__dlpack__()}
+    for name, hold in holders.items():
+        r = pool.empty(shape, np.float32)
+        r[:] = 1.0
+        ptr, kept = r.ctypes.data, hold(r)
+        del r
+        other = pool.empty(shape, np.float32)
+        assert other.ctypes.data != ptr, name               # held: not handed out again
+        other[:] = 2.0
+        if name != "dlpack capsule":
+            assert (np.asarray(kept) == 1.0).all(), name
+        del kept, other
+    r = pool.empty(shape, np.float32)
+    ptr = r.ctypes.data
+    del r
+    assert pool.empty(shape, np.float32).ctypes.data == ptr   # dropped: the same memory again
+    assert pool.empty(shape, np.float64).dtype == np.float64
+    assert pool.empty((256, 256), np.float32).shape == (256, 256)
+    small = [pool.empty((16,), np.float32) for _ in range(3)]
+    assert len({s.ctypes.data for s in small}) == 3

@@ -86,3 +86,22 @@ def test_jax_array_is_never_an_output():
     x = jnp.ones(3)
     with pytest.raises(commlib.ValidationError, match="immutable"):
         c.allreduce(x, out=x)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("kind", ["torch", "torch-bfloat16", "jax"])
+def test_framework_results_stay_theirs_while_held(comm, kind):
+    """A torch or jax result of 256 KiB (its host memory from the pool of results) holds that
+    memory: seven held results, then each against its reference."""
+    n = 1 << 16
+    if kind.startswith("torch"):
+        torch = pytest.importorskip("torch")
+        tdt = torch.bfloat16 if kind == "torch-bfloat16" else torch.float32
+        held = [comm.allreduce(torch.full((n,), float(k), dtype=tdt)) for k in range(1, 8)]
+        values = [h.float().numpy() for h in held]
+    else:
+        jnp = pytest.importorskip("jax.numpy")
+        held = [comm.allreduce(jnp.full((n,), float(k), jnp.float32)) for k in range(1, 8)]
+        values = [np.asarray(h) for h in held]
+    for k, v in enumerate(values, 1):
+        np.testing.assert_array_equal(v, np.full(n, k * comm.size, np.float32))

@@ -171,7 +171,8 @@ class View:
         return cupy
 
     def empty(self, count: int) -> Any:
-        """A new flat storage array of ``count`` elements on the same device."""
+        """A flat storage array of ``count`` elements on the same device that nothing else holds
+        (host: from :data:`HOST_RESULTS`)."""
         if self.device == "cpu":
             return HOST_RESULTS.empty((count,), storage_dtype(self.dtype))
         import cupy

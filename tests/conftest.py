@@ -53,6 +53,16 @@ def _strategies() -> dict:
 STRATEGIES = _strategies()
 
 
+def assert_same_on_every_rank(comm, vec: np.ndarray) -> None:
+    """Every rank's ``vec`` equals this rank's, bit for bit (replicas that must not drift).
+
+    Example:
+        >>> assert_same_on_every_rank(comm, params_of(model))
+    """
+    for r, other in enumerate(comm.allgather(vec)):
+        np.testing.assert_array_equal(other, vec, err_msg=f"rank {r} differs from rank {comm.rank}")
+
+
 def rank_part(comm, local: int, *batch):
     """This rank's ``local`` rows of each tensor of a global batch (rank ``r``: rows ``r * local`` on).
 

@@ -36,6 +36,8 @@ from commlib.bindings.jax import (  # noqa: E402
 from commlib.collectives import AllReduce, DeAR, SelSync, SyncSwitch  # noqa: E402
 from commlib.errors import MismatchError, ValidationError  # noqa: E402
 
+from conftest import assert_same_on_every_rank  # noqa: E402
+
 pytestmark = pytest.mark.mpi(min_size=1)
 
 LOCAL = 3            # samples per rank per step
@@ -133,9 +135,7 @@ def flat(tree) -> np.ndarray:
 
 
 def same_on_all_ranks(comm, tree) -> None:
-    table = comm.allgather(flat(tree))
-    for r in range(comm.size):
-        np.testing.assert_array_equal(table[r], table[0], err_msg=f"rank {r} differs from rank 0")
+    assert_same_on_every_rank(comm, flat(tree))
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])

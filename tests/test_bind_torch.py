@@ -12,7 +12,7 @@ import copy
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH
+from conftest import HAVE_TORCH, assert_same_on_every_rank
 
 pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 
@@ -111,10 +111,7 @@ def distributed(comm, kind: str, strategy, steps: int, extra_forward: bool = Tru
 
 
 def same_on_all_ranks(comm, model: Net) -> None:
-    vec = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
-    table = comm.allgather(vec)
-    for r in range(comm.size):
-        np.testing.assert_array_equal(table[r], table[0], err_msg=f"rank {r} differs from rank 0")
+    assert_same_on_every_rank(comm, torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
 
 
 def assert_close(model: Net, ref: Net) -> None:

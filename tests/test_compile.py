@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH, SMALL
+from conftest import HAVE_TORCH, SMALL, assert_same_on_every_rank
 
 pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 
@@ -74,6 +74,5 @@ def test_compiled_training_with_unfreezing_trains_as_one_process(comm, strategy,
     with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
         ref = run(False)
         vec = run(True)
-    for r, other in enumerate(comm.allgather(vec)):
-        np.testing.assert_array_equal(other, vec, err_msg=f"rank {r} differs from rank {comm.rank}")
+    assert_same_on_every_rank(comm, vec)
     np.testing.assert_allclose(vec, ref, rtol=2e-5, atol=2e-6)

@@ -19,7 +19,7 @@ import warnings
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH, SMALL, STRATEGIES, Lookahead, rank_part
+from conftest import HAVE_TORCH, SMALL, STRATEGIES, Lookahead, assert_same_on_every_rank, rank_part
 
 pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 
@@ -67,6 +67,15 @@ def params_of(model: torch.nn.Module) -> np.ndarray:
     return torch.cat([v.reshape(-1) for v in model.state_dict().values()]).double().numpy()
 
 
+def fit(comm, opt, forward, x: torch.Tensor, y: torch.Tensor, dist: bool) -> None:
+    """One step on this rank's part of the global batch ``x, y`` (``dist``), or on all of it."""
+    if dist:
+        x, y = rank_part(comm, len(x) // comm.size, x, y)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(forward(x), y).backward()
+    opt.step()
+
+
 def train_encoder(comm, strategy: str | None, compiled: bool = False, graphs: list | None = None,
                   lookahead: bool = False) -> np.ndarray:
     """``strategy=None``: one process on the whole batch; ``graphs`` gets the number of graphs Dynamo
@@ -83,12 +92,7 @@ def train_encoder(comm, strategy: str | None, compiled: bool = False, graphs: li
         opt = Lookahead(opt)
     forward = torch.compile(model, backend="aot_eager") if compiled else model
     for step in range(STEPS):
-        x, y = data(step, comm.size)
-        if strategy:
-            x, y = rank_part(comm, LOCAL, x, y)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(forward(x), y).backward()
-        opt.step()
+        fit(comm, opt, forward, *data(step, comm.size), dist=bool(strategy))
         if graphs is not None:
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     if isinstance(dist, DistributedOptimizer) and isinstance(dist.strategy, SyncSwitch):
@@ -97,8 +101,7 @@ def train_encoder(comm, strategy: str | None, compiled: bool = False, graphs: li
 
 
 def check_as_one_process(comm, vec: np.ndarray, ref: np.ndarray) -> None:
-    for r, other in enumerate(comm.allgather(vec)):
-        np.testing.assert_array_equal(other, vec, err_msg=f"rank {r} differs from rank {comm.rank}")
+    assert_same_on_every_rank(comm, vec)
     np.testing.assert_allclose(vec, ref, rtol=1e-5, atol=1e-6)
 
 
@@ -153,12 +156,8 @@ def test_a_pre_hook_of_the_model_s_own_reads_current_parameters(comm, strategy, 
             opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[strategy](), comm=comm)
         for step in range(STEPS):
             g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(4 * comm.size, 6, generator=g), torch.randn(4 * comm.size, 3, generator=g)
-            if dist:
-                x, y = rank_part(comm, 4, x, y)
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
+            fit(comm, opt, model, torch.randn(4 * comm.size, 6, generator=g),
+                torch.randn(4 * comm.size, 3, generator=g), dist)
         return params_of(model)
 
     check_as_one_process(comm, run(True), run(False))
@@ -227,10 +226,7 @@ def test_an_ema_and_clipping_right_after_step_see_what_flush_gives(comm, strateg
                                    strategy=IN_FLIGHT_AFTER_STEP[strategy](), comm=comm)
         ema = [p.detach().clone() for p in model.parameters()]
         for step in range(STEPS):
-            x, y = rank_part(comm, LOCAL, *data(step, comm.size))
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
+            fit(comm, opt, model, *data(step, comm.size), dist=True)
             if flush:
                 opt.flush()
             # (one rank: SelSync averages nothing; DeAR's all-gather is there all the same)
@@ -242,6 +238,5 @@ def test_an_ema_and_clipping_right_after_step_see_what_flush_gives(comm, strateg
         return np.concatenate([params_of(model)] + [e.reshape(-1).double().numpy() for e in ema])
 
     got = run(False)
-    for r, other in enumerate(comm.allgather(got)):
-        np.testing.assert_array_equal(other, got, err_msg=f"rank {r} differs from rank {comm.rank}")
+    assert_same_on_every_rank(comm, got)
     np.testing.assert_array_equal(got, run(True))

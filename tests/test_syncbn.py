@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH, rank_part
+from conftest import HAVE_TORCH, assert_same_on_every_rank, rank_part
 
 pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 
@@ -91,8 +91,7 @@ def test_training_matches_one_process_on_the_whole_batch(comm, strategy):
         np.testing.assert_allclose(sd[k].numpy(), rsd[k].numpy(), err_msg=k, **TOL)
     np.testing.assert_allclose(np.array(got_evals), np.array(ref_evals), **TOL)
     vec = torch.cat([v.reshape(-1).double() for v in sd.values()]).numpy()
-    for r, other in enumerate(comm.allgather(vec)):
-        np.testing.assert_array_equal(other, vec, err_msg=f"rank {r} differs from rank {comm.rank}")
+    assert_same_on_every_rank(comm, vec)
 
 
 def layer_case(comm, kwargs: dict, shape: tuple, dtype: Any = None) -> None:

@@ -22,7 +22,7 @@ import warnings
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH, SMALL, STRATEGIES, rank_part, readme_example
+from conftest import HAVE_TORCH, SMALL, STRATEGIES, assert_same_on_every_rank, rank_part, readme_example
 
 pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 
@@ -203,8 +203,7 @@ def test_loop_trains_as_one_process(comm, strategy, pattern):
     ref = train(comm, None, pattern)
     opt = got["opt"]
     vec = params_of(got["model"])
-    for r, other in enumerate(comm.allgather(vec)):
-        np.testing.assert_array_equal(other, vec, err_msg=f"rank {r} differs from rank {comm.rank}")
+    assert_same_on_every_rank(comm, vec)
     rtol, atol = TOLERANCE.get(pattern, (2e-5, 2e-6))
     np.testing.assert_allclose(vec, params_of(ref["model"]), rtol=rtol, atol=atol)
     np.testing.assert_allclose(got["evals"], ref["evals"], rtol=rtol, atol=atol)
@@ -343,8 +342,7 @@ def test_readme_loop_runs_verbatim(comm, tmp_path):
                     torch._foreach_lerp_(ema, list(ref.parameters()), 1 - 0.999)
             sched.step()
     vec = params_of(model)
-    for r, other in enumerate(comm.allgather(vec)):
-        np.testing.assert_array_equal(other, vec, err_msg=f"rank {r} differs from rank {comm.rank}")
+    assert_same_on_every_rank(comm, vec)
     moved = np.abs(params_of(ref) - params_of(make(0, "plain")[0])).max()
     np.testing.assert_allclose(vec, params_of(ref), rtol=0, atol=moved / 20)    # bf16: see TOLERANCE
     ema_vec = torch.cat([p.detach().reshape(-1) for p in ns["ema"].module.parameters()]).numpy()

@@ -96,11 +96,12 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
     communication) per ``step()``; their gradients add up, as in Horovod and
     in one process (scale the loss by ``1/k``; ``no_sync()`` is the other way
     to accumulate).
-    ``find_unused_parameters``: agree every step (one small all-reduce) on which
-    parameters got no gradient on any rank, and skip them in the update as a
-    single process would.  Without it the first step checks once, and if some
-    parameters got none, warns naming them and turns this on; a parameter that
-    stops getting gradients later counts as a zero gradient (as in Horovod).
+    Parameters that no rank gave a gradient in a step (an unused head, an expert
+    no token was routed to) are left out of that step's update, as a single
+    process leaves them (one small all-reduce per step agrees on them; on the
+    local steps of SelSync and Sync-Switch's ASP, each rank's own).
+    ``find_unused_parameters``: say that you expect some; otherwise the first
+    step that finds one warns, naming them.
     ``broadcast``: start from rank 0's parameters (default ``True``).
     ``broadcast_buffers``: after each step every rank gets rank 0's running
     statistics of plain norm layers (``True``, the default), every buffer

@@ -264,8 +264,7 @@ class TrainingLoop:
             if not self._signaled[b]:
                 self._signal(b)
         self.strategy.before_update()
-        if self.find_unused_parameters or not self._unused_checked:
-            self._detect_unused()
+        self._find_unused()
         if self.strategy.sharded:
             self._settle_shards()
         self._synced = True
@@ -332,18 +331,24 @@ class TrainingLoop:
                                "did not call the closure, so it updated with gradients that were not "
                                "averaged: run backward() before step(), or pass no closure")
 
-    def _detect_unused(self) -> None:
+    def _find_unused(self) -> None:
+        """The parameters this step's update leaves out, as one process on the whole batch leaves
+        out those it gave no gradient: no rank gave one (one small all-reduce every step, so that a
+        model whose graph changes from step to step, an expert no token was routed to, is right at
+        every step); on a step whose update reads each rank's own gradient (``gradients_are_local``:
+        SelSync's local steps, Sync-Switch's ASP) this rank gave none, with no collective."""
+        if self.strategy.gradients_are_local():
+            self._unused = {i for i, got in enumerate(self._got) if not got}
+            return
         used = self.comm.allreduce(np.array(self._got, np.int32), "max", tag="unused")
         self._unused = {i for i, u in enumerate(used) if not u}
-        if self._unused and not self.find_unused_parameters:
+        if self._unused and not self._unused_checked and not self.find_unused_parameters:
             names = {id(p): n for n, p in self.model.named_parameters()}
             listed = ", ".join(names.get(id(self._params[i]), f"#{i}") for i in sorted(self._unused))
             warnings.warn(f"DistributedOptimizer: no rank gave a gradient to {listed} in the first step; "
-                          "they are left out of the update as single-process training leaves them, "
-                          "checked by one small all-reduce per step from now on (pass "
-                          "find_unused_parameters=True to say so, or leave them out of the optimizer)",
-                          stacklevel=2)
-            self.find_unused_parameters = True
+                          "they are left out of the update as single-process training leaves them "
+                          "(pass find_unused_parameters=True to say that you expect it, or leave them "
+                          "out of the optimizer)", stacklevel=2)
         self._unused_checked = True
 
     def _close_skipped_step(self) -> None:

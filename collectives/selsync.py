@@ -278,6 +278,9 @@ class SelSync(Strategy):
         if self.mode == "grads":
             self.inner.complete()
 
+    def gradients_are_local(self) -> bool:
+        return not self.synced or self.mode == "params"
+
     def writes_in_flight(self) -> bool:
         return (bool(self._avg_other) or any(self._avg_works)
                 or (self.mode == "grads" and self.inner.writes_in_flight()))

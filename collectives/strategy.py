@@ -30,6 +30,9 @@ answers for a strategy that needs nothing from the optimizer):
   read now are current;
 - ``syncs_optimizer_state()``: after ``after_update()``, whether to average
   the optimizer's state over the ranks now (False; SelSync's synced steps);
+- ``gradients_are_local()``: after ``before_update()``, whether the update
+  reads this rank's own gradient (False; SelSync's local steps, Sync-Switch's
+  ASP), so that the binding agrees with no other rank on what it leaves out;
 - ``tuner``: the cap search the binding feeds step times (``tune=True``);
 - ``reopens``: the reduction is linear in the gradient (False; AllReduce
   and DeAR), so that a backward pass after ``before_update()`` and before the
@@ -212,6 +215,14 @@ class Strategy:
         """Whether the binding averages the optimizer's state over the ranks after this
         ``after_update()`` (SelSync with ``sync_optimizer_state`` on a step that
         synchronized); never for a strategy whose replicas stay equal."""
+        return False
+
+    def gradients_are_local(self) -> bool:
+        """After :meth:`before_update`: whether the update about to run reads this rank's own
+        gradient (SelSync's local steps and parameter mode, Sync-Switch's ASP/SSP) rather than
+        one every rank took part in (False: AllReduce, DeAR, sparse exchanges, synchronized
+        steps).  The binding then decides on its own what this rank's update leaves out (a
+        parameter it gave no gradient), with no collective that asynchronous ranks never meet."""
         return False
 
     # ------------------------------------------------------------------ helpers

@@ -327,6 +327,9 @@ class SyncSwitch(Strategy):
     def writes_in_flight(self) -> bool:
         return self.phase == "bsp" and self.bsp.writes_in_flight()
 
+    def gradients_are_local(self) -> bool:
+        return self.phase != "bsp" or self.bsp.gradients_are_local()
+
     def close_stores(self) -> None:
         for store in self.stores:
             store.close()

@@ -367,6 +367,37 @@ def test_syncswitch_through_distributed_optimizer_keeps_replicas_identical_at_bs
     ss.close()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_asp_steps_leave_out_this_ranks_unused_parameters_without_meeting(comm):
+    """Sync-Switch's ASP with a parameter no rank uses: each rank leaves out what it gave no gradient
+    on its own, so the ranks do not meet at every step (an agreement there held ASP in lockstep:
+    the slow rank's sleep set every rank's pace)."""
+    import time
+
+    from commlib.collectives import SchedulePolicy, SyncSwitch
+
+    model = make_model(comm.rank)
+    ss = SyncSwitch(bsp=AllReduce(), policy=SchedulePolicy([(0, "bsp"), (1, "asp")]))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                               strategy=ss, comm=comm, find_unused_parameters=True)
+    unused = model.unused.detach().clone()
+    slow, steps = comm.size - 1, 0
+    try:
+        while ss.progress() < 6 * comm.size:
+            x, y = batch(steps + 17 * comm.rank, comm.size)
+            opt.zero_grad()
+            loss_fn(model, x[:LOCAL], y[:LOCAL]).backward()
+            opt.step()
+            steps += 1
+            if comm.rank == slow:
+                time.sleep(0.05)
+    finally:
+        ss.close()
+    counts = comm.allgather(np.array([steps]))[:, 0]
+    assert counts[slow] < counts[0], counts
+    assert torch.equal(model.unused.detach(), unused)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("name", ["allreduce", "dear"])

@@ -5,7 +5,8 @@ of each global batch; the reference is plain torch training the same model on
 the concatenated batch with the same loop (clipping: ours, Horovod's, torch's
 under a GradScaler; autocast, GradScaler with an inf injected on the last rank,
 accumulation, a checkpoint resumed without ``flush()``, evaluation mid-training,
-an unused head, gradual unfreezing, a parameter group added for the unfrozen
+an unused head, a head used at some steps only (by some ranks' samples, or none: left out of
+that step's update), gradual unfreezing, a parameter group added for the unfrozen
 layer, the model converted to float64 and a parameter's ``.data`` assigned right after a
 step, unfreezing in a model trained in eval mode, gradients computed with ``torch.func`` and
 assigned to ``.grad``, an EMA and weight clipping right after each step, no ``flush()``).
@@ -41,9 +42,12 @@ CUT = 2            # checkpoint / evaluation / injected inf after this many step
 MAX_NORM = 0.05    # small enough that every step clips
 CLIP_VALUE = 0.02  # clamps some gradient elements
 WEIGHT_CLIP = 0.3  # clamps some parameters after each step (WGAN's critic)
+# routed-head: which of the global batch's samples go through the aux head, per step (an expert
+# every token reaches, none, only the first rank's, all): no rank uses it at step 1
+ROUTED = [lambda i: True, lambda i: False, lambda i: i < LOCAL, lambda i: True]
 PATTERNS = ["clip-horovod", "clip", "clip-torch", "bf16", "fp16-scaler", "no_sync", "checkpoint", "eval",
             "unused-head", "unfreeze", "add-group", "to-double", "eval-mode", "assigned-grads", "ema",
-            "weight-clip"]
+            "weight-clip", "routed-head"]
 
 # Mixed precision is compared with a single-process run under the same autocast.  The ranks'
 # weight gradients come from 16-bit matmuls over their own slice, averaged afterwards, where the
@@ -69,7 +73,7 @@ class Net(torch.nn.Module if HAVE_TORCH else object):
 
 def make(seed: int, pattern: str) -> tuple[Net, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = Net(head=pattern == "unused-head")
+    model = Net(head=pattern in ("unused-head", "routed-head"))
     params = model.fc2.parameters() if pattern == "add-group" else model.parameters()
     return model, torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
 
@@ -105,8 +109,9 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
         ema = swa.AveragedModel(model, multi_avg_fn=swa.get_ema_multi_avg_fn(0.5))
     for step in range(STEPS):
         x, y = batch(step, size)
+        routed = torch.tensor([ROUTED[step](i) for i in range(len(x))])
         if strategy:
-            x, y = rank_part(comm, LOCAL, x, y)
+            x, y, routed = rank_part(comm, LOCAL, x, y, routed)
         if strategy and pattern == "checkpoint" and step == CUT:    # save without flush(), resume fresh
             buf = io.BytesIO()      # through torch.save and torch.load's default weights_only=True
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
@@ -138,6 +143,11 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
             loss = loss_fn(model(x[half:]), y[half:]) / 2
         elif pattern == "assigned-grads":   # computed functionally and assigned: no backward()
             assign_functional_grads(model, loss_fn, x, y)
+        elif pattern == "routed-head":      # the head's loss on the routed samples, per sample of the batch
+            h = torch.tanh(model.fc1(x))
+            loss = loss_fn(model.fc2(h), y)
+            if routed.any():                # not run without samples (as MoE layers skip an idle expert)
+                loss = loss + model.aux(h[routed]).pow(2).sum() / len(x)
         else:
             with autocast(pattern):
                 loss = loss_fn(model(x), y)

@@ -100,8 +100,8 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
     no token was routed to) are left out of that step's update, as a single
     process leaves them (one small all-reduce per step agrees on them; on the
     local steps of SelSync and Sync-Switch's ASP, each rank's own).
-    ``find_unused_parameters``: say that you expect some; otherwise the first
-    step that finds one warns, naming them.
+    ``find_unused_parameters``: say that you expect some; otherwise, where the
+    first step finds some, it warns, naming them.
     ``broadcast``: start from rank 0's parameters (default ``True``).
     ``broadcast_buffers``: after each step every rank gets rank 0's running
     statistics of plain norm layers (``True``, the default), every buffer

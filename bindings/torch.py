@@ -145,7 +145,6 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         self._wrapped = False       # Optimizer.__init__ below adds its groups through add_param_group
         super().__init__([p for g in optimizer.param_groups for p in g["params"]], optimizer.defaults)
         self.param_groups = optimizer.param_groups     # one truth: schedulers may hold either object
-        self.state = optimizer.state
 
         self._collect_params()
         self._retired_by = ""
@@ -394,6 +393,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
                 for k, v in g.items():
                     if k != "params":
                         sg[k] = v
+            self._adopt_state_edits()
             for piece, idx, *_ in self._pieces:
                 if idx in self._unused:
                     piece.grad = None

@@ -6,7 +6,8 @@ the wrapped optimizer's own per-parameter format, and spreads it back: for
 ``state_dict()`` / ``load_state_dict()`` (a checkpoint loadable on any number of
 ranks, or by a plain optimizer) and for re-planning the buckets; that builds
 the optimizer over this rank's shards (:func:`shard_problem` says whether its
-class can run on them); and that
+class can run on them); that keeps ``opt.state`` the wrapped optimizer's, where a
+reset made as in one process reaches the shards (:class:`ShardedParamState`); and that
 averages it over ranks where a strategy asks (SelSync's synchronized steps,
 Sync-Switch on its way back to BSP) or resets momentum at a phase switch.
 
@@ -25,7 +26,27 @@ import torch
 
 from .torch_comm import Layout, dtype_name, flat_in_layout, in_layout
 
-__all__ = ["ConsolidatedState", "shard_problem"]
+__all__ = ["ConsolidatedState", "ShardedParamState", "shard_problem"]
+
+_SHARDED = ("a sharded strategy (DeAR) keeps the optimizer state in pieces, 1/size of it on each rank "
+            "(ZeRO-1), so opt.state[p] holds none of it: opt.state_dict() gives it whole (a collective: "
+            "call it on every rank); clearing or assigning opt.state or opt.state[p] resets it, as in one "
+            "process")
+
+
+class ShardedParamState(dict):
+    """A trained parameter's entry in ``opt.state`` under a sharded strategy (DeAR): empty, for its
+    state lives in pieces on the ranks (ZeRO-1).  Reading a key raises ``KeyError`` saying so.  What
+    code does to the entries as it would to one process's (``opt.state.clear()``, ``opt.state =
+    defaultdict(dict)``, ``del opt.state[p]``, ``opt.state[p] = {}``, or a dict of whole tensors)
+    becomes the pieces' state at the next ``step()``, ``state_dict()`` or re-plan.
+
+    Example:
+        >>> opt.state.clear()            # Adam starts again from zero moments, on every shard
+    """
+
+    def __missing__(self, key: Any) -> Any:
+        raise KeyError(f"{key!r}: {_SHARDED}")
 
 
 def _as_torch(obj: Any) -> Any:
@@ -133,6 +154,25 @@ class ConsolidatedState:
     _pieces: list[tuple[torch.Tensor, int, slice, int, slice]]
     _shard_opt: torch.optim.Optimizer
     _planned_cap: int
+    _wrapped: bool
+    _state_marks: list[ShardedParamState]
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's per-parameter state, ``opt.state[p]``: one object with the wrapped
+        optimizer's, so that assigning another (``opt.state = defaultdict(dict)``, Adam's reset)
+        replaces the state the update reads.  Under a sharded strategy each entry is a
+        :class:`ShardedParamState`.
+
+        Example:
+            >>> opt.state = collections.defaultdict(dict)    # start the moments again
+        """
+        return self._inner.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if self._wrapped:       # torch's Optimizer.__init__ sets an empty one first: the wrapped one's stays
+            self._inner.state = value
 
     def _build_shard_optimizer(self) -> None:
         """One optimizer of the user's class over this rank's pieces of every bucket."""
@@ -148,12 +188,36 @@ class ConsolidatedState:
                 self._pieces.append((piece, idx, pslice, b.index, bslice))
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         self._shard_opt = type(self._inner)([{"params": ps, **h} for ps, h in zip(groups, hyper)])
+        self._mark_sharded_state()
+
+    def _mark_sharded_state(self) -> None:
+        """Each trained parameter's entry in ``opt.state`` a fresh :class:`ShardedParamState` (and no
+        entry left for a parameter that stopped training)."""
+        st = self._inner.state
+        for p in [p for p, v in st.items() if isinstance(v, ShardedParamState)]:
+            del st[p]
+        self._state_marks = [ShardedParamState() for _ in self._params]
+        for p, mark in zip(self._params, self._state_marks):
+            st[p] = mark
+
+    def _adopt_state_edits(self) -> None:
+        """Sharded strategies: entries of ``opt.state`` that code cleared, deleted or replaced since
+        they were marked (a reset; a dict of whole tensors: that state) become the state of this
+        rank's pieces of those parameters (no communication: every rank edits alike, as the code
+        that edits runs on every rank)."""
+        st = self._inner.state
+        edits = {i: dict(st.get(p) or {}) for i, (p, mark) in enumerate(zip(self._params, self._state_marks))
+                 if st.get(p) is not mark or mark}
+        if edits:
+            self._load_pieces(edits)
+            self._mark_sharded_state()
 
     def _full_state(self) -> dict[int, dict[str, Any]]:
         """Per parameter (index in ``self._params``): its optimizer state, gathered from the shards
         (a collective for sharded strategies: identical calls on every rank)."""
         if not self.strategy.sharded:
             return {i: self._inner.state[p] for i, p in enumerate(self._params) if p in self._inner.state}
+        self._adopt_state_edits()
         keys: set[str] = set()
         scalars: dict[int, dict[str, Any]] = {}
         for piece, idx, *_ in self._pieces:
@@ -203,9 +267,18 @@ class ConsolidatedState:
                     for k, v in d.items()}
             return
         self._shard_opt.state.clear()
+        self._load_pieces(full)
+        self._mark_sharded_state()
+
+    def _load_pieces(self, full: dict[int, dict[str, Any]]) -> None:
+        """The state of this rank's pieces of the parameters in ``full`` (index: whole state; an
+        empty dict: none, as a fresh optimizer's)."""
         for piece, idx, pslice, *_ in self._pieces:
             d = full.get(idx)
             if d is None:
+                continue
+            if not d:
+                self._shard_opt.state.pop(piece, None)
                 continue
             self._shard_opt.state[piece] = {
                 k: (flat_in_layout(v.to(piece.device, piece.dtype), self._layouts[idx])[pslice].clone()
@@ -238,7 +311,6 @@ class ConsolidatedState:
         extra = sd.pop("commlib", None)
         self._inner.load_state_dict(sd)
         self.param_groups = self._inner.param_groups     # torch replaced the group list
-        self.state = self._inner.state
         if extra is not None:
             self.strategy.load_state_dict(_as_numpy(extra["strategy"]))
             if self.strategy.cap_bytes != self._planned_cap:     # the checkpoint was tuned

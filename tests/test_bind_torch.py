@@ -12,7 +12,7 @@ import copy
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH, assert_same_on_every_rank
+from conftest import HAVE_TORCH, assert_same_on_every_rank, rank_part
 
 pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 
@@ -262,6 +262,49 @@ def test_state_round_trip_mid_training(comm, name):
     opt2.flush()
     for p, q in zip(model2.parameters(), full_opt_params):
         np.testing.assert_allclose(p.detach().numpy(), q.numpy(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("edit", ["assign", "clear", "del", "whole"])
+@pytest.mark.parametrize("name", ["allreduce", "dear"])
+def test_optimizer_state_edits_act_as_in_one_process(comm, name, edit):
+    """What code does to ``opt.state`` between steps, as to one process's optimizer, acts on the
+    update as there (DeAR's state in pieces too): a new ``defaultdict`` (Adam's reset; it was
+    ignored), ``clear()``, ``del opt.state[p]``, or whole tensors assigned to one parameter."""
+    import collections
+
+    def run(distributed: bool) -> Net:
+        model = make_model(comm.rank if distributed else 0)
+        opt = make_optimizer("adamw", model)
+        if distributed:
+            opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[name](), comm=comm,
+                                       find_unused_parameters=True)
+        for step in range(4):
+            x, y = batch(step, comm.size)
+            if distributed:
+                x, y = rank_part(comm, LOCAL, x, y)
+            if step == 2:
+                w = model.fc2.weight
+                if edit == "assign":
+                    opt.state = collections.defaultdict(dict)
+                elif edit == "clear":
+                    opt.state.clear()
+                elif edit == "del":
+                    del opt.state[model.fc1.weight]
+                else:
+                    opt.state[w] = {"step": torch.tensor(7.0), "exp_avg": torch.full_like(w, 0.01),
+                                    "exp_avg_sq": torch.full_like(w, 1e-4)}
+            opt.zero_grad()
+            loss_fn(model, x, y).backward()
+            opt.step()
+        if distributed and name == "dear":
+            with pytest.raises(KeyError, match="ZeRO-1"):
+                opt.state[model.fc1.weight]["exp_avg"]
+        return model
+
+    model, ref = run(True), run(False)
+    same_on_all_ranks(comm, model)
+    assert_close(model, ref)
 
 
 @pytest.mark.mpi

@@ -387,28 +387,17 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         if evaluate is not None and self.strategy.sharded:     # elementwise optimizers: evaluated once, first
             loss = evaluate()
         t0 = time.perf_counter()
+        args, kwargs = self._pre_step_hooks(None if self.strategy.sharded else evaluate)
         if self.strategy.sharded:
             self._reduce()          # done when backward returned, unless passes are missing
-            for sg, g in zip(self._shard_opt.param_groups, self.param_groups):
-                for k, v in g.items():
-                    if k != "params":
-                        sg[k] = v
-            self._adopt_state_edits()
-            for piece, idx, *_ in self._pieces:
-                if idx in self._unused:
-                    piece.grad = None
-            self._shard_opt.step()
-            for piece, _, _, bi, bslice in self._pieces:
-                piece.grad = self._flat_grads[bi][bslice]
+            self._update_shards()
         else:
             if evaluate is None:
                 self._reduce()
                 self._leave_out_unused()
             with self._scaled_hyperparameters():
-                if evaluate is None:
-                    self._inner.step()
-                else:       # the optimizer evaluates it (LBFGS: again and again), each pass averaged
-                    loss = self._inner.step(evaluate)
+                loss = self._inner_step(args, kwargs)   # a closure: evaluated (LBFGS: again and again)
+                if evaluate is not None:
                     self._check_evaluated()
             for i in self._unused:
                 self._params[i].grad = self._grad_views[i]
@@ -416,6 +405,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         self._after_update()
         if self.strategy.syncs_optimizer_state():
             self._average_optimizer_state()     # SelSync in parameter mode: momentum agrees too
+        self._post_step_hooks(args, kwargs)
         self._end_step()
         now = time.perf_counter()
         self.step_times.append(now - t0)

@@ -6,8 +6,9 @@ the wrapped optimizer's own per-parameter format, and spreads it back: for
 ``state_dict()`` / ``load_state_dict()`` (a checkpoint loadable on any number of
 ranks, or by a plain optimizer) and for re-planning the buckets; that builds
 the optimizer over this rank's shards (:func:`shard_problem` says whether its
-class can run on them); that keeps ``opt.state`` the wrapped optimizer's, where a
-reset made as in one process reaches the shards (:class:`ShardedParamState`); and that
+class can run on them); that runs the update between the wrapped optimizer's own
+step hooks; that keeps ``opt.state`` the wrapped optimizer's, where a reset made as
+in one process reaches the shards (:class:`ShardedParamState`); and that
 averages it over ranks where a strategy asks (SelSync's synchronized steps,
 Sync-Switch on its way back to BSP) or resets momentum at a phase switch.
 
@@ -19,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -32,6 +34,12 @@ _SHARDED = ("a sharded strategy (DeAR) keeps the optimizer state in pieces, 1/si
             "(ZeRO-1), so opt.state[p] holds none of it: opt.state_dict() gives it whole (a collective: "
             "call it on every rank); clearing or assigning opt.state or opt.state[p] resets it, as in one "
             "process")
+
+
+def _unhooked(step: Callable[..., Any]) -> Callable[..., Any]:
+    """An optimizer class's ``step`` without the wrapper torch's ``Optimizer`` puts around it (the
+    global and the instance's step hooks), for a caller that runs the hooks it wants itself."""
+    return step.__wrapped__ if getattr(step, "hooked", False) and hasattr(step, "__wrapped__") else step
 
 
 class ShardedParamState(dict):
@@ -156,6 +164,7 @@ class ConsolidatedState:
     _planned_cap: int
     _wrapped: bool
     _state_marks: list[ShardedParamState]
+    _unused: set[int]
 
     @property
     def state(self) -> Any:
@@ -319,6 +328,54 @@ class ConsolidatedState:
             full = {i: self._inner.state[p] for i, p in enumerate(self._params) if p in self._inner.state}
             self._inner.state.clear()
             self._set_full_state(full)
+
+    # ------------------------------------------------------------------ the update
+    def _pre_step_hooks(self, evaluate: Callable[[], Any] | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The step pre-hooks registered on the wrapped optimizer (before wrapping: a logger, an EMA),
+        run as its own ``step()`` runs them; returns the step's arguments as they leave them.  With
+        :meth:`_inner_step` and :meth:`_post_step_hooks`, the wrapped optimizer's step as it runs in one
+        process, while torch's global optimizer hooks are left to the wrapper's ``step()`` (once)."""
+        inner = self._inner
+        args: tuple[Any, ...] = (inner,) if evaluate is None else (inner, evaluate)
+        kwargs: dict[str, Any] = {}
+        for hook in list(inner._optimizer_step_pre_hooks.values()):
+            result = hook(inner, args, kwargs)
+            if result is not None:
+                if self.strategy.sharded:
+                    raise RuntimeError(f"DistributedOptimizer: a step pre-hook of {type(inner).__name__} "
+                                       f"changed step()'s arguments, which {self.strategy.name}'s update on "
+                                       "shards does not take")
+                args, kwargs = result
+        return args, kwargs
+
+    def _inner_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The wrapped optimizer's update (not sharded), without torch's hooks around it."""
+        return _unhooked(type(self._inner).step)(*args, **kwargs)
+
+    def _post_step_hooks(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The wrapped optimizer's step post-hooks, once the parameters are this step's (DeAR's
+        all-gathers started: a hook that reads a parameter waits for it), and the step recorded for
+        an LR scheduler made over it (no "lr_scheduler.step() before optimizer.step()" warning)."""
+        inner = self._inner
+        for hook in list(inner._optimizer_step_post_hooks.values()):
+            hook(inner, args, kwargs)
+        inner._opt_called = True
+
+    def _update_shards(self) -> None:
+        """The shard optimizer's step over this rank's pieces, with the groups' hyperparameters as
+        they are now (schedulers change them), the edits made to ``opt.state``, and the pieces of
+        parameters no rank gave a gradient left out."""
+        for sg, g in zip(self._shard_opt.param_groups, self.param_groups):
+            for k, v in g.items():
+                if k != "params":
+                    sg[k] = v
+        self._adopt_state_edits()
+        for piece, idx, *_ in self._pieces:
+            if idx in self._unused:
+                piece.grad = None
+        _unhooked(type(self._shard_opt).step)(self._shard_opt)
+        for piece, _, _, bi, bslice in self._pieces:
+            piece.grad = self._flat_grads[bi][bslice]
 
     # ------------------------------------------------------------------ what strategies ask of the state
     def _optimizer_tensors(self) -> list[torch.Tensor]:

@@ -308,6 +308,59 @@ def test_optimizer_state_edits_act_as_in_one_process(comm, name, edit):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("name", ["allreduce", "dear"])
+def test_hooks_and_a_scheduler_of_the_wrapped_optimizer_run_as_in_one_process(comm, name):
+    """Step hooks registered on the optimizer before wrapping run once a step, the post-hook on this
+    step's parameters (an EMA kept in one; under DeAR they never ran), torch's global optimizer hooks
+    once a step (they ran twice), and an LR scheduler made over the optimizer before wrapping steps
+    without warning that the optimizer did not step (it did, under DeAR)."""
+    import warnings
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def run(distributed: bool) -> tuple[list[torch.Tensor], list[str], list[str]]:
+        model = make_model(comm.rank if distributed else 0)
+        opt = make_optimizer("adamw", model)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        ema: list[torch.Tensor] = []
+        calls: list[str] = []
+
+        def keep_ema(*_):
+            calls.append("post")
+            with torch.no_grad():
+                for e, p in zip(ema, model.parameters()):
+                    e.lerp_(p, 0.5)
+
+        opt.register_step_pre_hook(lambda *_: calls.append("pre"))
+        opt.register_step_post_hook(keep_ema)
+        if distributed:
+            opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[name](), comm=comm,
+                                       find_unused_parameters=True)
+        ema += [p.detach().clone() for p in model.parameters()]      # rank 0's start, once wrapped
+        counted = register_optimizer_step_post_hook(lambda *_: calls.append("global"))
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for step in range(3):
+                    x, y = batch(step, comm.size)
+                    if distributed:
+                        x, y = rank_part(comm, LOCAL, x, y)
+                    opt.zero_grad()
+                    loss_fn(model, x, y).backward()
+                    opt.step()
+                    sched.step()
+        finally:
+            counted.remove()
+        return ema, calls, [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
+
+    (ema, calls, warned), (ref_ema, ref_calls, _) = run(True), run(False)
+    assert calls == ref_calls == ["pre", "post", "global"] * 3
+    assert warned == []
+    for e, r in zip(ema, ref_ema):
+        np.testing.assert_allclose(e.numpy(), r.numpy(), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("set_passes", [False, True])
 @pytest.mark.parametrize("name", ["allreduce", "dear"])
 def test_backward_passes_per_step(comm, name, set_passes):

@@ -356,9 +356,13 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
 
     @torch.compiler.disable     # the entry points communicate or touch the buckets: run eagerly
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient buckets (``.grad`` stays a view of its bucket; ``set_to_none`` is ignored)."""
+        """Zero the gradient buckets (``.grad`` stays a view of its bucket).  With ``set_to_none``,
+        a parameter that then gets no gradient on any rank is left out of the update (one process's
+        ``.grad`` is ``None``); without, it is updated with a zero gradient, as in one process."""
         if self._synced:         # GradScaler skipped the last step(): close it
             self._close_skipped_step()
+        if set_to_none:          # one process's .grad would be None until a gradient arrives
+            self._unused.zeroed()
         for g in self._flat_grads:
             g.zero_()
         self._shards_settled(False)
@@ -399,7 +403,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
                 loss = self._inner_step(args, kwargs)   # a closure: evaluated (LBFGS: again and again)
                 if evaluate is not None:
                     self._check_evaluated()
-            for i in self._unused:
+            for i in self._unused.indices:
                 self._params[i].grad = self._grad_views[i]
         self._running_stats.sync()      # before DeAR's all-gathers: nothing in flight to queue behind
         self._after_update()
@@ -451,7 +455,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         self._set_full_state({i: kept[id(p)] for i, p in enumerate(self._params) if id(p) in kept})
         self._install_hooks()
         if [id(p) for p in self._params] != [id(p) for p in before]:
-            self._unused, self._unused_checked = set(), False   # indices changed: check again
+            self._unused.replanned()
             self._end_step()
 
     @contextmanager

@@ -48,13 +48,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 
 from .torch_comm import average_loss
 from .torch_grads import ShardNorms
 from .torch_hooks import InertHook, ModelHook, guard_module_hooks_under_compile
 from .torch_params import InFlight
+from .torch_unused import UnusedParameters
 
 __all__ = ["TrainingLoop", "ModelHook", "InertHook"]     # the hooks: here too, for models pickled before
 
@@ -89,8 +89,7 @@ class TrainingLoop:
 
     def _init_loop(self) -> None:
         self._no_sync_depth = 0
-        self._unused: set[int] = set()
-        self._unused_checked = False
+        self._unused = UnusedParameters(self.comm, self.find_unused_parameters)
         self._end_step()
         model = self.model
         guard_module_hooks_under_compile()
@@ -264,7 +263,7 @@ class TrainingLoop:
             if not self._signaled[b]:
                 self._signal(b)
         self.strategy.before_update()
-        self._find_unused()
+        self._unused.find(self._params, self._got, self.strategy.gradients_are_local(), self.model)
         if self.strategy.sharded:
             self._settle_shards()
         self._synced = True
@@ -306,7 +305,7 @@ class TrainingLoop:
     def _leave_out_unused(self) -> None:
         """Parameters no rank gave a gradient: out of the update about to run (``.grad`` is ``None``
         there, as in one process; the views come back after it)."""
-        for i in self._unused:
+        for i in self._unused.indices:
             self._params[i].grad = None
 
     def _evaluation(self, closure: Any) -> Any:
@@ -330,26 +329,6 @@ class TrainingLoop:
             raise RuntimeError(f"DistributedOptimizer.step(closure): {type(self._inner).__name__}.step() "
                                "did not call the closure, so it updated with gradients that were not "
                                "averaged: run backward() before step(), or pass no closure")
-
-    def _find_unused(self) -> None:
-        """The parameters this step's update leaves out, as one process on the whole batch leaves
-        out those it gave no gradient: no rank gave one (one small all-reduce every step, so that a
-        model whose graph changes from step to step, an expert no token was routed to, is right at
-        every step); on a step whose update reads each rank's own gradient (``gradients_are_local``:
-        SelSync's local steps, Sync-Switch's ASP) this rank gave none, with no collective."""
-        if self.strategy.gradients_are_local():
-            self._unused = {i for i, got in enumerate(self._got) if not got}
-            return
-        used = self.comm.allreduce(np.array(self._got, np.int32), "max", tag="unused")
-        self._unused = {i for i, u in enumerate(used) if not u}
-        if self._unused and not self._unused_checked and not self.find_unused_parameters:
-            names = {id(p): n for n, p in self.model.named_parameters()}
-            listed = ", ".join(names.get(id(self._params[i]), f"#{i}") for i in sorted(self._unused))
-            warnings.warn(f"DistributedOptimizer: no rank gave a gradient to {listed} in the first step; "
-                          "they are left out of the update as single-process training leaves them "
-                          "(pass find_unused_parameters=True to say that you expect it, or leave them "
-                          "out of the optimizer)", stacklevel=2)
-        self._unused_checked = True
 
     def _close_skipped_step(self) -> None:
         """A step whose update was skipped (GradScaler found inf): the strategy's step ends all the same."""

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .torch_comm import Layout, dtype_name, flat_in_layout, in_layout
+from .torch_unused import UnusedParameters
 
 __all__ = ["ConsolidatedState", "ShardedParamState", "shard_problem"]
 
@@ -164,7 +165,7 @@ class ConsolidatedState:
     _planned_cap: int
     _wrapped: bool
     _state_marks: list[ShardedParamState]
-    _unused: set[int]
+    _unused: UnusedParameters
 
     @property
     def state(self) -> Any:
@@ -371,7 +372,7 @@ class ConsolidatedState:
                     sg[k] = v
         self._adopt_state_edits()
         for piece, idx, *_ in self._pieces:
-            if idx in self._unused:
+            if idx in self._unused.indices:
                 piece.grad = None
         _unhooked(type(self._shard_opt).step)(self._shard_opt)
         for piece, _, _, bi, bslice in self._pieces:

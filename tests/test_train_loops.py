@@ -5,11 +5,13 @@ of each global batch; the reference is plain torch training the same model on
 the concatenated batch with the same loop (clipping: ours, Horovod's, torch's
 under a GradScaler; autocast, GradScaler with an inf injected on the last rank,
 accumulation, a checkpoint resumed without ``flush()``, evaluation mid-training,
-an unused head, a head used at some steps only (by some ranks' samples, or none: left out of
-that step's update), gradual unfreezing, a parameter group added for the unfrozen
-layer, the model converted to float64 and a parameter's ``.data`` assigned right after a
-step, unfreezing in a model trained in eval mode, gradients computed with ``torch.func`` and
-assigned to ``.grad``, an EMA and weight clipping right after each step, no ``flush()``).
+an unused head, a head used at some steps only (by some ranks' samples, or by none:
+left out of that step's update, or updated with zeros after
+``zero_grad(set_to_none=False)``), gradual unfreezing, a parameter group added for
+the unfrozen layer, the model converted to float64 and a parameter's ``.data``
+assigned right after a step, unfreezing in a model trained in eval mode, gradients
+computed with ``torch.func`` and assigned to ``.grad``, an EMA and weight clipping
+right after each step, no ``flush()``).
 Parameters must match the reference and be bitwise equal across ranks.
 """
 
@@ -47,7 +49,7 @@ WEIGHT_CLIP = 0.3  # clamps some parameters after each step (WGAN's critic)
 ROUTED = [lambda i: True, lambda i: False, lambda i: i < LOCAL, lambda i: True]
 PATTERNS = ["clip-horovod", "clip", "clip-torch", "bf16", "fp16-scaler", "no_sync", "checkpoint", "eval",
             "unused-head", "unfreeze", "add-group", "to-double", "eval-mode", "assigned-grads", "ema",
-            "weight-clip", "routed-head"]
+            "weight-clip", "routed-head", "routed-zeros"]
 
 # Mixed precision is compared with a single-process run under the same autocast.  The ranks'
 # weight gradients come from 16-bit matmuls over their own slice, averaged afterwards, where the
@@ -73,7 +75,7 @@ class Net(torch.nn.Module if HAVE_TORCH else object):
 
 def make(seed: int, pattern: str) -> tuple[Net, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = Net(head=pattern in ("unused-head", "routed-head"))
+    model = Net(head=pattern in ("unused-head", "routed-head", "routed-zeros"))
     params = model.fc2.parameters() if pattern == "add-group" else model.parameters()
     return model, torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
 
@@ -134,7 +136,7 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
                 model.fc2.bias.data = torch.full_like(model.fc2.bias, 0.25)
         if pattern == "to-double" and step >= 1:
             x, y = x.double(), y.double()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=pattern != "routed-zeros")     # zeros: an idle head still moves
         loss_fn = torch.nn.functional.mse_loss
         if pattern == "no_sync":
             half = len(x) // 2
@@ -143,7 +145,7 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
             loss = loss_fn(model(x[half:]), y[half:]) / 2
         elif pattern == "assigned-grads":   # computed functionally and assigned: no backward()
             assign_functional_grads(model, loss_fn, x, y)
-        elif pattern == "routed-head":      # the head's loss on the routed samples, per sample of the batch
+        elif pattern.startswith("routed"):  # the head's loss on the routed samples, per sample of the batch
             h = torch.tanh(model.fc1(x))
             loss = loss_fn(model.fc2(h), y)
             if routed.any():                # not run without samples (as MoE layers skip an idle expert)

@@ -1,0 +1,74 @@
+"""Parameters a step's update leaves out, as one process leaves out those whose ``.grad`` is ``None``.
+
+In one process, a parameter that no loss reached since ``zero_grad()`` (an unused
+head, an expert no token was routed to, a branch taken at some steps only) has
+``.grad is None``, and the optimizer skips it: no momentum, no weight decay.  Under
+data parallelism a rank that did not reach it gives zeros, which average right when
+another rank did; :class:`UnusedParameters` finds those no rank reached, which the
+update must leave out.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+import commlib
+
+__all__ = ["UnusedParameters"]
+
+
+class UnusedParameters:
+    """Which trained parameters this step's update leaves out (:attr:`indices`), found after the
+    reduction on every rank: those no rank gave a gradient this step (one small all-reduce
+    every step, so that a graph that changes from step to step is right at every step) and none
+    since ``zero_grad(set_to_none=True)`` (after ``zero_grad(set_to_none=False)`` one process
+    updates them with a zero gradient).  On a step whose update reads each rank's own gradient
+    (SelSync's local steps, Sync-Switch's ASP) this rank's own, with no collective that
+    asynchronous ranks never meet.  ``expected`` (``find_unused_parameters``): no warning when
+    the first step finds some.
+
+    Example:
+        >>> unused = UnusedParameters(comm, expected=False)
+        >>> unused.find(params, got, local=False, model=model)     # after the reduction
+        >>> for i in unused.indices: params[i].grad = None          # out of this update
+    """
+
+    def __init__(self, comm: commlib.Communicator, expected: bool) -> None:
+        self.comm = comm
+        self.expected = expected
+        #: the parameters (indices) this step's update leaves out
+        self.indices: set[int] = set()
+        self._checked = False       # the first step looked (and warned, unless expected)
+        self._had: set[int] = set()     # ids of parameters some rank gave a gradient since zeroed
+
+    def zeroed(self) -> None:
+        """``zero_grad(set_to_none=True)``: one process's ``.grad`` is ``None`` everywhere again."""
+        self._had.clear()
+
+    def replanned(self) -> None:
+        """The parameters' indices changed: nothing left out yet, and the next step looks afresh."""
+        self.indices, self._checked = set(), False
+
+    def find(self, params: Sequence[torch.nn.Parameter], got: Sequence[bool], local: bool,
+             model: torch.nn.Module) -> None:
+        """This step's :attr:`indices`, from ``got`` (whether this rank gave each a gradient): a
+        collective unless ``local``."""
+        used = got if local else self.comm.allreduce(np.array(got, np.int32), "max", tag="unused")
+        had = self._had
+        self.indices = {i for i, u in enumerate(used)
+                        if not u and (id(params[i]) not in had or params[i].grad is None)}
+        had.update(id(params[i]) for i, u in enumerate(used) if u)
+        if local:
+            return
+        if self.indices and not self._checked and not self.expected:
+            names = {id(p): n for n, p in model.named_parameters()}
+            listed = ", ".join(names.get(id(params[i]), f"#{i}") for i in sorted(self.indices))
+            warnings.warn(f"DistributedOptimizer: no rank gave a gradient to {listed} in the first step; "
+                          "they are left out of the update as single-process training leaves them "
+                          "(pass find_unused_parameters=True to say that you expect it, or leave them "
+                          "out of the optimizer)", stacklevel=3)
+        self._checked = True

@@ -377,9 +377,12 @@ def average_gradients(comm: commlib.Communicator | None = None, strategy: Strate
 
 class ShardedState(NamedTuple):
     """State of :func:`sharded_optimizer`: the inner optimizer's state over this
-    rank's shard of each bucket (a list of 1-D arrays, one per bucket)."""
+    rank's shard of each bucket (a list of 1-D arrays, one per bucket), and
+    ``owner``, ``[rank, size]`` of the rank whose shard it is (an int32 array, so
+    that a checkpoint keeps it): each rank must restore its own."""
 
     inner: Any
+    owner: Any
 
 
 def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
@@ -393,7 +396,9 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
     tree: tried on a small problem first, refused with ``ValueError``) to the
     gradient and parameter shards, and all-gathers the updates,
     which come back as a full pytree for ``optax.apply_updates``.  Optimizer
-    state costs 1/world_size (it differs per rank: checkpoint every rank's).
+    state costs 1/world_size (it differs per rank: checkpoint every rank's and
+    restore each its own; a state restored on another rank is refused, on
+    every rank, at the first update).
     ``strategy`` must be sharded (default ``DeAR()``).  Eager only.
 
     Example:
@@ -419,6 +424,25 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
     sync = GradientSync(comm, strategy)
     inner_update = jax.jit(inner.update)
     digest: list[tuple[int, int]] = []
+    handed: list[ShardedState] = []     # the state this rank's update last returned (or init)
+
+    def hand_out(state: ShardedState) -> ShardedState:
+        handed[:] = [state]
+        return state
+
+    def check_owner(state: ShardedState) -> None:
+        """A state this rank did not hand out (restored from a checkpoint): every rank learns
+        whether each holds its own shard's, before any collective of the update."""
+        comm = sync.comm
+        owner = [int(v) for v in np.asarray(state.owner).reshape(-1)]
+        wrong = comm.allgather_object(None if owner == [comm.rank, comm.size] else owner,
+                                      label="sharded_optimizer: the state's owner")
+        bad = [f"rank {r} holds rank {o[0]} of {o[1]}'s" for r, o in enumerate(wrong) if o is not None]
+        if bad:
+            raise ValidationError(f"sharded_optimizer: the optimizer state is per rank (each holds its "
+                                  f"own shard's), but {', '.join(bad)}: save every rank's state and "
+                                  "restore each its own (on as many ranks), or use optax.chain("
+                                  "average_gradients(...), inner), whose state is the same on every rank")
 
     def shard_leaves(plan: Plan, leaves: Sequence[Any]) -> list[Any]:
         rank = sync.comm.rank
@@ -440,7 +464,8 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
         plan, leaves = eager(params, "init")
         sync._checked(plan, sync.comm)
         digest[:] = [plan.digest]
-        return ShardedState(inner.init(shard_leaves(plan, leaves)))
+        owner = np.array([sync.comm.rank, sync.comm.size], np.int32)
+        return hand_out(ShardedState(inner.init(shard_leaves(plan, leaves)), owner))
 
     def update_fn(updates: Any, state: ShardedState, params: Any = None) -> tuple[Any, ShardedState]:
         plan, leaves = eager(updates, "update")
@@ -454,6 +479,8 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
                 raise ValidationError("sharded_optimizer: params and gradients differ in structure, "
                                       "shapes or dtypes")
             shard_params = shard_leaves(plan, pleaves)
+        if not handed or state is not handed[0]:
+            check_owner(state)
         new_state: list[Any] = []
 
         def update(shards: list[np.ndarray]) -> None:
@@ -466,6 +493,6 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
 
         arrays = sync._run(plan, leaves, update)
         return (jax.tree_util.tree_unflatten(plan.treedef, plan.to_jax(arrays)),
-                ShardedState(new_state[0]))
+                hand_out(ShardedState(new_state[0], state.owner)))
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -315,6 +315,40 @@ def test_sharded_optimizer_refuses_what_is_not_elementwise(name):
         sharded_optimizer(ok, strategy=DeAR())
 
 
+def test_sharded_optimizer_state_is_each_ranks_own(comm):
+    """sharded_optimizer's state in a checkpoint: each rank's own, restored, continues as the run that
+    was not stopped; rank 0's restored on every rank (saved on rank 0 alone, as replicated states are)
+    is refused on every rank before the update communicates (it trained on, silently wrong)."""
+    import pickle
+
+    def steps(tx, params, state, todo):
+        mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL)
+        for step in todo:
+            x, y = batch(step, comm.size)
+            updates, state = tx.update(grad_fn(params, x[mine], y[mine]), state, params)
+            params = apply_updates(params, updates)
+        return params, state
+
+    def fresh():
+        return sharded_optimizer(optimizer("adamw"), comm=comm, strategy=DeAR(cap_mb=SMALL))
+
+    start = broadcast_params(init_params(comm.rank), comm=comm)
+    tx = fresh()
+    whole, _ = steps(tx, start, tx.init(start), range(STEPS))
+    tx = fresh()
+    params, state = steps(tx, start, tx.init(start), range(2))
+    saved = pickle.dumps((params, state))
+    params, state = pickle.loads(saved)                      # this rank's own checkpoint
+    resumed, _ = steps(fresh(), params, state, range(2, STEPS))
+    np.testing.assert_array_equal(flat(resumed), flat(whole))
+    if comm.size > 1:
+        params, state = pickle.loads(comm.allgather_object(saved)[0])     # rank 0's, everywhere
+        seq = comm.seq
+        with pytest.raises(ValidationError, match="rank 1 holds rank 0 of"):
+            steps(fresh(), params, state, range(2, 3))
+        assert comm.seq == seq          # refused before any collective of the update
+
+
 def test_arguments_are_checked():
     with pytest.raises(ValueError, match="give cap_mb"):
         GradientSync(strategy=AllReduce(), cap_mb=1)

@@ -353,7 +353,9 @@ def average_gradients(comm: commlib.Communicator | None = None, strategy: Strate
     ``init`` returns ``optax.EmptyState()``; ``update`` averages through a
     :class:`GradientSync` (``strategy`` ``AllReduce`` by default; ``DeAR`` runs
     as a decoupled all-reduce).  Works eagerly and inside ``jax.jit`` (through
-    ``io_callback(ordered=True)``; not under ``vmap``/``pmap``).
+    ``io_callback(ordered=True)``; not under ``vmap``/``pmap``).  A strategy's own
+    state (sparse residuals, a tuned cap) stays in it: checkpoint ``strategy.state_dict()``
+    too, and ``load_state_dict`` it before the first update after a restore.
 
     Example:
         >>> tx = optax.chain(average_gradients(strategy=DeAR()), optax.adamw(1e-3))
@@ -431,8 +433,7 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
         return state
 
     def check_owner(state: ShardedState) -> None:
-        """A state this rank did not hand out (restored from a checkpoint): every rank learns
-        whether each holds its own shard's, before any collective of the update."""
+        """A state this rank did not hand out (restored): is each rank's its own? (all learn it)"""
         comm = sync.comm
         owner = [int(v) for v in np.asarray(state.owner).reshape(-1)]
         wrong = comm.allgather_object(None if owner == [comm.rank, comm.size] else owner,

@@ -349,6 +349,40 @@ def test_sharded_optimizer_state_is_each_ranks_own(comm):
         assert comm.seq == seq          # refused before any collective of the update
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_strategys_own_state_resumes_through_its_state_dict(comm, jit):
+    """average_gradients' optax state is empty; a sparse strategy's residuals and thresholds come back
+    through strategy.state_dict() / load_state_dict() (README's JAX paragraph), and the run resumed
+    so equals the one that was not stopped."""
+    from commlib.sparsify import ExDyna, SparseAllReduce
+
+    def run(params, strategy, todo):
+        tx = optax.chain(average_gradients(comm=comm, strategy=strategy), optax.sgd(0.1))
+
+        def step_fn(params, state, x, y):
+            updates, state = tx.update(jax.grad(loss_fn)(params, x, y), state, params)
+            return optax.apply_updates(params, updates), state
+
+        step_fn = jax.jit(step_fn) if jit else step_fn
+        state = tx.init(params)
+        mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL)
+        for step in todo:
+            x, y = batch(step, comm.size)
+            params, state = step_fn(params, state, x[mine], y[mine])
+        return params
+
+    def sparse():
+        return SparseAllReduce(selector=ExDyna(density=0.05), cap_mb=SMALL)
+
+    start = broadcast_params(init_params(comm.rank), comm=comm)
+    whole = run(start, sparse(), range(STEPS))
+    first = sparse()
+    params = run(start, first, range(2))
+    resumed = sparse()
+    resumed.load_state_dict(first.state_dict())
+    np.testing.assert_array_equal(flat(run(params, resumed, range(2, STEPS))), flat(whole))
+
+
 def test_arguments_are_checked():
     with pytest.raises(ValueError, match="give cap_mb"):
         GradientSync(strategy=AllReduce(), cap_mb=1)

@@ -263,7 +263,8 @@ class TrainingLoop:
             if not self._signaled[b]:
                 self._signal(b)
         self.strategy.before_update()
-        self._unused.find(self._params, self._got, self.strategy.gradients_are_local(), self.model)
+        self._unused.find(self._params, self._got, self.strategy.gradients_are_local(), self.model,
+                          None if self.strategy.sharded else self._grad_views)
         if self.strategy.sharded:
             self._settle_shards()
         self._synced = True
@@ -307,6 +308,8 @@ class TrainingLoop:
         there, as in one process; the views come back after it)."""
         for i in self._unused.indices:
             self._params[i].grad = None
+        for i in self._unused.sent:      # .grad set to None (model.zero_grad), yet the exchange sent some
+            self._params[i].grad = self._grad_views[i]
 
     def _evaluation(self, closure: Any) -> Any:
         """``step(closure)``: the closure as the optimizer calls it.  Each call is a training pass

@@ -42,6 +42,7 @@ class UnusedParameters:
         self.expected = expected
         #: the parameters (indices) this step's update leaves out
         self.indices: set[int] = set()
+        self.sent: set[int] = set()
         self._checked = False       # the first step looked (and warned, unless expected)
         self._had: set[int] = set()     # ids of parameters some rank gave a gradient since zeroed
 
@@ -51,16 +52,21 @@ class UnusedParameters:
 
     def replanned(self) -> None:
         """The parameters' indices changed: nothing left out yet, and the next step looks afresh."""
-        self.indices, self._checked = set(), False
+        self.indices, self.sent, self._checked = set(), set(), False
 
     def find(self, params: Sequence[torch.nn.Parameter], got: Sequence[bool], local: bool,
-             model: torch.nn.Module) -> None:
+             model: torch.nn.Module, grads: Sequence[torch.Tensor] | None) -> None:
         """This step's :attr:`indices`, from ``got`` (whether this rank gave each a gradient): a
-        collective unless ``local``."""
+        collective unless ``local``.  ``grads``: the gradients the update reads, where they are
+        whole (not under a sharded strategy); one that is not zero stays in the update though no
+        rank gave a gradient (a sparse strategy's error feedback sent the parameter's residual)."""
         used = got if local else self.comm.allreduce(np.array(got, np.int32), "max", tag="unused")
         had = self._had
-        self.indices = {i for i, u in enumerate(used)
-                        if not u and (id(params[i]) not in had or params[i].grad is None)}
+        idle = [i for i, u in enumerate(used) if not u]
+        #: parameters no rank gave a gradient whose exchanged gradient is not zero (sparse residuals)
+        self.sent = {i for i in idle if grads is not None and bool(grads[i].any())}
+        self.indices = {i for i in idle
+                        if i not in self.sent and (id(params[i]) not in had or params[i].grad is None)}
         had.update(id(params[i]) for i, u in enumerate(used) if u)
         if local:
             return

@@ -412,6 +412,44 @@ def test_drops_into_the_torch_binding(comm):
     assert state["name"] == "sparse" and len(state["buckets"]) == 1
 
 
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize("zero_grad", ["opt", "model"])
+def test_an_idle_parameters_sent_residual_is_applied(comm, zero_grad):
+    """A head no rank uses in a step, after steps that left it a residual: what the exchange sends of
+    that residual is applied (SGD at lr 1: the head moves by the mean over ranks of what left their
+    residuals), whether ``.grad`` was zeroed or set to None; it was left out of the update as unused,
+    with its residual spent."""
+    torch = pytest.importorskip("torch")
+    binding = pytest.importorskip("commlib.bindings.torch")
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"body": torch.nn.Linear(6, 8), "head": torch.nn.Linear(8, 3)})
+    strategy = SparseAllReduce(selector=TopK(0.5), cap_mb=1e-6)          # a bucket per tensor
+    opt = binding.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model,
+                                       strategy=strategy, comm=comm, find_unused_parameters=True)
+    head = {2, 3}     # trained parameters in optimizer order: body.weight, body.bias, head.weight, head.bias
+
+    def residual_of_head() -> np.ndarray:
+        parts = sorted((sl.index, strategy.feedback[b.index].residual[sl.offset:sl.offset + sl.numel])
+                       for b in opt.buckets for sl in b.slots if sl.index in head)
+        return comm.allreduce(np.concatenate([r for _, r in parts]).astype(np.float64)) / comm.size
+
+    g = torch.Generator().manual_seed(comm.rank)
+    for step in range(3):
+        if step == 2:
+            r0 = residual_of_head()
+            p0 = torch.cat([p.detach().reshape(-1) for p in model["head"].parameters()])
+        (opt if zero_grad == "opt" else model).zero_grad()
+        h = torch.tanh(model["body"](torch.randn(4, 6, generator=g)))
+        loss = h.pow(2).mean() + (model["head"](h).pow(2).mean() if step < 2 else 0.0)
+        loss.backward()
+        opt.step()
+    moved = (torch.cat([p.detach().reshape(-1) for p in model["head"].parameters()]) - p0).numpy()
+    spent = residual_of_head() - r0
+    assert np.abs(spent).max() > 0                  # the exchange sent some of the head's residual
+    np.testing.assert_allclose(moved, spent, rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------------- GPU (cupy)
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)

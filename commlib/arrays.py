@@ -243,12 +243,14 @@ def is_tracer(x: Any) -> bool:
     return False
 
 
-def as_view(x: Any, name: str) -> View:
+def as_view(x: Any, name: str, read_only: bool = False) -> View:
     """Alias ``x`` as a :class:`View` without copying, or raise :class:`ValidationError`.
 
     Accepts numpy and cupy arrays, torch tensors (CPU or CUDA, ``requires_grad``
     is ignored: the data is used), jax arrays (read-only: never an output) and
-    any object with ``__dlpack__``.
+    any object with ``__dlpack__``.  ``read_only``: the operation only reads
+    ``x`` (not in place), so a non-contiguous one (a transpose, a column slice)
+    is read through a contiguous copy instead of refused.
     """
     if type(x) is np.ndarray:  # fast path: the common case costs a few attribute reads
         dt = _NP_NAMES.get(x.dtype)
@@ -263,17 +265,23 @@ def as_view(x: Any, name: str) -> View:
     if kind == "numpy":
         arr = x
         if not arr.flags.c_contiguous:
-            raise _contiguity_error(name, kind)
+            if not read_only:
+                raise _contiguity_error(name, kind)
+            arr = np.ascontiguousarray(arr)
         writable = bool(arr.flags.writeable)
     elif kind == "cupy":
         arr = x
         if not arr.flags.c_contiguous:
-            raise _contiguity_error(name, kind)
+            if not read_only:
+                raise _contiguity_error(name, kind)
+            arr = sys.modules["cupy"].ascontiguousarray(arr)
         device, device_id = "cuda", int(arr.device.id)
     elif kind == "torch":
         t = x.detach()
         if not t.is_contiguous():
-            raise _contiguity_error(name, kind)
+            if not read_only:
+                raise _contiguity_error(name, kind)
+            t = t.contiguous()
         is_bf16 = str(t.dtype) == "torch.bfloat16"
         if is_bf16:
             t = t.view(sys.modules["torch"].int16)

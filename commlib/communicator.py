@@ -200,7 +200,7 @@ class Communicator:
 
     # ------------------------------------------------------------- operations
     def _allreduce(self, x: Any, op: str, out: Any, tag: str | None) -> Op:
-        v = as_view(x, "allreduce: x")
+        v = as_view(x, "allreduce: x", read_only=out is not x)
         check_reduce_op(op, v, "allreduce")
         recv, value = out_buffer(v, out, v.count, "allreduce")
         be, ctx = self._route(v, "allreduce")
@@ -232,7 +232,7 @@ class Communicator:
         return self._call("allreduce", self._allreduce, (x, op, out, tag), False)
 
     def _reduce_scatter(self, x: Any, op: str, out: Any, tag: str | None) -> Op:
-        v = as_view(x, "reduce_scatter: x")
+        v = as_view(x, "reduce_scatter: x", read_only=out is not x)
         check_reduce_op(op, v, "reduce_scatter")
         counts = self._split.get(v.count)
         if counts is None:
@@ -274,7 +274,7 @@ class Communicator:
         return self._call("reduce_scatter", self._reduce_scatter, (x, op, out, tag), False)
 
     def _allgather(self, x: Any, out: Any, tag: str | None) -> Op:
-        v = as_view(x, "allgather: x")
+        v = as_view(x, "allgather: x", read_only=True)
         recv, value = out_buffer(v, out, v.count * self.size, "allgather")
         be, ctx = self._route(v, "allgather")
         return Op("allgather", be.allgather, (v.data, recv, v.dtype, ctx),
@@ -307,7 +307,7 @@ class Communicator:
     def _allgatherv(self, x: Any, counts: Sequence[int] | None, out: Any,
                     tag: str | None) -> Op:
         try:
-            v = as_view(x, "allgatherv: x")
+            v = as_view(x, "allgatherv: x", read_only=True)
         except ValidationError as exc:
             if counts is None:
                 if self.config.check:

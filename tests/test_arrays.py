@@ -41,8 +41,11 @@ def test_dtype_names_across_frameworks():
 
 
 def test_rejects_what_it_cannot_alias():
+    column = np.arange(9.0).reshape(3, 3)[:, 1]
     with pytest.raises(commlib.ValidationError, match="not contiguous"):
-        as_view(np.ones((3, 3))[:, 1], "x")
+        as_view(column, "x")
+    copied = as_view(column, "x", read_only=True)        # an input only read: a contiguous copy
+    assert copied.shape == (3,) and list(copied.data) == [1.0, 4.0, 7.0]
     with pytest.raises(commlib.ValidationError, match="uint8 is not supported"):
         as_view(np.ones(3, np.uint8), "x")
     ro = np.ones(3)

@@ -165,7 +165,8 @@ def test_host_path_edges_match_the_reference(comm):
     """Blocking calls on plain numpy arrays skip the Op layer (``Runner.call_host``): views,
     0-d arrays, an ``out`` that aliases ``x`` without being ``x``, read-only inputs; input it
     passes on (a wrong-sized ``out``, ``avg`` on integers) still gets the general path's error.
-    Non-contiguous and bfloat16 inputs are covered by test_comm_errors and the dtype sweeps."""
+    Non-contiguous inputs: test_non_contiguous_inputs_are_read_through_a_copy; bfloat16: the dtype
+    sweeps."""
     n = 12
     expected = reference("sum", all_inputs(comm.size, n, "float32"))
     x = rank_input(comm.rank, n, "float32")
@@ -194,6 +195,33 @@ def test_host_path_edges_match_the_reference(comm):
         with pytest.raises(commlib.ValidationError, match=match):
             bad(spare)
         spare.close()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
+def test_non_contiguous_inputs_are_read_through_a_copy(comm, mode):
+    """An input the operation only reads may be non-contiguous (a transpose, a column slice, a
+    stride): it is read through a contiguous copy, as numpy reads one (it was refused, and the
+    refusal aborted the communicator); the result has the input's shape.  In place it is still
+    refused (tests/test_comm_errors.py)."""
+    n = comm.size
+
+    def call(name, *args, **kw):
+        return getattr(comm, name)(*args, **kw) if mode == "blocking" else getattr(comm, "i" + name)(
+            *args, **kw).wait()
+
+    stacked = np.stack([rank_input(r, 24, "float64").reshape(4, 6) for r in range(n)])
+    mine = stacked[comm.rank]
+    got = call("allreduce", mine.T)
+    assert got.shape == (6, 4)
+    assert_close(got, stacked.sum(0).T, "float64")
+    assert_close(call("allreduce", mine[:, 1], op="max"), stacked[:, :, 1].max(0), "float64")
+    whole = stacked[:, ::2, 1:].reshape(n, -1)          # a strided block, flattened as reduce_scatter does
+    chunks = np.array_split(whole.sum(0), n)
+    assert_close(call("reduce_scatter", mine[::2, 1:]), chunks[comm.rank], "float64")
+    assert_close(call("allgather", mine[:, 2]), stacked[:, :, 2], "float64")
+    assert_close(call("allgatherv", mine[: comm.rank + 1, 0]),
+                 np.concatenate([stacked[r, : r + 1, 0] for r in range(n)]), "float64")
 
 
 @pytest.mark.mpi(min_size=1)

@@ -30,8 +30,9 @@ def test_local_validation_messages():
     comm = fresh(check=True, timeout=30)  # check mode: all ranks agree, comm stays usable
     with pytest.raises(commlib.ValidationError, match="not supported"):
         comm.allreduce(np.ones(3, np.complex64))
+    column = np.ones((4, 4), np.float32)[:, 0]
     with pytest.raises(commlib.ValidationError, match="not contiguous"):
-        comm.allreduce(np.ones((4, 4), np.float32)[:, 0])
+        comm.allreduce(column, out=column)     # in place: read through a copy, it could not be written
     with pytest.raises(commlib.ValidationError, match="op 'prod'"):
         comm.allreduce(np.ones(3), op="prod")
     with pytest.raises(commlib.ValidationError, match="floating dtype"):

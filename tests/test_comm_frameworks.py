@@ -50,8 +50,11 @@ def test_torch_parameter_with_grad_and_noncontiguous(comm):
     p = torch.nn.Parameter(torch.ones(4, 3))
     got = comm.allreduce(p, op="avg")
     assert torch.equal(got, torch.ones(4, 3))
+    t = torch.arange(12.0).reshape(4, 3).t()
+    got = comm.allreduce(t)                          # read through a contiguous copy
+    assert torch.equal(got, t * comm.size) and got.shape == (3, 4)
     with pytest.raises(commlib.ValidationError, match=r"x.contiguous\(\)"):
-        commlib.init(comm=__import__("mpi4py.MPI").MPI.COMM_SELF).allreduce(torch.ones(4, 3).t())
+        commlib.init(comm=__import__("mpi4py.MPI").MPI.COMM_SELF).allreduce(t, out=t)   # in place
 
 
 @jax_only

@@ -135,6 +135,17 @@ def rank_input(rank: int, n: int, dtype: str, salt: int = 0) -> np.ndarray:
     return (ints * 0.5).astype(dt)
 
 
+def heavy_tailed_grad(rank: int, step: int, numel: int, dtype=np.float32, salt: int = 0) -> np.ndarray:
+    """A heavy-tailed gradient, different per rank and step, whose scale drifts (the sparse tests' data).
+
+    Example:
+        >>> g = heavy_tailed_grad(comm.rank, step, 5000)
+    """
+    rng = np.random.default_rng([rank, step, numel, salt])
+    scale = np.repeat(np.geomspace(0.1, 3.0, 8), numel // 8 + 1)[:numel]
+    return (rng.standard_t(3, numel) * scale * (1 + 0.5 * np.sin(step / 4))).astype(dtype)
+
+
 def all_inputs(size: int, n: int, dtype: str, salt: int = 0) -> np.ndarray:
     """Every rank's input in float64, shape (size, n): the reference's raw material."""
     return np.stack([rank_input(r, n, dtype, salt).astype(np.float64) for r in range(size)])

@@ -1,18 +1,28 @@
 """bindings.torch: DistributedOptimizer with AllReduce and DeAR against single-process training.
 
 Every rank trains on its slice of a global batch; the reference is one
-process training the same model on the whole batch (the mean loss over the
-concatenated batch has the average of the ranks' gradients as its gradient).
+process training the same model on the whole batch (the model, data and reference:
+torch_reference.py).  The wrapped optimizer's state and hooks: test_optimizer_state.py.
 """
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH, assert_same_on_every_rank, rank_part
+from conftest import HAVE_TORCH
+from torch_reference import (
+    LOCAL,
+    STEPS,
+    STRATEGIES,
+    assert_close,
+    batch,
+    distributed,
+    loss_fn,
+    make_model,
+    reference,
+    same_on_all_ranks,
+)
 
 pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 
@@ -20,114 +30,7 @@ if HAVE_TORCH:
     import torch
 
     from commlib.bindings.torch import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
-    from commlib.collectives import AllReduce, DeAR, SelSync
-
-    torch.set_num_threads(1)
-
-LOCAL = 3          # samples per rank per step
-STEPS = 5
-
-
-class Net(torch.nn.Module if HAVE_TORCH else object):
-    """Two layers, an embedding-like bias, a parameter that never gets a gradient, a frozen one."""
-
-    def __init__(self, hidden: int = 16):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(8, hidden)
-        self.fc2 = torch.nn.Linear(hidden, 4)
-        self.scale = torch.nn.Parameter(torch.ones(4))
-        self.unused = torch.nn.Parameter(torch.randn(5))
-        self.frozen = torch.nn.Parameter(torch.randn(3), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(x))) * self.scale + self.frozen.sum()
-
-
-def make_model(seed: int, hidden: int = 16) -> Net:
-    torch.manual_seed(seed)
-    return Net(hidden)
-
-
-def make_optimizer(kind: str, model: Net) -> torch.optim.Optimizer:
-    groups = [
-        {"params": [model.fc1.weight, model.fc1.bias, model.unused]},
-        {"params": [model.fc2.weight, model.fc2.bias, model.scale, model.frozen], "lr": 0.05},
-    ]
-    if kind == "sgd":
-        groups[0]["weight_decay"] = 0.01
-        return torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True)
-    groups[1]["weight_decay"] = 0.0
-    return torch.optim.AdamW(groups, lr=0.01, weight_decay=0.05)
-
-
-def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(LOCAL * size, 8, generator=g), torch.randn(LOCAL * size, 4, generator=g)
-
-
-def loss_fn(model: Net, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(model(x), y)
-
-
-def reference(kind: str, size: int, steps: int) -> tuple[Net, torch.optim.Optimizer]:
-    model = make_model(0)
-    opt = make_optimizer(kind, model)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    for step in range(steps):
-        x, y = batch(step, size)
-        opt.zero_grad()
-        loss_fn(model, x, y).backward()
-        opt.step()
-        sched.step()
-    return model, opt
-
-
-def distributed(comm, kind: str, strategy, steps: int, extra_forward: bool = True, passes: int = 1,
-                set_passes: bool = False):
-    model = make_model(comm.rank)          # rank 0 has the reference's initial parameters
-    opt = DistributedOptimizer(make_optimizer(kind, model), model, strategy=strategy, comm=comm,
-                               find_unused_parameters=True,
-                               backward_passes_per_step=1 if set_passes else passes)
-    if set_passes:
-        opt.set_backward_passes_per_step(passes)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    for step in range(steps):
-        x, y = batch(step, comm.size)
-        mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL)
-        opt.zero_grad()
-        if passes == 1:
-            loss_fn(model, x[mine], y[mine]).backward()
-        else:
-            for part in np.array_split(np.arange(mine.start, mine.stop), passes):
-                (loss_fn(model, x[part], y[part]) * (len(part) / LOCAL)).backward()   # passes add up
-        opt.step()
-        sched.step()
-        if extra_forward:   # evaluation forwards must not apply the update again
-            with torch.no_grad():
-                model(x)
-            model(x)
-    opt.sched = sched
-    return model, opt
-
-
-def same_on_all_ranks(comm, model: Net) -> None:
-    assert_same_on_every_rank(comm, torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
-
-
-def assert_close(model: Net, ref: Net) -> None:
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=2e-5, atol=2e-6,
-                                   err_msg=name)
-
-
-STRATEGIES = {"allreduce": lambda: AllReduce(cap_mb=0.0003, first_cap_mb=0.0001),
-              "dear": lambda: DeAR(cap_mb=0.0003, first_cap_mb=0.0001),
-              "dear-1bucket": lambda: DeAR(cap_mb=64),
-              # the SelSync gate at delta 0 is BSP: driven by the same binding, same result
-              "selsync0-grads": lambda: SelSync(inner=AllReduce(cap_mb=0.0003), delta=0.0, mode="grads"),
-              "selsync0-params-dear": lambda: SelSync(inner=DeAR(cap_mb=0.0003), delta=0.0, mode="params"),
-              } if HAVE_TORCH else {}
-
+    from commlib.collectives import AllReduce, DeAR
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
@@ -144,32 +47,6 @@ def test_matches_single_process(comm, kind, name):
         assert_close(model, ref)
     # the parameter without a gradient is untouched, as in single-process training
     np.testing.assert_array_equal(model.unused.detach().numpy(), make_model(0).unused.detach().numpy())
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("sync_state", [True, False])
-def test_selsync_sync_optimizer_state_averages_momentum(comm, sync_state):
-    """SelSync in parameter mode asks the binding (``syncs_optimizer_state()``) to average the
-    optimizer's state on synced steps: every rank then holds the single-process momentum.
-    Without it, parameters still match (SGD is linear) but each rank keeps its own momentum."""
-    strategy = SelSync(inner=AllReduce(cap_mb=0.0003), delta=0.0, mode="params",
-                       sync_optimizer_state=sync_state)
-    model, opt = distributed(comm, "sgd", strategy, STEPS)
-    with opt.flush():
-        ref, ref_opt = reference("sgd", comm.size, STEPS)
-        assert_close(model, ref)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        if name in ("unused", "frozen"):
-            assert "momentum_buffer" not in opt.state.get(p, {}), name
-            continue
-        mine = opt.state[p]["momentum_buffer"].numpy()
-        table = comm.allgather(mine)
-        if sync_state:
-            np.testing.assert_allclose(mine, ref_opt.state[q]["momentum_buffer"].numpy(),
-                                       rtol=2e-5, atol=2e-6, err_msg=name)
-            assert all(np.array_equal(t, table[0]) for t in table), name
-        elif comm.size > 1:
-            assert not all(np.array_equal(t, table[0]) for t in table), name
 
 
 @pytest.mark.mpi
@@ -190,174 +67,6 @@ def test_tuned_cap_replans_mid_training_and_still_matches(comm, kind):
         same_on_all_ranks(comm, model)
     sd = opt.state_dict()["commlib"]["strategy"]["tuner"]
     assert sd["history"] == tuner.history and sd["done"]
-
-
-def resume(comm, on, name: str, model: Net, opt, cut: int, steps: int) -> tuple[Net, DistributedOptimizer]:
-    """Checkpoint ``model``/``opt`` (trained ``cut`` steps on ``comm``) without ``flush()``, rebuild
-    everything fresh on ``on`` and train to ``steps``, each of its ranks taking an equal slice of the
-    same global batch."""
-    msd, osd, ssd = copy.deepcopy(model.state_dict()), opt.state_dict(), opt.sched.state_dict()
-    model2 = make_model(comm.rank + 7)
-    opt2 = DistributedOptimizer(make_optimizer("sgd", model2), model2, strategy=STRATEGIES[name](), comm=on,
-                                find_unused_parameters=True)
-    model2.load_state_dict(msd)
-    opt2.load_state_dict(osd)
-    sched = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
-    sched.load_state_dict(ssd)
-    assert opt2.strategy.steps == cut
-    per = LOCAL * comm.size // on.size
-    for step in range(cut, steps):
-        x, y = batch(step, comm.size)
-        mine = slice(on.rank * per, (on.rank + 1) * per)
-        opt2.zero_grad()
-        loss_fn(model2, x[mine], y[mine]).backward()
-        opt2.step()
-        sched.step()
-    return model2, opt2
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("name", ["allreduce", "dear"])
-def test_checkpoint_resumes_on_fewer_ranks(comm, name):
-    """A checkpoint taken on every rank resumes on half of them (a smaller allocation), each taking
-    a bigger slice of the same global batch: training goes on as one process's."""
-    steps, cut = 5, 2
-    ref, _ = reference("sgd", comm.size, steps)
-    model, opt = distributed(comm, "sgd", STRATEGIES[name](), cut, extra_forward=False)
-    half = comm.split(comm.rank % 2)          # two jobs of size // 2 (or 1) ranks, each resuming
-    try:
-        model2, _ = resume(comm, half, name, model, opt, cut, steps)
-        for (k, v), w in zip(model2.state_dict().items(), ref.state_dict().values()):
-            np.testing.assert_allclose(v.numpy(), w.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
-    finally:
-        half.close()
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("name", ["allreduce", "dear"])
-def test_consolidated_state_equals_reference_state(comm, name):
-    model, opt = distributed(comm, "adamw", STRATEGIES[name](), 3)
-    sd = opt.state_dict()
-    _, ref_opt = reference("adamw", comm.size, 3)
-    ref_sd = ref_opt.state_dict()
-    assert sd["param_groups"] == ref_sd["param_groups"]
-    assert sorted(sd["state"]) == sorted(ref_sd["state"])
-    for i, st in ref_sd["state"].items():
-        for k, v in st.items():
-            np.testing.assert_allclose(np.asarray(sd["state"][i][k]), np.asarray(v), rtol=2e-5, atol=1e-7,
-                                       err_msg=f"param {i} {k}")
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("name", ["allreduce", "dear"])
-def test_state_round_trip_mid_training(comm, name):
-    steps, cut = 6, 3
-    full, full_opt = distributed(comm, "sgd", STRATEGIES[name](), steps, extra_forward=False)
-    full_opt.flush()
-    full_opt_params = [p.detach().clone() for p in full.parameters()]
-    # train `cut` steps, checkpoint, rebuild everything fresh, continue
-    model, opt = distributed(comm, "sgd", STRATEGIES[name](), cut, extra_forward=False)
-    opt.flush()
-    model2, opt2 = resume(comm, comm, name, model, opt, cut, steps)
-    opt2.flush()
-    for p, q in zip(model2.parameters(), full_opt_params):
-        np.testing.assert_allclose(p.detach().numpy(), q.numpy(), rtol=1e-6, atol=1e-7)
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("edit", ["assign", "clear", "del", "whole"])
-@pytest.mark.parametrize("name", ["allreduce", "dear"])
-def test_optimizer_state_edits_act_as_in_one_process(comm, name, edit):
-    """What code does to ``opt.state`` between steps, as to one process's optimizer, acts on the
-    update as there (DeAR's state in pieces too): a new ``defaultdict`` (Adam's reset; it was
-    ignored), ``clear()``, ``del opt.state[p]``, or whole tensors assigned to one parameter."""
-    import collections
-
-    def run(distributed: bool) -> Net:
-        model = make_model(comm.rank if distributed else 0)
-        opt = make_optimizer("adamw", model)
-        if distributed:
-            opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[name](), comm=comm,
-                                       find_unused_parameters=True)
-        for step in range(4):
-            x, y = batch(step, comm.size)
-            if distributed:
-                x, y = rank_part(comm, LOCAL, x, y)
-            if step == 2:
-                w = model.fc2.weight
-                if edit == "assign":
-                    opt.state = collections.defaultdict(dict)
-                elif edit == "clear":
-                    opt.state.clear()
-                elif edit == "del":
-                    del opt.state[model.fc1.weight]
-                else:
-                    opt.state[w] = {"step": torch.tensor(7.0), "exp_avg": torch.full_like(w, 0.01),
-                                    "exp_avg_sq": torch.full_like(w, 1e-4)}
-            opt.zero_grad()
-            loss_fn(model, x, y).backward()
-            opt.step()
-        if distributed and name == "dear":
-            with pytest.raises(KeyError, match="ZeRO-1"):
-                opt.state[model.fc1.weight]["exp_avg"]
-        return model
-
-    model, ref = run(True), run(False)
-    same_on_all_ranks(comm, model)
-    assert_close(model, ref)
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("name", ["allreduce", "dear"])
-def test_hooks_and_a_scheduler_of_the_wrapped_optimizer_run_as_in_one_process(comm, name):
-    """Step hooks registered on the optimizer before wrapping run once a step, the post-hook on this
-    step's parameters (an EMA kept in one; under DeAR they never ran), torch's global optimizer hooks
-    once a step (they ran twice), and an LR scheduler made over the optimizer before wrapping steps
-    without warning that the optimizer did not step (it did, under DeAR)."""
-    import warnings
-
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    def run(distributed: bool) -> tuple[list[torch.Tensor], list[str], list[str]]:
-        model = make_model(comm.rank if distributed else 0)
-        opt = make_optimizer("adamw", model)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-        ema: list[torch.Tensor] = []
-        calls: list[str] = []
-
-        def keep_ema(*_):
-            calls.append("post")
-            with torch.no_grad():
-                for e, p in zip(ema, model.parameters()):
-                    e.lerp_(p, 0.5)
-
-        opt.register_step_pre_hook(lambda *_: calls.append("pre"))
-        opt.register_step_post_hook(keep_ema)
-        if distributed:
-            opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[name](), comm=comm,
-                                       find_unused_parameters=True)
-        ema += [p.detach().clone() for p in model.parameters()]      # rank 0's start, once wrapped
-        counted = register_optimizer_step_post_hook(lambda *_: calls.append("global"))
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                for step in range(3):
-                    x, y = batch(step, comm.size)
-                    if distributed:
-                        x, y = rank_part(comm, LOCAL, x, y)
-                    opt.zero_grad()
-                    loss_fn(model, x, y).backward()
-                    opt.step()
-                    sched.step()
-        finally:
-            counted.remove()
-        return ema, calls, [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
-
-    (ema, calls, warned), (ref_ema, ref_calls, _) = run(True), run(False)
-    assert calls == ref_calls == ["pre", "post", "global"] * 3
-    assert warned == []
-    for e, r in zip(ema, ref_ema):
-        np.testing.assert_allclose(e.numpy(), r.numpy(), rtol=2e-5, atol=2e-6)
 
 
 @pytest.mark.mpi

@@ -1,0 +1,225 @@
+"""The sparse strategy, SparseAllReduce, as a binding drives it and through the torch binding.
+
+Selectors and error feedback alone: test_sparsify.py.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+import commlib
+from commlib.collectives import TensorSpec, plan_buckets
+from commlib.sparsify import ExDyna, SparseAllReduce, TopK
+
+from conftest import HAVE_GPU, HAVE_TORCH, NO_GPU_REASON, heavy_tailed_grad
+
+
+def host64(x) -> np.ndarray:
+    """A float64 host copy of a numpy, cupy or torch array."""
+    if type(x).__module__.startswith("cupy"):
+        x = x.get()
+    elif type(x).__module__.startswith("torch"):
+        x = x.float().numpy()
+    return np.array(x, dtype=np.float64, copy=True)
+
+
+def _strategy_run(comm, strategy, grads_like, steps, start=0, make=np.asarray):
+    """Drive a strategy as a binding does; returns each step's averaged gradient (host copies)."""
+    n = int(grads_like.shape[0])
+    buckets = plan_buckets([TensorSpec(0, n, str(grads_like.dtype).replace("torch.", ""), 4)],
+                           comm.size, strategy.cap_bytes, strategy.first_cap_bytes)
+    if strategy.comm is None:
+        strategy.setup(comm, buckets, [grads_like], [grads_like], broadcast=False)
+    out = []
+    for t in range(start, start + steps):
+        grads_like[...] = make(heavy_tailed_grad(comm.rank, t, n))
+        strategy.bucket_ready(0)
+        strategy.before_update()
+        out.append(host64(grads_like))
+        strategy.after_update()
+    return out
+
+
+@pytest.mark.mpi(min_size=1)
+def test_strategy_writes_the_sparse_average_back(comm):
+    n = 30_000
+    buf = np.zeros(n, np.float32)
+    s = SparseAllReduce(selector=ExDyna(0.01), history=True)
+    got = _strategy_run(comm, s, buf, 3)
+    assert len(s.buckets) == 1 and s.steps == 3
+    st_ = s.last_stats[0]
+    assert np.count_nonzero(got[-1]) <= st_.union == st_.k
+    allg = comm.allgatherv(got[-1]).reshape(comm.size, n)
+    assert np.all(allg == allg[0])                          # every rank applies the same update
+    assert len(s.history[0]) == 3
+    assert s.stats["bytes"] == pytest.approx(sum(h.bytes for h in s.history[0]))
+    assert (s.stats["bytes"] > 0) == (comm.size > 1)
+    assert "ExDyna(density=0.01" in repr(s)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("before_setup", [False, True])
+def test_strategy_state_round_trips(comm, before_setup):
+    n = 25_000
+    s = SparseAllReduce(selector=ExDyna(0.02))
+    _strategy_run(comm, s, np.zeros(n, np.float32), 4)
+    saved = pickle.loads(pickle.dumps(s.state_dict()))
+    assert saved["buckets"][0]["selector"]["threshold"]["threshold"] == s.selectors[0].threshold
+    first = _strategy_run(comm, s, s.grads[0], 4, start=4)
+    fresh = SparseAllReduce(selector=ExDyna(0.02))
+    buf = np.zeros(n, np.float32)
+    if before_setup:
+        fresh.load_state_dict(saved)
+    else:
+        _strategy_run(comm, fresh, buf, 0)
+        fresh.load_state_dict(saved)
+    again = _strategy_run(comm, fresh, buf, 4, start=4)
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+    assert fresh.steps == s.steps == 8
+
+
+@pytest.mark.mpi(min_size=1)
+def test_strategy_state_from_another_rank_drops_the_residual(comm):
+    n = 5000
+    s = SparseAllReduce(selector=ExDyna(0.02))
+    _strategy_run(comm, s, np.zeros(n, np.float32), 2)
+    state = s.state_dict()
+    state["rank"] = (comm.rank + 1) % (comm.size + 1)
+    fresh = SparseAllReduce(selector=ExDyna(0.02))
+    _strategy_run(comm, fresh, np.zeros(n, np.float32), 0)
+    with pytest.warns(UserWarning, match="residuals start from zero"):
+        fresh.load_state_dict(state)
+    assert not fresh.feedback[0].residual.any()
+    assert fresh.selectors[0].threshold == s.selectors[0].threshold
+
+
+@pytest.mark.mpi(min_size=1)
+def test_strategy_state_from_another_world_keeps_step_and_threshold(comm):
+    """Saved at another world size: the step and the threshold carry over, partition
+    boundaries start afresh (they belong to the ranks), residuals start from zero."""
+    n = 5000
+    s = SparseAllReduce(selector=ExDyna(0.02))
+    _strategy_run(comm, s, np.zeros(n, np.float32), 3)
+    state = s.state_dict()
+    saved = state["buckets"][0]["selector"]
+    state["world_size"] = comm.size + 1
+    saved["partitions"] = {"bad": "boundaries of another world, never read"}
+    fresh = SparseAllReduce(selector=ExDyna(0.02))
+    _strategy_run(comm, fresh, np.zeros(n, np.float32), 0)
+    start = fresh.selectors[0].partitions.state_dict()
+    with pytest.warns(UserWarning, match="partition boundaries from the start"):
+        fresh.load_state_dict(state)
+    sel = fresh.selectors[0]
+    assert sel.step == saved["step"] == 3
+    assert sel.threshold == s.selectors[0].threshold is not None
+    assert sel.policy.state_dict() == saved["threshold"]
+    assert sel.partitions.state_dict() == start
+    assert not fresh.feedback[0].residual.any()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_strategy_rejects_integer_gradients(comm):
+    s = SparseAllReduce()
+    buf = np.zeros(10, np.int32)
+    b = plan_buckets([TensorSpec(0, 10, "int32", 4)], comm.size)
+    with pytest.raises(commlib.ValidationError, match="floating"):
+        s.setup(comm, b, [buf], [buf], broadcast=False)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_strategy_on_torch_tensors(comm, dtype):
+    import torch
+
+    n = 8192
+    t = torch.zeros(n, dtype=getattr(torch, dtype))
+    s = SparseAllReduce(selector=ExDyna(0.05))
+    got = _strategy_run(comm, s, t, 3, make=lambda a: torch.from_numpy(a).to(t.dtype))
+    assert s.feedback[0].residual.dtype == np.float32
+    assert 0 < np.count_nonzero(got[-1]) <= s.last_stats[0].union
+    allg = comm.allgatherv(got[-1]).reshape(comm.size, n)
+    assert np.all(allg == allg[0])
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+def test_drops_into_the_torch_binding(comm):
+    torch = pytest.importorskip("torch")
+    binding = pytest.importorskip("commlib.bindings.torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    strategy = SparseAllReduce(selector=ExDyna(0.05))
+    opt = binding.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, strategy=strategy,
+                                       comm=comm)
+    g = torch.Generator().manual_seed(comm.rank)
+    for _ in range(4):
+        x, y = torch.randn(16, 20, generator=g), torch.randint(0, 4, (16,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().astype(np.float64)
+    allp = comm.allgatherv(flat).reshape(comm.size, -1)
+    assert np.all(allp == allp[0])                          # replicas stay identical
+    assert strategy.steps == 4 and strategy.last_stats[0].union == strategy.last_stats[0].k
+    state = opt.state_dict()["commlib"]["strategy"]
+    assert state["name"] == "sparse" and len(state["buckets"]) == 1
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize("zero_grad", ["opt", "model"])
+def test_an_idle_parameters_sent_residual_is_applied(comm, zero_grad):
+    """A head no rank uses in a step, after steps that left it a residual: what the exchange sends of
+    that residual is applied (SGD at lr 1: the head moves by the mean over ranks of what left their
+    residuals), whether ``.grad`` was zeroed or set to None; it was left out of the update as unused,
+    with its residual spent."""
+    torch = pytest.importorskip("torch")
+    binding = pytest.importorskip("commlib.bindings.torch")
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"body": torch.nn.Linear(6, 8), "head": torch.nn.Linear(8, 3)})
+    strategy = SparseAllReduce(selector=TopK(0.5), cap_mb=1e-6)          # a bucket per tensor
+    opt = binding.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model,
+                                       strategy=strategy, comm=comm, find_unused_parameters=True)
+    head = {2, 3}     # trained parameters in optimizer order: body.weight, body.bias, head.weight, head.bias
+
+    def residual_of_head() -> np.ndarray:
+        parts = sorted((sl.index, strategy.feedback[b.index].residual[sl.offset:sl.offset + sl.numel])
+                       for b in opt.buckets for sl in b.slots if sl.index in head)
+        return comm.allreduce(np.concatenate([r for _, r in parts]).astype(np.float64)) / comm.size
+
+    g = torch.Generator().manual_seed(comm.rank)
+    for step in range(3):
+        if step == 2:
+            r0 = residual_of_head()
+            p0 = torch.cat([p.detach().reshape(-1) for p in model["head"].parameters()])
+        (opt if zero_grad == "opt" else model).zero_grad()
+        h = torch.tanh(model["body"](torch.randn(4, 6, generator=g)))
+        loss = h.pow(2).mean() + (model["head"](h).pow(2).mean() if step < 2 else 0.0)
+        loss.backward()
+        opt.step()
+    moved = (torch.cat([p.detach().reshape(-1) for p in model["head"].parameters()]) - p0).numpy()
+    spent = residual_of_head() - r0
+    assert np.abs(spent).max() > 0                  # the exchange sent some of the head's residual
+    np.testing.assert_allclose(moved, spent, rtol=1e-5, atol=1e-6)
+
+
+
+# ---------------------------------------------------------------------- GPU (cupy)
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)
+def test_strategy_on_cupy_gradients():
+    import cupy
+    from mpi4py import MPI
+
+    c = commlib.init(comm=MPI.COMM_WORLD, backend="mpi", cuda_aware=False)
+    buf = cupy.zeros(50_000, cupy.float32)
+    s = SparseAllReduce(selector=ExDyna(0.01))
+    got = _strategy_run(c, s, buf, 3, make=cupy.asarray)
+    assert isinstance(s.feedback[0].residual, cupy.ndarray)
+    assert np.count_nonzero(got[-1]) <= s.last_stats[0].union == s.last_stats[0].k
+    c.close()

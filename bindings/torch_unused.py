@@ -33,7 +33,7 @@ class UnusedParameters:
 
     Example:
         >>> unused = UnusedParameters(comm, expected=False)
-        >>> unused.find(params, got, local=False, model=model)     # after the reduction
+        >>> unused.find(params, got, local=False, model=model, grads=None)   # after the reduction
         >>> for i in unused.indices: params[i].grad = None          # out of this update
     """
 
@@ -42,6 +42,7 @@ class UnusedParameters:
         self.expected = expected
         #: the parameters (indices) this step's update leaves out
         self.indices: set[int] = set()
+        #: those no rank gave a gradient whose exchanged gradient is not zero (a sparse residual sent)
         self.sent: set[int] = set()
         self._checked = False       # the first step looked (and warned, unless expected)
         self._had: set[int] = set()     # ids of parameters some rank gave a gradient since zeroed
@@ -63,7 +64,6 @@ class UnusedParameters:
         used = got if local else self.comm.allreduce(np.array(got, np.int32), "max", tag="unused")
         had = self._had
         idle = [i for i, u in enumerate(used) if not u]
-        #: parameters no rank gave a gradient whose exchanged gradient is not zero (sparse residuals)
         self.sent = {i for i in idle if grads is not None and bool(grads[i].any())}
         self.indices = {i for i in idle
                         if i not in self.sent and (id(params[i]) not in had or params[i].grad is None)}

@@ -207,6 +207,13 @@ def _contiguity_error(name: str, kind: str) -> ValidationError:
     return ValidationError(f"{name}: array is not contiguous; pass {hint}")
 
 
+def _read_copy(x: Any, copy: Any, name: str, kind: str, read_only: bool) -> Any:
+    """A contiguous copy of non-contiguous ``x`` that the operation only reads; refused otherwise."""
+    if not read_only:
+        raise _contiguity_error(name, kind)
+    return copy(x)
+
+
 def host_pair(x: Any, out: Any) -> str | None:
     """The dtype name when ``x`` is a plain C-contiguous numpy array of a dtype that MPI
     handles natively (bfloat16 excluded) and ``out`` is ``None`` or a writable C-contiguous
@@ -263,25 +270,16 @@ def as_view(x: Any, name: str, read_only: bool = False) -> View:
     writable = True
     device, device_id = "cpu", -1
     if kind == "numpy":
-        arr = x
-        if not arr.flags.c_contiguous:
-            if not read_only:
-                raise _contiguity_error(name, kind)
-            arr = np.ascontiguousarray(arr)
+        arr = x if x.flags.c_contiguous else _read_copy(x, np.ascontiguousarray, name, kind, read_only)
         writable = bool(arr.flags.writeable)
     elif kind == "cupy":
-        arr = x
-        if not arr.flags.c_contiguous:
-            if not read_only:
-                raise _contiguity_error(name, kind)
-            arr = sys.modules["cupy"].ascontiguousarray(arr)
+        arr = x if x.flags.c_contiguous else _read_copy(
+            x, sys.modules["cupy"].ascontiguousarray, name, kind, read_only)
         device, device_id = "cuda", int(arr.device.id)
     elif kind == "torch":
         t = x.detach()
         if not t.is_contiguous():
-            if not read_only:
-                raise _contiguity_error(name, kind)
-            t = t.contiguous()
+            t = _read_copy(t, lambda t: t.contiguous(), name, kind, read_only)
         is_bf16 = str(t.dtype) == "torch.bfloat16"
         if is_bf16:
             t = t.view(sys.modules["torch"].int16)

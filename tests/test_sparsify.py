@@ -51,10 +51,6 @@ def all_agree(comm, ok: bool) -> bool:
     return bool(comm.allreduce(np.array([int(ok)], np.int32), "min")[0])
 
 
-def gather(comm, x: np.ndarray) -> np.ndarray:
-    return comm.allgatherv(np.ascontiguousarray(x))
-
-
 def run_steps(comm, sel, fb, steps, numel, start=0, dtype=np.float32, salt=0):
     outs = []
     for t in range(start, start + steps):
@@ -73,7 +69,7 @@ def test_union_is_exact_mean_without_duplicates(comm, name, numel):
     fb = ErrorFeedback(numel)
     for t in range(6):
         acc = fb.accumulate(heavy_tailed_grad(comm.rank, t, numel))
-        everyone = gather(comm, acc.astype(np.float64)).reshape(comm.size, numel)
+        everyone = comm.allgatherv(acc.astype(np.float64)).reshape(comm.size, numel)
         if name in PARTITIONED:                # this step's partition (boundaries move after it)
             lo, hi = sel.partitions.range(sel.partition_of(comm.rank))
         out = sel.reduce(acc)
@@ -86,12 +82,12 @@ def test_union_is_exact_mean_without_duplicates(comm, name, numel):
         np.testing.assert_allclose(out.values, everyone[:, union].mean(axis=0), rtol=2e-6, atol=1e-5)
         assert np.unique(union).size == union.size
         # the same union on every rank
-        assert np.array_equal(gather(comm, union.astype(np.int64)).reshape(comm.size, -1)[0], union)
+        assert np.array_equal(comm.allgatherv(union.astype(np.int64)).reshape(comm.size, -1)[0], union)
         st = out.stats
         assert st.union == union.size and st.density == union.size / numel
         if name in PARTITIONED:
             # disjoint selections, each inside its rank's partition
-            locals_ = gather(comm, np.asarray(out.local, np.int64))
+            locals_ = comm.allgatherv(np.asarray(out.local, np.int64))
             assert np.unique(locals_).size == locals_.size == union.size
             assert np.all((out.local >= lo) & (out.local < hi))
             assert st.duplication == 1.0
@@ -106,10 +102,10 @@ def test_thresholds_and_boundaries_identical_on_every_rank(comm, name):
     fb = ErrorFeedback(numel)
     for t in range(12):
         run_steps(comm, sel, fb, 1, numel, start=t)
-        thr = gather(comm, np.array([sel.threshold], np.float64))
+        thr = comm.allgatherv(np.array([sel.threshold], np.float64))
         assert np.all(thr == thr[0])
         if hasattr(sel, "partitions") and hasattr(sel.partitions, "bounds"):
-            b = gather(comm, np.array(sel.partitions.bounds, np.int64)).reshape(comm.size, -1)
+            b = comm.allgatherv(np.array(sel.partitions.bounds, np.int64)).reshape(comm.size, -1)
             assert np.all(b == b[0])
             sel.partitions.check()
 

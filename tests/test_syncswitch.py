@@ -33,7 +33,7 @@ def _grad(rank: int, step: int, n: int, dtype) -> np.ndarray:
 
 def _same_everywhere(comm, arrays) -> bool:
     for a in arrays:
-        table = comm.allgather(np.ascontiguousarray(a))
+        table = comm.allgather(a)
         if not all(np.array_equal(table[0], t) for t in table):
             return False
     return True

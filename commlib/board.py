@@ -29,7 +29,7 @@ CLOSING = 6
 _STATE_NAMES = {IDLE: "idle after", IN_OP: "in", REJECTED: "rejected", TIMED_OUT: "timed out in",
                 ABORTED: "aborted after"}
 _WITH_TEXT = (REJECTED, ABORTED, IN_CALL)
-_INTS = 4            # seq, op code, state, calls made (:meth:`Board.calling`)
+_INTS = 5            # seq, op code, state, calls made (:meth:`Board.calling`), last rejected (:meth:`reject`)
 _TEXT = 192          # bytes of reason text per slot
 _SLOT = _INTS * 8 + _TEXT
 
@@ -44,6 +44,7 @@ class PeerState:
     state: int
     reason: str
     calls: int = 0      # calls outside the operations' order made so far (:meth:`Board.calling`)
+    rejected: int = 0   # the last operation it rejected with nothing in flight (:meth:`Board.reject`)
 
     def describe(self) -> str:
         if self.state == IN_CALL:
@@ -98,6 +99,14 @@ class Board:
         mine[1] = self._codes.get(op, -1)      # new operation, never the new state beside an old one
         mine[2] = state
 
+    def reject(self, seq: int, op: str, reason: str, alone: bool) -> None:
+        """Show that this rank rejected its input to operation ``seq``; ``alone``: with nothing in
+        flight here, so that it cannot have called an earlier operation that is still pending
+        (:meth:`rejected_alike` reads that from the slot's last rejected seq, written first)."""
+        if alone:
+            self._mine_mv[4] = seq
+        self.set(seq, op, REJECTED, reason)
+
     def quiet(self) -> bool:
         """No node-local rank (this one included) is past plain waiting: none rejected its input,
         aborted, is in a call outside the operations' order, or is closing (a waiter's fast check)."""
@@ -107,13 +116,13 @@ class Board:
         """Every node-local rank's slot (including this rank's)."""
         out = []
         for i, comm_rank in enumerate(self.members):
-            seq, code, state, calls = (int(v) for v in self._ints[i])
+            seq, code, state, calls, rejected = (int(v) for v in self._ints[i])
             reason = ""
             if state in _WITH_TEXT:
                 reason = bytes(self._slots[i, _INTS * 8:]).split(b"\0", 1)[0].decode(
                     "utf-8", "replace")
             op = self._ops[code] if 0 <= code < len(self._ops) else "?"
-            out.append(PeerState(comm_rank, seq, op, state, reason, calls))
+            out.append(PeerState(comm_rank, seq, op, state, reason, calls, rejected))
         return out
 
     def _text(self, reason: str) -> None:
@@ -166,6 +175,27 @@ class Board:
     def rejected(self, seq: int) -> list[PeerState]:
         """Peers that rejected their input to operation ``seq``."""
         return [p for p in self.peers() if p.state == REJECTED and p.seq == seq]
+
+    def rejected_alike(self, seq: int) -> tuple[bool | None, PeerState | None]:
+        """After this rank rejected its input to operation ``seq`` with nothing in flight: whether
+        every node-local peer rejected it too (``True``); not (``False``, with a peer that called it
+        with valid input, aborted, or will not call it); or not known yet (``None``, with a peer
+        that has not reached it).  Both answers rest on what cannot change back, so ranks that
+        answer answer alike.
+
+        A peer whose last rejection with nothing in flight (:meth:`reject`) is ``seq`` or later
+        rejected ``seq``: had it called ``seq``, that operation would still be pending.  A peer
+        that has reached ``seq`` otherwise called it (its board shows the seq, even with the
+        operation still queued, once it posts or is in a call)."""
+        me, later = self.members[self.node.rank], None
+        for p in self.peers():
+            if p.rank == me or (p.rejected >= seq and p.state != ABORTED):
+                continue
+            if p.state == ABORTED or p.seq >= seq or p.state == CLOSING or (
+                    p.state == IN_CALL and p.calls > self.calls):
+                return False, p
+            later = p
+        return (None, later) if later is not None else (True, None)
 
     def aborted(self) -> list[PeerState]:
         """Peers whose communicator was aborted (they will not call again)."""

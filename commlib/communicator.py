@@ -143,7 +143,7 @@ class Communicator:
     def _number(self) -> int:
         """The next operation's sequence number (raises if the communicator is closed or aborted)."""
         run = self._run
-        if run.aborted is not None or run.closed:
+        if run.aborted is not None or run.closed or run.rejection is not None:
             run.check_alive()
         self._seq += 1
         return self._seq
@@ -159,15 +159,8 @@ class Communicator:
         if self.config.check:
             self._control.agree(name, seq, fingerprint(*op.check_args) if op else [], err)
         elif err is not None:
-            if self.size > 1:
-                # Peers may already be inside this operation: they see the rejection
-                # on the board and raise it too.  Their posted operation could match
-                # this rank's next one, so the communicator is aborted everywhere.
-                run.aborted = err
-                self._board.set(seq, name, _board.REJECTED, str(err))
-                err.args = (f"{err} (communicator aborted: peers may already be inside "
-                            f"{name} #{seq}; COMMLIB_CHECK=1 agrees on inputs first and "
-                            "keeps it usable)",)
+            if self.size > 1:     # peers may already be inside it (Runner.reject)
+                run.reject(err, name, seq)
             raise err
         assert op is not None
         op.seq = seq
@@ -455,6 +448,8 @@ class Communicator:
         run = self._run
         if run.closed:
             return
+        if run.rejection is not None and run.aborted is None:
+            run.settle_rejection()
         if run.aborted is None and any(p.rank != self.rank for p in self._board.aborted()):
             run.aborted = CommAbortedError("a peer aborted this communicator")
         if run.aborted is None:

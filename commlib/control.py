@@ -57,7 +57,7 @@ class Control:
         """``allgatherv`` without counts: every rank's element count (``-1``: it rejected its input)."""
         table = np.empty(self.size, np.int64)
         req = self.ctl.Iallgather(np.array([mine], np.int64), table)
-        self._wait(req, "allgatherv", seq)
+        self._wait(req, "allgatherv", seq, rejections=False)    # a rejecting rank sends -1 first
         return [int(c) for c in table]
 
     def allgather_object(self, obj: Any, label: str, seq: int) -> list[Any]:
@@ -71,7 +71,7 @@ class Control:
         heads = np.empty((self.size, 2), np.int64)
         with self._run.board.calling(seq, label), self._tracer.span("running", label, "control", seq=seq):
             req = self.objects.Iallgather(head, heads)
-            self._wait(req, label, seq)
+            self._wait(req, label, seq, rejections=False)   # after operation seq, not in it
             if (heads[:, 1] != head[1]).any():
                 others = [r for r in range(self.size) if heads[r, 1] != heads[0, 1]]
                 raise MismatchError(f"{label}: ranks {others} called allgather_object with another label "
@@ -80,19 +80,20 @@ class Control:
             sizes = heads[:, 0]
             buf = np.empty(int(sizes.sum()), np.uint8)
             req = self.objects.Iallgatherv(data, (buf, sizes))
-            self._wait(req, label, seq)
+            self._wait(req, label, seq, rejections=False)
         ends = np.cumsum(sizes)
         return [pickle.loads(buf[end - n:end].tobytes()) for n, end in zip(sizes, ends)]
 
-    def _wait(self, req: Any, name: str, seq: int) -> None:
-        """Wait for the MPI request ``req`` as for operation ``seq`` (timeout, peers' failures); inside a
-        call, each poll keeps the call shown on the board (see :meth:`Board.keep_call_shown`)."""
+    def _wait(self, req: Any, name: str, seq: int, rejections: bool = True) -> None:
+        """Wait for the MPI request ``req`` as for operation ``seq`` (timeout, peers' failures, and with
+        ``rejections`` their rejected inputs: :meth:`Runner.wait`); inside a call, each poll keeps the
+        call shown on the board (see :meth:`Board.keep_call_shown`)."""
         board = self._run.board
 
         def test() -> bool:
             board.keep_call_shown()
             return req.Test()
-        self._run.wait(Pending(test, None, req), name, seq)
+        self._run.wait(Pending(test, None, req), name, seq, rejections)
 
     def free(self) -> None:
         self.ctl.Free()

@@ -24,7 +24,7 @@ from .backends.base import Pending
 from .config import Config
 from .errors import CommAbortedError, CommlibError, CommStallWarning, MismatchError, ValidationError
 from .ops import OPS, Op
-from .poll import CHECK_EVERY_S, poll_until
+from .poll import CHECK_EVERY_S, MAX_NAP_S, poll_until
 from .tracing import Tracer
 from .work import ProgressEngine, Work
 
@@ -56,6 +56,9 @@ class Runner:
         self.engine = ProgressEngine(self.complete_work, name)
         self.running: Op | None = None      # the operation the engine thread is in
         self.aborted: BaseException | None = None
+        #: an operation whose input this rank rejected, its verdict left to the next call
+        #: (:meth:`reject`): (name, seq, the reason)
+        self.rejection: tuple[str, int, str] | None = None
         self.closed = False
         #: operations given up while posted: (label, whether it has completed since)
         self.dangling: list[tuple[str, Callable[[], bool]]] = []
@@ -65,11 +68,66 @@ class Runner:
         self.parent: Runner | None = None
 
     def check_alive(self) -> None:
-        """Raise :class:`CommAbortedError` if the communicator is closed or aborted."""
+        """Raise :class:`CommAbortedError` if the communicator is closed or aborted (after a
+        rejected input's verdict, :meth:`settle_rejection`, which this waits for)."""
         if self.closed:
             raise CommAbortedError("communicator is closed")
+        if self.rejection is not None and self.aborted is None:
+            self.settle_rejection()
         if self.aborted is not None:
             raise CommAbortedError(f"communicator aborted: {self.aborted}") from self.aborted
+
+    def reject(self, err: BaseException, name: str, seq: int) -> None:
+        """This rank rejected its input to operation ``seq`` (without check mode).  Peers may already
+        be inside it: the board shows the rejection, so they raise it at once, and their posted
+        operation could pair with this rank's next one.  Where the board shows every rank (one
+        node) and nothing is in flight here, the verdict waits for this rank's next call on the
+        communicator (:meth:`settle_rejection`): it goes on if every rank rejected the operation
+        alike.  Elsewhere the communicator is aborted now.  ``err``'s message says which."""
+        alone = self.engine.idle
+        self.board.reject(seq, name, str(err), alone)
+        if len(self.board.members) == self.size and alone:
+            self.rejection = (name, seq, str(err))
+            err.args = (f"{err} (if a peer called {name} #{seq} with valid input, the communicator is "
+                        "aborted and its next call here raises CommAbortedError; COMMLIB_CHECK=1 agrees "
+                        "on inputs first)",)
+        else:
+            self.aborted = err
+            err.args = (f"{err} (communicator aborted: peers may already be inside {name} #{seq}; "
+                        "COMMLIB_CHECK=1 agrees on inputs first and keeps it usable)",)
+
+    def settle_rejection(self) -> None:
+        """The verdict on :meth:`reject`'s operation, once every peer has reached it: every rank
+        rejected it alike (the communicator goes on, as under check mode), or a peer called it
+        with valid input or will not call it (aborted: that peer raised, or raises, at once).  A
+        wait past the timeout aborts too; it warns after ``stall_warning`` seconds."""
+        name, seq, reason = self.rejection
+        since = time.monotonic()
+        nap = 2e-5
+        while True:
+            alike, peer = self.board.rejected_alike(seq)
+            waited = time.monotonic() - since
+            if alike is not None or self.aborted is not None or 0 < self.timeout <= waited:
+                break
+            if 0 < self.stall_warning <= waited and self._stall_warned != seq:
+                self._stall_warned = seq
+                try:
+                    warnings.warn_explicit(
+                        f"rank {self.rank} rejected its input to {name} #{seq} and has waited {waited:.3g} s "
+                        f"for every rank to reach it: {peer.describe()}", CommStallWarning, "commlib", 0,
+                        module="commlib")
+                except CommStallWarning:    # a filter made it an error: given up as on a timeout
+                    break
+            time.sleep(nap)
+            nap = min(2 * nap, MAX_NAP_S)
+        self.rejection = None
+        if alike or self.aborted is not None:
+            return
+        why = "did" if alike is False else f"reached it in {waited:.3g} s"
+        self.aborted = CommAbortedError(f"rank {self.rank} rejected its input to {name} #{seq} ({reason}) "
+                                        f"and not every rank {why}: {peer.describe()}")
+        if alike is None:    # peers that come later must not read the rejection as a verdict
+            self.board.set(seq, "?", _board.ABORTED, str(self.aborted))
 
     def close_engine(self) -> None:
         """Let the engine finish what is queued; give up (aborted, dangling) after the timeout."""
@@ -101,13 +159,13 @@ class Runner:
         work = self.engine.submit(Work(op, self.wait_work), self.start_work)
         return work.wait() if blocking else work
 
-    def verdict(self, seq: int, name: str, waited: float) -> CommlibError | None:
+    def verdict(self, seq: int, name: str, waited: float, rejections: bool = True) -> CommlibError | None:
         """Whether a wait for operation ``seq``, ``waited`` seconds so far, must be given up
         (the watchdog asks); warns once when it has waited ``stall_warning`` seconds."""
         if self.aborted is not None:
             return CommAbortedError(f"{name} #{seq}: communicator aborted: {self.aborted}")
         if not self.board.quiet():
-            err = self._peer_verdict(seq, name)
+            err = self._peer_verdict(seq, name, rejections)
             if err is not None:
                 return err
         parent = self.parent
@@ -130,9 +188,9 @@ class Runner:
                 return self.board.timeout_error(name, seq, self.stall_warning, self.rank, self.size)
         return None
 
-    def _peer_verdict(self, seq: int, name: str) -> CommlibError | None:
+    def _peer_verdict(self, seq: int, name: str, rejections: bool) -> CommlibError | None:
         """:meth:`verdict` where a node-local rank is past plain waiting (the board is not quiet)."""
-        rejected = self.board.rejected(seq)
+        rejected = self.board.rejected(seq) if rejections else []
         if rejected:
             return ValidationError(f"{name} #{seq}: " + "; ".join(
                 f"rank {r.rank} rejected its input: {r.reason}" for r in rejected))
@@ -169,7 +227,7 @@ class Runner:
             parent.mark_aborted(err, "?", parent.posted)
         return err
 
-    def wait(self, p: Pending, name: str, seq: int) -> None:
+    def wait(self, p: Pending, name: str, seq: int, rejections: bool = True) -> None:
         """Drive ``p`` to completion on this thread; raise (and abort) when it must be given up.
 
         MPI advances a nonblocking collective only inside MPI calls, so the
@@ -177,14 +235,17 @@ class Runner:
         (ranks may share cores): measured as fast as MPI's own blocking call
         (``benchmarks/results/collectives-cpu-4ranks.md``).  It never sleeps;
         every :data:`~commlib.poll.CHECK_EVERY_S` it asks :meth:`verdict`.
-        Device-stream operations (NCCL) may back off after ``poll_spin``.
+        Device-stream operations (NCCL) may back off after ``poll_spin``.  Without
+        ``rejections``, a peer that rejected its input to ``seq`` does not end the wait
+        (an exchange that every rank joins before it raises: ``allgatherv``'s counts).
         """
         poll_until(p.test, math.inf if p.request is not None else self.config.poll_spin,
-                   self._give_up_if, (p, name, seq, time.monotonic()))
+                   self._give_up_if, (p, name, seq, time.monotonic(), rejections))
 
-    def _give_up_if(self, now: float, p: Pending, name: str, seq: int, since: float) -> None:
+    def _give_up_if(self, now: float, p: Pending, name: str, seq: int, since: float,
+                    rejections: bool) -> None:
         """:meth:`wait`'s periodic check: fail (and remember ``p`` as dangling) if it must be given up."""
-        err = self.verdict(seq, name, now - since)
+        err = self.verdict(seq, name, now - since, rejections)
         if err is not None:
             self.dangling.append((f"{name} #{seq}", p.test))
             self.fail(err, name, seq)

@@ -101,6 +101,39 @@ def test_check_mode_reports_a_peers_bad_input_on_every_rank():
     c.close()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_an_input_every_rank_rejects_keeps_the_communicator_without_check_mode():
+    """Without check mode a call that every rank rejects (each for its own reason, some arriving
+    late) raises on every rank and the communicator goes on, as under check mode: it was aborted
+    (no rank could tell that no peer had entered the operation).  Also after a rejected
+    ``allgatherv`` (whose counts travel first), then an ``allgather_object``, a split, and a close
+    right after one."""
+    c = fresh(check=False, timeout=60)
+    r, n = c.rank, c.size
+    bad = {0: lambda: c.allreduce(np.ones(3, np.int32), op="avg"),
+           1: lambda: c.allreduce(np.ones(3, np.complex64)),
+           2: lambda: c.reduce_scatter(np.ones(3), out=np.empty(7)),
+           3: lambda: c.allgatherv(np.ones(3, bool))}
+    for k in range(6):
+        time.sleep(0.03 * ((r + k) % n))         # each rank in turn arrives last
+        with pytest.raises(commlib.ValidationError, match="if a peer called .* with valid input"):
+            bad[(r + k) % 3 if k < 4 else 3]()     # allgatherv: on every rank (its counts travel)
+        np.testing.assert_array_equal(c.allreduce(np.full(2, r + 1.0)), np.full(2, n * (n + 1) / 2))
+    np.testing.assert_array_equal(c.allgatherv(np.arange(r + 1.0)),
+                                  np.concatenate([np.arange(q + 1.0) for q in range(n)]))
+    with pytest.raises(commlib.ValidationError):
+        bad[1]()
+    assert c.allgather_object(r, label="after a rejection") == list(range(n))
+    with pytest.raises(commlib.ValidationError):
+        bad[1]()
+    half = c.split(r % 2)
+    np.testing.assert_array_equal(half.allreduce(np.ones(1)), [len(range(r % 2, n, 2))])
+    with pytest.raises(commlib.ValidationError):
+        bad[0]()
+    c.close()
+    assert c.dangling() == []
+
+
 @pytest.mark.mpi(min_size=1)
 def test_work_wait_timeout_does_not_abort(comm):
     w = comm.iallreduce(np.ones(4))

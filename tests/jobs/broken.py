@@ -42,7 +42,28 @@ def rejected() -> None:
     assert time.monotonic() - t0 < 30, "peers must not wait for the timeout"
     if c.rank != 1:
         assert "rank 1 rejected its input" in str(err)
-    expect(commlib.CommAbortedError, lambda: c.allreduce(np.ones(2)))
+    # rank 1's next call: the verdict (its peers called the operation) aborts it
+    expect(commlib.CommAbortedError, lambda: c.allreduce(np.ones(2)),
+           "and not every rank did" if c.rank == 1 else "rank 1 rejected")
+
+
+def rejected_while_peers_are_late() -> None:
+    """A rank that rejected its input waits, at its next call, for every rank to reach the operation
+    (to learn whether all rejected it alike); past the timeout it aborts, and a late peer's valid
+    call raises at once (the board shows the abort) instead of waiting for a partner."""
+    c = fresh(check=False, timeout=1.0)
+    t0 = time.monotonic()
+    if c.rank == 0:
+        expect(commlib.ValidationError, lambda: c.allreduce(np.ones(3, np.complex64)), "complex64")
+        err = expect(commlib.CommAbortedError, lambda: c.allreduce(np.ones(2)),
+                     "not every rank reached it in 1")
+        assert "rank 1 has not called any operation" in str(err)
+        assert 1.0 <= time.monotonic() - t0 < 30
+    else:
+        time.sleep(3)
+        t0 = time.monotonic()
+        expect(commlib.CommAbortedError, lambda: c.allreduce(np.ones(2)), "rank 0 aborted the communicator")
+        assert time.monotonic() - t0 < 0.9, "must not wait for the timeout"
 
 
 def deadlock() -> None:
@@ -243,10 +264,10 @@ def call_while_ops_in_flight() -> None:
     report_and_end()
 
 
-CASES = {f.__name__: f for f in (rejected, deadlock, never_arrives, stall_made_an_error, only_rank0,
-                                  unwaited, closed_early, state_on_rank0, state_on_rank0_with_syncbn,
-                                  state_on_rank0_at_the_end, norm_on_rank0, values_on_rank0,
-                                  call_while_ops_in_flight)}
+CASES = {f.__name__: f for f in (rejected, rejected_while_peers_are_late, deadlock, never_arrives,
+                                  stall_made_an_error, only_rank0, unwaited, closed_early, state_on_rank0,
+                                  state_on_rank0_with_syncbn, state_on_rank0_at_the_end, norm_on_rank0,
+                                  values_on_rank0, call_while_ops_in_flight)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]]()

@@ -112,7 +112,8 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
     The wrapper is a ``torch.optim.Optimizer`` sharing ``optimizer.param_groups``,
     so LR schedulers work on either.  ``state_dict()`` is the consolidated
     state in ``optimizer``'s own format (identical on all ranks, loadable by a
-    plain optimizer); ``load_state_dict`` accepts it on any number of ranks.
+    plain optimizer); ``load_state_dict`` accepts it on any number of ranks.  ``close()`` ends
+    training: the model and its parameters are left without hooks (``torch.jit.script`` compiles it).
 
     Example:
         >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
@@ -384,8 +385,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
             >>> loss = opt.step(closure)        # torch.optim.LBFGS: several evaluations, one step
         """
         if self._retired_by:
-            raise RuntimeError(f"DistributedOptimizer: replaced by a newer one ({self._retired_by}) wrapping "
-                               "the same parameters; step the new one")
+            raise RuntimeError(f"DistributedOptimizer: {self._retired_by}")
         loss = None
         evaluate = None if closure is None else self._evaluation(closure)
         if evaluate is not None and self.strategy.sharded:     # elementwise optimizers: evaluated once, first

@@ -57,6 +57,14 @@ class ModelHook:
     def __call__(self, *args: Any) -> Any:
         return self.fn(*args)
 
+    @property
+    def __name__(self) -> str:
+        """What ``torch.jit.script`` asks of each hook before it compiles it (Python code such as this
+        cannot be compiled): an error saying what to do instead."""
+        raise AttributeError("torch.jit.script cannot compile the hooks a DistributedOptimizer keeps on "
+                             "the model it trains: call opt.close() when training ends (the model is plain "
+                             "again), or export with torch.export or torch.jit.trace")
+
     def __deepcopy__(self, memo: dict) -> "InertHook":
         self.before_copy(memo)
         return InertHook()
@@ -73,3 +81,10 @@ class InertHook:
 
     def __call__(self, *args: Any) -> None:
         return None
+
+    @property
+    def __name__(self) -> str:
+        """As :attr:`ModelHook.__name__`."""
+        raise AttributeError("torch.jit.script cannot compile the inert hook that a copy of a model trained "
+                             "by a DistributedOptimizer keeps: script the model itself after opt.close(), "
+                             "or export with torch.export or torch.jit.trace")

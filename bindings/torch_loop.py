@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from .torch_comm import average_loss
-from .torch_grads import ShardNorms
+from .torch_grads import ShardedGrad, ShardNorms
 from .torch_hooks import InertHook, ModelHook, guard_module_hooks_under_compile
 from .torch_params import InFlight
 from .torch_unused import UnusedParameters
@@ -111,14 +111,32 @@ class TrainingLoop:
                 older.append(owner)
             _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self))
         for owner in older:
-            owner._retire(f"{type(self._inner).__name__} with {self.strategy.name}")
+            owner._retire(f"replaced by a newer one ({type(self._inner).__name__} with "
+                          f"{self.strategy.name}) wrapping the same parameters; step the new one")
             left = [p for p in owner._params if _OWNERS[id(p)][1]() is not self]
             if left:
                 warnings.warn(f"DistributedOptimizer: the new optimizer replaces an older one, whose other "
                               f"{len(left)} parameters are no longer averaged", stacklevel=3)
 
+    def close(self) -> None:
+        """End training with this optimizer: the parameters become current on every rank (a
+        collective: call it on every rank) and every hook leaves the model and its parameters,
+        which are plain again (``torch.jit.script`` compiles the model; a forward costs nothing
+        extra).  ``step()`` raises afterwards; ``state_dict()`` still gives the whole state.
+
+        Example:
+            >>> opt.close()                              # after the last step
+            >>> torch.jit.script(model).save("model.pt")
+        """
+        if not self._retired_by:
+            self._retire("closed by close(); wrap the model in a new one to train on")
+            for p in self._params:     # read as a plain model's: the whole average, in a plain tensor
+                if isinstance(p.grad, ShardedGrad):
+                    p.grad = p.grad.clone()
+
     def _retire(self, by: str) -> None:
-        """A newer optimizer wraps these parameters: finish what is in flight, leave the model."""
+        """A newer optimizer wraps these parameters, or :meth:`close`: finish what is in flight, leave
+        the model; ``by`` says why, as :meth:`step` will."""
         self._flush()
         for h in self._hooks + self._loop_hooks:
             h.remove()

@@ -298,3 +298,35 @@ def test_a_new_optimizer_for_the_same_model_replaces_the_old_one(comm, first, se
     opt.flush()
     same_on_all_ranks(comm, model)
     assert_close(model, ref)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["allreduce", "dear"])
+def test_close_leaves_a_plain_model_that_torch_jit_scripts(comm, name):
+    """torch.jit.script compiles a module's hooks and cannot compile the wrapper's: it named none
+    of them ("'ModelHook' object has no attribute '__name__'").  Now that error says what to do,
+    and after ``close()`` the model and its parameters carry no hook: it scripts, the scripted
+    model computes what one process's trained model computes, ``.grad`` is a plain tensor holding
+    the whole average, and ``step()`` refuses."""
+    model, opt = distributed(comm, "sgd", STRATEGIES[name](), STEPS)
+    ref, _ = reference("sgd", comm.size, STEPS)
+    x, y = batch(STEPS, comm.size)
+    mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL)
+    opt.zero_grad()
+    loss_fn(model, x[mine], y[mine]).backward()
+    ref.zero_grad()
+    loss_fn(ref, x, y).backward()
+    with pytest.raises(AttributeError, match=r"call opt.close\(\) when training ends"):
+        torch.jit.script(model)
+    opt.close()
+    assert all(not m._forward_pre_hooks and not m._state_dict_pre_hooks for m in model.modules())
+    assert all(not p._post_accumulate_grad_hooks and not p._backward_hooks for p in model.parameters())
+    scripted = torch.jit.script(model)
+    with torch.no_grad():
+        np.testing.assert_allclose(scripted(x).numpy(), ref(x).numpy(), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        if q.grad is not None:
+            assert type(p.grad) is torch.Tensor
+            np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match=r"closed by close\(\)"):
+        opt.step()

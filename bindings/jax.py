@@ -86,7 +86,7 @@ import numpy as np
 
 import commlib
 from commlib.arrays import DTYPES, FLOAT_DTYPES, is_tracer, numpy_dtype
-from commlib.collectives import AllReduce, DeAR, Strategy
+from commlib.collectives import AllReduce, DeAR, Strategy, checked_strategy
 from commlib.collectives.buckets import Bucket, MiB
 from commlib.errors import ValidationError
 
@@ -131,6 +131,7 @@ class GradientSync:
         if strategy is None:
             kw = {k: v for k, v in (("cap_mb", cap_mb), ("first_cap_mb", first_cap_mb)) if v is not None}
             strategy = AllReduce(**kw)
+        checked_strategy(strategy, "GradientSync")
         if strategy.updates_parameters:
             raise ValueError(f"{strategy.name} reads and writes the parameters, but GradientSync only "
                              "sees gradients: use AllReduce, DeAR or SparseAllReduce here (the torch "
@@ -417,7 +418,7 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
         raise ValueError(f"sharded_optimizer: the update runs on flat shards of the buckets: {problem}; "
                          "use optax.chain(average_gradients(...), inner) instead (its state then on every "
                          "rank), or an elementwise transformation")
-    strategy = strategy if strategy is not None else DeAR()
+    strategy = checked_strategy(strategy, "sharded_optimizer") if strategy is not None else DeAR()
     if not strategy.sharded:
         raise ValueError(f"sharded_optimizer needs a sharded strategy (DeAR), got {strategy!r}")
     if strategy.tune:

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 import commlib
-from commlib.collectives import AllReduce, Strategy, TensorSpec, plan_buckets
+from commlib.collectives import AllReduce, Strategy, TensorSpec, checked_strategy, plan_buckets
 
 from .torch_comm import (
     agree_tensors,
@@ -134,7 +134,8 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
             raise TypeError("optimizer is already a DistributedOptimizer")
         self._checked_passes(backward_passes_per_step)
         self.comm = comm or commlib.init()
-        self.strategy = strategy if strategy is not None else AllReduce()
+        self.strategy = (AllReduce() if strategy is None
+                         else checked_strategy(strategy, "DistributedOptimizer"))
         # replicas that drift between synchronizations (SelSync, Sync-Switch) keep their buffers too:
         # a broadcast at every step would hold ASP's ranks in step
         self._running_stats = RunningStats(model, self.comm, broadcast_buffers,

@@ -11,9 +11,9 @@ from .dear import DeAR
 from .paramstore import ParamStore
 from .policies import OfflinePolicy, SchedulePolicy, StragglerPolicy, find_bsp_fraction
 from .selsync import SelSync
-from .strategy import Strategy
+from .strategy import Strategy, checked_strategy
 from .syncswitch import SyncSwitch
 
 __all__ = ["Strategy", "AllReduce", "DeAR", "SelSync", "SyncSwitch", "ParamStore", "OfflinePolicy",
            "SchedulePolicy", "StragglerPolicy", "find_bsp_fraction", "Bucket", "Slot", "TensorSpec",
-           "plan_buckets"]
+           "plan_buckets", "checked_strategy"]

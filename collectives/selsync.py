@@ -94,7 +94,7 @@ from commlib.arrays import as_view
 from .allreduce import AllReduce
 from .buckets import Bucket
 from .significance import SignificanceMeter, l2_norm
-from .strategy import Strategy
+from .strategy import Strategy, checked_strategy
 
 MODES = ("params", "grads")
 
@@ -139,8 +139,7 @@ class SelSync(Strategy):
         super().__init__()
         if inner is None:
             inner = AllReduce()
-        if not isinstance(inner, Strategy):
-            raise TypeError(f"inner {inner!r}: expected a collectives Strategy")
+        checked_strategy(inner, "SelSync(inner=...)")
         if isinstance(inner, SelSync):
             raise ValueError("SelSync cannot wrap another SelSync")
         if mode not in MODES:

@@ -72,6 +72,21 @@ from .buckets import DEFAULT_CAP, DEFAULT_FIRST_CAP, Bucket, MiB
 from .tuning import CapTuner
 
 
+def checked_strategy(strategy: Any, where: str) -> "Strategy":
+    """``strategy`` itself if it is a :class:`Strategy`, else ``TypeError`` saying what is expected
+    (at construction, before any collective: the same on every rank).
+
+    Example:
+        >>> self.strategy = checked_strategy(strategy, "DistributedOptimizer")
+    """
+    if isinstance(strategy, Strategy):
+        return strategy
+    hint = (" (a gradient selector goes in commlib.sparsify.SparseAllReduce(selector=...))"
+            if type(strategy).__module__.startswith(("commlib.sparsify", "sparsify")) else "")
+    raise TypeError(f"{where}: expected a commlib.collectives Strategy (AllReduce(), DeAR(), SelSync(...), "
+                    f"SyncSwitch(...), SparseAllReduce(...)), got {type(strategy).__name__}{hint}")
+
+
 class Strategy:
     """Base of every strategy; subclasses override :meth:`launch` and the moments they need.
 

@@ -71,7 +71,7 @@ from .allreduce import AllReduce
 from .buckets import Bucket
 from .paramstore import ParamStore
 from .policies import PHASES, Policy, SchedulePolicy
-from .strategy import Strategy
+from .strategy import Strategy, checked_strategy
 
 
 class SyncSwitch(Strategy):
@@ -99,7 +99,7 @@ class SyncSwitch(Strategy):
     def __init__(self, bsp: Strategy | None = None, policy: Policy | None = None, staleness: int = 0,
                  layout: str = "sharded", progress: str = "auto", progress_interval_s: float = 1e-3,
                  ssp_timeout: float | None = None):
-        inner = bsp if bsp is not None else AllReduce()
+        inner = checked_strategy(bsp, "SyncSwitch(bsp=...)") if bsp is not None else AllReduce()
         if inner.sharded:
             raise ValueError(f"SyncSwitch(bsp={inner.name}): asynchronous steps update whole "
                              "parameters on every rank; use a non-sharded BSP strategy")

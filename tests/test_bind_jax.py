@@ -386,6 +386,10 @@ def test_a_strategys_own_state_resumes_through_its_state_dict(comm, jit):
 def test_arguments_are_checked():
     with pytest.raises(ValueError, match="give cap_mb"):
         GradientSync(strategy=AllReduce(), cap_mb=1)
+    with pytest.raises(TypeError, match="GradientSync: expected a commlib.collectives Strategy .* got str"):
+        GradientSync(strategy="dear")
+    with pytest.raises(TypeError, match="sharded_optimizer: expected .* got str"):
+        sharded_optimizer(optax.sgd(0.1), strategy="dear")
     with pytest.raises(ValueError, match="sharded strategy"):
         sharded_optimizer(optax.sgd(0.1), strategy=AllReduce())
     with pytest.raises(ValueError, match="re-shard"):

@@ -17,6 +17,7 @@ if HAVE_TORCH:
     from commlib.bindings.torch import DistributedOptimizer
     from commlib.collectives import AllReduce, DeAR
     from commlib.errors import ValidationError
+    from commlib.sparsify import ExDyna
 
     torch.set_num_threads(1)
 
@@ -66,6 +67,10 @@ def test_bad_arguments(comm):
         opt.set_backward_passes_per_step(1.5)
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         DistributedOptimizer(object(), model, comm=comm)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="DistributedOptimizer: expected a commlib.collectives Strategy .* "
+                                        r"got ExDyna \(a gradient selector goes in"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, comm=comm,
+                             strategy=ExDyna(density=0.1))     # was an AttributeError from inside
 
 
 @pytest.mark.mpi(min_size=2)

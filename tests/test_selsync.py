@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import commlib
-from commlib.collectives import AllReduce, DeAR, TensorSpec, plan_buckets
+from commlib.collectives import AllReduce, DeAR, SyncSwitch, TensorSpec, plan_buckets
 from commlib.collectives.selsync import SelSync, SignificanceMeter, l2_norm
+from commlib.sparsify import ExDyna
 
 from conftest import HAVE_TORCH
 
@@ -281,8 +282,12 @@ def test_bad_arguments():
         SelSync(delta=-1)
     with pytest.raises(ValueError, match="window"):
         SelSync(window=0)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"SelSync\(inner=...\): expected a commlib.collectives Strategy"):
         SelSync(inner="allreduce")
+    with pytest.raises(TypeError, match=r"got ExDyna \(a gradient selector goes in .*SparseAllReduce"):
+        SelSync(inner=ExDyna(density=0.1))      # a selector given where its strategy belongs
+    with pytest.raises(TypeError, match=r"SyncSwitch\(bsp=...\): expected .* got ExDyna"):
+        SyncSwitch(bsp=ExDyna(density=0.1))
     with pytest.raises(ValueError):
         SelSync(inner=SelSync())
     with pytest.raises(RuntimeError):

@@ -152,6 +152,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         self._retired_by = ""
         self._retire_older_owners()
         self._hooks: list[Any] = []
+        self._copies: list[tuple[Any, int]] = []      # where copies of the model keep inert hooks
         self.strategy.on_switch(self._on_switch)
         self._build(self.strategy.cap_bytes, broadcast=broadcast)
         if broadcast:      # the rest of the module state (buffers, frozen parameters), as DDP does
@@ -307,7 +308,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
                 bs = sorted({self._bucket_of[index[id(p)]] for p in m.parameters(recurse=False)
                              if id(p) in index})
                 if bs:
-                    self._hooks.append(m.register_forward_pre_hook(self._hook(self._make_forward_hook(bs))))
+                    self._hooks.append(self._hook(self._make_forward_hook(bs)).register_on(m))
 
     def _make_grad_hook(self, i: int) -> Any:
         @torch.compiler.disable     # called by autograd inside a compiled train step too: never traced

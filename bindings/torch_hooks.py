@@ -12,12 +12,13 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 import torch._dynamo
 
-__all__ = ["ModelHook", "InertHook", "guard_module_hooks_under_compile"]
+__all__ = ["ModelHook", "InertHook", "guard_module_hooks_under_compile", "remove_inert_twins"]
 
 
 def guard_module_hooks_under_compile() -> None:
@@ -49,10 +50,18 @@ class ModelHook:
         >>> swa = torch.optim.swa_utils.AveragedModel(model)     # after wrapping, any step
     """
 
-    __slots__ = ("fn", "before_copy")
+    __slots__ = ("fn", "before_copy", "copies", "home")
 
-    def __init__(self, fn: Any, before_copy: Any):
-        self.fn, self.before_copy = fn, before_copy
+    def __init__(self, fn: Any, before_copy: Any, copies: list | None = None):
+        self.fn, self.before_copy, self.copies = fn, before_copy, copies
+        self.home: tuple[Any, int] | None = None
+
+    def register_on(self, module: torch.nn.Module) -> Any:
+        """Register as ``module``'s forward pre-hook (its handle): a deep copy of the module then
+        notes in ``copies`` where its inert twin sits, for :func:`remove_inert_twins`."""
+        handle = module.register_forward_pre_hook(self)
+        self.home = (handle.hooks_dict_ref, handle.id)
+        return handle
 
     def __call__(self, *args: Any) -> Any:
         return self.fn(*args)
@@ -67,6 +76,10 @@ class ModelHook:
 
     def __deepcopy__(self, memo: dict) -> "InertHook":
         self.before_copy(memo)
+        if self.home is not None and self.copies is not None:
+            twin = memo.get(id(self.home[0]()))     # the copy's hook dict, made before its entries
+            if twin is not None:
+                self.copies.append((weakref.ref(twin), self.home[1]))
         return InertHook()
 
     def __reduce__(self) -> tuple:
@@ -86,5 +99,19 @@ class InertHook:
     def __name__(self) -> str:
         """As :attr:`ModelHook.__name__`."""
         raise AttributeError("torch.jit.script cannot compile the inert hook that a copy of a model trained "
-                             "by a DistributedOptimizer keeps: script the model itself after opt.close(), "
-                             "or export with torch.export or torch.jit.trace")
+                             "by a DistributedOptimizer keeps: call opt.close() when training ends (it takes "
+                             "them off the copies too), or export with torch.export or torch.jit.trace")
+
+
+def remove_inert_twins(copies: list[tuple[Any, int]]) -> None:
+    """Take the inert forward pre-hooks that deep copies of a model keep (noted by
+    :meth:`ModelHook.register_on`) off those copies, so that they are plain modules too.
+
+    Example (what ``DistributedOptimizer.close()`` does for an EMA made during training):
+        >>> remove_inert_twins(opt._copies)        # then torch.jit.script(ema.module) compiles
+    """
+    for ref, key in copies:
+        hooks = ref()
+        if hooks is not None and isinstance(hooks.get(key), InertHook):
+            del hooks[key]
+    copies.clear()

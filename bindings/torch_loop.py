@@ -52,7 +52,7 @@ import torch
 
 from .torch_comm import average_loss
 from .torch_grads import ShardedGrad, ShardNorms
-from .torch_hooks import InertHook, ModelHook, guard_module_hooks_under_compile
+from .torch_hooks import InertHook, ModelHook, guard_module_hooks_under_compile, remove_inert_twins
 from .torch_params import InFlight
 from .torch_unused import UnusedParameters
 
@@ -78,6 +78,7 @@ class TrainingLoop:
     _params: list[torch.nn.Parameter]
     _frozen: list[torch.nn.Parameter]
     _hooks: list[Any]
+    _copies: list[tuple[Any, int]]
     _retired_by: str
     _data_ptrs: list[int]
     _flat_grads: list[torch.Tensor]
@@ -96,7 +97,7 @@ class TrainingLoop:
         complete = self._hook(lambda *_: self._complete())
         self._loop_hooks = [h for m in model.modules() for h in (m.register_state_dict_pre_hook(complete),
                                                                   m.register_load_state_dict_pre_hook(complete))]
-        self._loop_hooks.append(model.register_forward_pre_hook(self._hook(self._before_forward)))
+        self._loop_hooks.append(self._hook(self._before_forward).register_on(model))
 
     def _retire_older_owners(self) -> None:
         """A new optimizer for parameters that another one trains (a new phase of training: another
@@ -120,9 +121,9 @@ class TrainingLoop:
 
     def close(self) -> None:
         """End training with this optimizer: the parameters become current on every rank (a
-        collective: call it on every rank) and every hook leaves the model and its parameters,
-        which are plain again (``torch.jit.script`` compiles the model; a forward costs nothing
-        extra).  ``step()`` raises afterwards; ``state_dict()`` still gives the whole state.
+        collective: call it on every rank) and every hook leaves the model, its parameters and its
+        deep copies (an EMA), which are plain again (``torch.jit.script`` compiles them; a forward
+        costs nothing extra).  ``step()`` raises afterwards; ``state_dict()`` still gives the whole state.
 
         Example:
             >>> opt.close()                              # after the last step
@@ -130,6 +131,7 @@ class TrainingLoop:
         """
         if not self._retired_by:
             self._retire("closed by close(); wrap the model in a new one to train on")
+            remove_inert_twins(self._copies)      # copies made meanwhile (an EMA) are plain too
             for p in self._params:     # read as a plain model's: the whole average, in a plain tensor
                 if isinstance(p.grad, ShardedGrad):
                     p.grad = p.grad.clone()
@@ -162,7 +164,7 @@ class TrainingLoop:
 
     def _hook(self, fn: Any) -> "ModelHook":
         """``fn`` as a hook on the user's model, left behind by copies of the model."""
-        return ModelHook(fn, self._before_copy)
+        return ModelHook(fn, self._before_copy, self._copies)
 
     def _before_copy(self, memo: dict | None) -> None:
         """A copy of the model (or a pickle) is being made: it gets every parameter current, also

@@ -7,6 +7,8 @@ torch_reference.py).  The wrapped optimizer's state and hooks: test_optimizer_st
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -317,9 +319,18 @@ def test_close_leaves_a_plain_model_that_torch_jit_scripts(comm, name):
     loss_fn(model, x[mine], y[mine]).backward()
     ref.zero_grad()
     loss_fn(ref, x, y).backward()
+    twin = copy.deepcopy(model)                    # copies made during training: inert hooks
+    ema = torch.optim.swa_utils.AveragedModel(model)
     with pytest.raises(AttributeError, match=r"call opt.close\(\) when training ends"):
         torch.jit.script(model)
+    with pytest.raises(AttributeError, match=r"call opt.close\(\) when training ends"):
+        torch.jit.script(twin)
     opt.close()
+    for copied in (twin, ema.module):               # close() took the copies' hooks off too
+        assert all(not m._forward_pre_hooks for m in copied.modules())
+        with torch.no_grad():
+            np.testing.assert_allclose(torch.jit.script(copied)(x).numpy(), ref(x).numpy(), rtol=1e-5,
+                                       atol=1e-6)
     assert all(not m._forward_pre_hooks and not m._state_dict_pre_hooks for m in model.modules())
     assert all(not p._post_accumulate_grad_hooks and not p._backward_hooks for p in model.parameters())
     scripted = torch.jit.script(model)

@@ -109,15 +109,10 @@ class Runner:
             waited = time.monotonic() - since
             if alike is not None or self.aborted is not None or 0 < self.timeout <= waited:
                 break
-            if 0 < self.stall_warning <= waited and self._stall_warned != seq:
-                self._stall_warned = seq
-                try:
-                    warnings.warn_explicit(
-                        f"rank {self.rank} rejected its input to {name} #{seq} and has waited {waited:.3g} s "
-                        f"for every rank to reach it: {peer.describe()}", CommStallWarning, "commlib", 0,
-                        module="commlib")
-                except CommStallWarning:    # a filter made it an error: given up as on a timeout
-                    break
+            if not self._warn_stall(seq, waited, lambda waited=waited, peer=peer: (
+                    f"rank {self.rank} rejected its input to {name} #{seq} and has waited {waited:.3g} s "
+                    f"for every rank to reach it: {peer.describe()}")):
+                break
             time.sleep(nap)
             nap = min(2 * nap, MAX_NAP_S)
         self.rejection = None
@@ -175,18 +170,26 @@ class Runner:
                 return err
         if self.timeout > 0 and waited >= self.timeout:
             return self.board.timeout_error(name, seq, self.timeout, self.rank, self.size)
-        if 0 < self.stall_warning <= waited and self._stall_warned != seq:
-            self._stall_warned = seq
-            text = self.board.who_waits(name, seq, self.size)[3]
-            limit = f"CommTimeoutError after {self.timeout:g} s" if self.timeout > 0 else "no timeout"
-            try:    # explicit: no commlib source line under the message
-                warnings.warn_explicit(
-                    f"{name} #{seq} has waited {waited:.3g} s on rank {self.rank}: {text}; it goes on "
-                    f"({limit}; COMMLIB_STALL_WARNING sets this warning)", CommStallWarning, "commlib", 0,
-                    module="commlib")
-            except CommStallWarning:    # a filter made it an error: given up as on a timeout
-                return self.board.timeout_error(name, seq, self.stall_warning, self.rank, self.size)
+        if not self._warn_stall(seq, waited, lambda: (
+                f"{name} #{seq} has waited {waited:.3g} s on rank {self.rank}: "
+                f"{self.board.who_waits(name, seq, self.size)[3]}; it goes on ("
+                + (f"CommTimeoutError after {self.timeout:g} s" if self.timeout > 0 else "no timeout")
+                + "; COMMLIB_STALL_WARNING sets this warning)")):
+            return self.board.timeout_error(name, seq, self.stall_warning, self.rank, self.size)
         return None
+
+    def _warn_stall(self, seq: int, waited: float, message: Callable[[], str]) -> bool:
+        """Warn once for operation ``seq`` when it has waited ``stall_warning`` seconds (``message()``
+        is built only then); False when a warnings filter made the warning an error: the wait is
+        then given up as on a timeout."""
+        if not 0 < self.stall_warning <= waited or self._stall_warned == seq:
+            return True
+        self._stall_warned = seq
+        try:    # explicit: no commlib source line under the message
+            warnings.warn_explicit(message(), CommStallWarning, "commlib", 0, module="commlib")
+        except CommStallWarning:
+            return False
+        return True
 
     def _peer_verdict(self, seq: int, name: str, rejections: bool) -> CommlibError | None:
         """:meth:`verdict` where a node-local rank is past plain waiting (the board is not quiet)."""

@@ -432,7 +432,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         strategies).  The first training forward after a change of ``requires_grad`` calls it
         (gradual unfreezing): a parameter that starts training is averaged from then on, and one
         that stops is left out of the update (its ``.grad`` is ``None``, as after ``zero_grad()``
-        in one process; a sharded strategy drops its optimizer state).
+        in one process; its optimizer state stays, as in one process).
 
         Example:
             >>> model.backbone.requires_grad_(True)     # the next forward re-plans on every rank
@@ -446,7 +446,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
                 if p.grad is not None and p.data_ptr() != self._data_ptrs[sl.index]:
                     flat = in_layout(self._flat_grads[b.index], sl.offset, self._layouts[sl.index])
                     p.grad = flat.to(p.device, p.dtype)
-        kept = {id(before[i]): d for i, d in self._full_state().items()}
+        kept = self._states_by_param()
         self._collect_params()      # raises on every rank, changing nothing, if none trains now
         for p in before:
             if not p.requires_grad:
@@ -454,7 +454,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         if cap_bytes is not None:
             self.strategy.cap_bytes = int(cap_bytes)
         self._build(self.strategy.cap_bytes, broadcast=False)
-        self._set_full_state({i: kept[id(p)] for i, p in enumerate(self._params) if id(p) in kept})
+        self._restore_states(kept, before)
         self._install_hooks()
         if [id(p) for p in self._params] != [id(p) for p in before]:
             self._unused.replanned()

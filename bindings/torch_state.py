@@ -198,6 +198,14 @@ class ConsolidatedState:
                 self._pieces.append((piece, idx, pslice, b.index, bslice))
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         self._shard_opt = type(self._inner)([{"params": ps, **h} for ps, h in zip(groups, hyper)])
+        # state the wrapped optimizer holds already is its pieces': a checkpoint loaded before
+        # wrapping, Adagrad's accumulators made by its constructor (from its own arguments, which
+        # the shard optimizer made from the groups does not see)
+        st = self._inner.state
+        held = {i: dict(st[p]) for i, p in enumerate(self._params)
+                if p in st and st[p] and not isinstance(st[p], ShardedParamState)}
+        if held:
+            self._load_pieces(held)
         self._mark_sharded_state()
 
     def _mark_sharded_state(self) -> None:
@@ -267,6 +275,26 @@ class ConsolidatedState:
                         out[sl.index][key] = in_layout(flat, sl.offset, self._layouts[sl.index]).clone()
         return out
 
+    def _states_by_param(self) -> dict[int, dict[str, Any]]:
+        """By ``id`` of parameter, before a re-plan: the state of every parameter that has one,
+        trained (gathered from the shards: a collective under a sharded strategy) or not (held
+        whole by the wrapped optimizer, as in one process: frozen after training, or loaded)."""
+        full = self._full_state()
+        out = {id(p): d for p, d in self._inner.state.items() if not isinstance(d, ShardedParamState)}
+        out.update({id(self._params[i]): d for i, d in full.items()})
+        return out
+
+    def _restore_states(self, kept: dict[int, dict[str, Any]], before: list[torch.Tensor]) -> None:
+        """After a re-plan: each trained parameter's state from ``kept`` (in pieces under a sharded
+        strategy); one that stopped training keeps its state whole, as in one process (unfrozen
+        again, it trains on from it)."""
+        self._set_full_state({i: kept[id(p)] for i, p in enumerate(self._params) if id(p) in kept})
+        if self.strategy.sharded:
+            now = {id(p) for p in self._params}
+            for p in before:
+                if id(p) not in now and id(p) in kept:
+                    self._inner.state[p] = kept[id(p)]
+
     def _set_full_state(self, full: dict[int, dict[str, Any]]) -> None:
         if not self.strategy.sharded:
             for i, d in full.items():      # state follows its parameter's device and dtype, as in
@@ -305,7 +333,8 @@ class ConsolidatedState:
         full = self._full_state()
         saved = dict(self._inner.state)
         try:
-            self._inner.state.clear()
+            self._inner.state.clear()       # the state of parameters it does not train stays too
+            self._inner.state.update({p: d for p, d in saved.items() if not isinstance(d, ShardedParamState)})
             for i, d in full.items():
                 self._inner.state[self._params[i]] = d
             sd = self._inner.state_dict()
@@ -325,9 +354,10 @@ class ConsolidatedState:
             self.strategy.load_state_dict(_as_numpy(extra["strategy"]))
             if self.strategy.cap_bytes != self._planned_cap:     # the checkpoint was tuned
                 self.replan()
-        if self.strategy.sharded:
+        if self.strategy.sharded:       # the trained parameters' state to their pieces; the rest's stays
             full = {i: self._inner.state[p] for i, p in enumerate(self._params) if p in self._inner.state}
-            self._inner.state.clear()
+            for p in self._params:
+                self._inner.state.pop(p, None)
             self._set_full_state(full)
 
     # ------------------------------------------------------------------ the update

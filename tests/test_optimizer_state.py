@@ -178,6 +178,20 @@ def test_optimizer_state_edits_act_as_in_one_process(comm, name, edit):
     assert_close(model, ref)
 
 
+def train_steps(comm, model: Net, opt: torch.optim.Optimizer, steps: range, mine: bool,
+                sched: torch.optim.lr_scheduler.LRScheduler | None = None) -> None:
+    """The reference loop's ``steps``, on this rank's slice of each global batch (``mine``) or all of it."""
+    for step in steps:
+        x, y = batch(step, comm.size)
+        if mine:
+            x, y = rank_part(comm, LOCAL, x, y)
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", ["allreduce", "dear"])
 def test_hooks_and_a_scheduler_of_the_wrapped_optimizer_run_as_in_one_process(comm, name):
@@ -212,14 +226,7 @@ def test_hooks_and_a_scheduler_of_the_wrapped_optimizer_run_as_in_one_process(co
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                for step in range(3):
-                    x, y = batch(step, comm.size)
-                    if distributed:
-                        x, y = rank_part(comm, LOCAL, x, y)
-                    opt.zero_grad()
-                    loss_fn(model, x, y).backward()
-                    opt.step()
-                    sched.step()
+                train_steps(comm, model, opt, range(3), mine=distributed, sched=sched)
         finally:
             counted.remove()
         return ema, calls, [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
@@ -229,3 +236,40 @@ def test_hooks_and_a_scheduler_of_the_wrapped_optimizer_run_as_in_one_process(co
     assert warned == []
     for e, r in zip(ema, ref_ema):
         np.testing.assert_allclose(e.numpy(), r.numpy(), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("held", ["checkpoint", "adagrad"])
+@pytest.mark.parametrize("name", ["allreduce", "dear", "dear-1bucket", "selsync0-grads"])
+def test_state_the_optimizer_holds_when_wrapped_trains_on_as_in_one_process(comm, name, held):
+    """State the optimizer holds before it is wrapped is the state the update reads: a checkpoint
+    loaded into the plain optimizer, then wrapped (resuming), and Adagrad's accumulators, which its
+    constructor makes from ``initial_accumulator_value``.  Under DeAR both were dropped: its shards
+    started from fresh state (Adam's moments at zero, Adagrad's sums at 0 instead of 0.5)."""
+    def plain(model: Net) -> torch.optim.Optimizer:
+        if held == "adagrad":
+            return torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.5)
+        return torch.optim.Adam(model.parameters(), lr=0.01)
+
+    cut = 2 if held == "checkpoint" else 0
+    ref = make_model(0)
+    ref_opt = plain(ref)
+    train_steps(comm, ref, ref_opt, range(cut), mine=False)
+    msd, osd = copy.deepcopy(ref.state_dict()), copy.deepcopy(ref_opt.state_dict())
+    train_steps(comm, ref, ref_opt, range(cut, STEPS), mine=False)
+
+    model = make_model(comm.rank + 7)
+    model.load_state_dict(msd)
+    opt = plain(model)
+    if held == "checkpoint":
+        opt.load_state_dict(osd)
+    opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[name](), comm=comm,
+                               find_unused_parameters=True)
+    train_steps(comm, model, opt, range(cut, STEPS), mine=True)
+    with opt.flush():
+        assert_close(model, ref)
+    sd = opt.state_dict()
+    for i, st in ref_opt.state_dict()["state"].items():
+        for k, v in st.items():
+            np.testing.assert_allclose(np.asarray(sd["state"][i][k]), np.asarray(v), rtol=2e-5, atol=1e-7,
+                                       err_msg=f"param {i} {k}")

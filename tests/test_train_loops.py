@@ -7,7 +7,8 @@ under a GradScaler; autocast, GradScaler with an inf injected on the last rank,
 accumulation, a checkpoint resumed without ``flush()``, evaluation mid-training,
 an unused head, a head used at some steps only (by some ranks' samples, or by none:
 left out of that step's update, or updated with zeros after
-``zero_grad(set_to_none=False)``), gradual unfreezing, a parameter group added for
+``zero_grad(set_to_none=False)``), gradual unfreezing, a layer frozen after training then
+unfrozen (its momentum kept meanwhile, through a checkpoint too), a parameter group added for
 the unfrozen layer, the model converted to float64 and a parameter's ``.data``
 assigned right after a step, unfreezing in a model trained in eval mode, gradients
 computed with ``torch.func`` and assigned to ``.grad``, an EMA and weight clipping
@@ -48,8 +49,8 @@ WEIGHT_CLIP = 0.3  # clamps some parameters after each step (WGAN's critic)
 # every token reaches, none, only the first rank's, all): no rank uses it at step 1
 ROUTED = [lambda i: True, lambda i: False, lambda i: i < LOCAL, lambda i: True]
 PATTERNS = ["clip-horovod", "clip", "clip-torch", "bf16", "fp16-scaler", "no_sync", "checkpoint", "eval",
-            "unused-head", "unfreeze", "add-group", "to-double", "eval-mode", "assigned-grads", "ema",
-            "weight-clip", "routed-head", "routed-zeros"]
+            "unused-head", "unfreeze", "refreeze", "add-group", "to-double", "eval-mode", "assigned-grads",
+            "ema", "weight-clip", "routed-head", "routed-zeros"]
 
 # Mixed precision is compared with a single-process run under the same autocast.  The ranks'
 # weight gradients come from 16-bit matmuls over their own slice, averaged afterwards, where the
@@ -105,7 +106,7 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
     if strategy:
         opt = wrap(comm, strategy, model, opt)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=pattern in ("fp16-scaler", "clip-torch"))
-    out = {"norms": [], "evals": [], "scales": []}
+    out = {"norms": [], "evals": [], "scales": [], "state": {}}
     if pattern == "ema":        # after wrapping: the copy is current and a model of its own
         swa = torch.optim.swa_utils
         ema = swa.AveragedModel(model, multi_avg_fn=swa.get_ema_multi_avg_fn(0.5))
@@ -114,7 +115,7 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
         routed = torch.tensor([ROUTED[step](i) for i in range(len(x))])
         if strategy:
             x, y, routed = rank_part(comm, LOCAL, x, y, routed)
-        if strategy and pattern == "checkpoint" and step == CUT:    # save without flush(), resume fresh
+        if strategy and pattern in ("checkpoint", "refreeze") and step == CUT:     # resume fresh, no flush()
             buf = io.BytesIO()      # through torch.save and torch.load's default weights_only=True
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
             buf.seek(0)
@@ -122,11 +123,15 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
             if isinstance(opt.strategy, SyncSwitch):
                 opt.strategy.close()
             model, base = make(rank + 7, pattern)
+            if pattern == "refreeze":
+                model.fc2.requires_grad_(False)
             opt = wrap(comm, strategy, model, base)
             model.load_state_dict(msd)
             opt.load_state_dict(osd)
         if pattern in ("unfreeze", "eval-mode") and step in (1, 3):
             (model.fc1 if step == 1 else model.fc2).requires_grad_(step == 1)
+        if pattern == "refreeze" and step in (1, 3):    # frozen after training, then trained on
+            model.fc2.requires_grad_(step == 3)
         if pattern == "add-group" and step == 1:       # fine-tune fc1 from now on, at its own rate
             opt.add_param_group({"params": model.fc1.parameters(), "lr": 0.05})
         if pattern == "to-double" and step in (1, 2):  # converted, then .data assigned, right after a step
@@ -181,6 +186,9 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
         if pattern == "weight-clip":
             for p in model.parameters():
                 p.data.clamp_(-WEIGHT_CLIP, WEIGHT_CLIP)
+        if pattern == "refreeze" and step == CUT:      # fc2 frozen: its momentum is in the checkpoint
+            out["state"] = {i: {k: np.asarray(v).copy() for k, v in st.items()}
+                            for i, st in opt.state_dict()["state"].items()}
         if pattern == "eval" and step == CUT:
             model.eval()
             with torch.no_grad():
@@ -219,6 +227,10 @@ def test_loop_trains_as_one_process(comm, strategy, pattern):
     rtol, atol = TOLERANCE.get(pattern, (2e-5, 2e-6))
     np.testing.assert_allclose(vec, params_of(ref["model"]), rtol=rtol, atol=atol)
     np.testing.assert_allclose(got["evals"], ref["evals"], rtol=rtol, atol=atol)
+    assert sorted(got["state"]) == sorted(ref["state"])
+    for i, st in ref["state"].items():
+        for k, v in st.items():
+            np.testing.assert_allclose(got["state"][i][k], v, rtol=rtol, atol=atol, err_msg=f"param {i} {k}")
     if pattern == "ema":
         np.testing.assert_allclose(got["ema"], ref["ema"], rtol=rtol, atol=atol)
     # the norm of fp16-made gradients differs as they do (2**-11 relative per element); at the

@@ -123,9 +123,20 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                               comm: commlib.Communicator | None = None) -> None:
     """Give every rank ``root_rank``'s optimizer state and hyperparameters.
 
+    A :class:`DistributedOptimizer` broadcasts over its own communicator
+    (:meth:`~DistributedOptimizer.broadcast_state`): under ``DeAR``, whose state lives in pieces, a
+    checkpoint ``root_rank`` alone loaded since its last step is sent whole (Horovod's resume).
+
     Example:
+        >>> if comm.rank == 0:
+        ...     opt.load_state_dict(torch.load(path)["opt"])
         >>> broadcast_optimizer_state(opt, root_rank=0)
     """
+    from .torch import DistributedOptimizer
+
+    if isinstance(optimizer, DistributedOptimizer):    # over its own communicator; sharded state too
+        optimizer.broadcast_state(root_rank)
+        return
     comm = comm or commlib.init()
     sd = optimizer.state_dict()
     sd = comm.mpi_comm.bcast(sd if comm.rank == root_rank else None, root=root_rank)

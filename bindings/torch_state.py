@@ -166,6 +166,9 @@ class ConsolidatedState:
     _wrapped: bool
     _state_marks: list[ShardedParamState]
     _unused: UnusedParameters
+    #: under a sharded strategy, the state dict loaded since the last step: this rank keeps only its
+    #: pieces, so that a broadcast from it (Horovod's resume: rank 0 alone reads the checkpoint) sends it
+    _loaded: dict[str, Any] | None = None
 
     @property
     def state(self) -> Any:
@@ -347,6 +350,7 @@ class ConsolidatedState:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`state_dict` (from any number of ranks, or a plain optimizer's)."""
         sd = dict(state_dict)
+        self._loaded = state_dict if self.strategy.sharded else None
         extra = sd.pop("commlib", None)
         self._inner.load_state_dict(sd)
         self.param_groups = self._inner.param_groups     # torch replaced the group list
@@ -359,6 +363,29 @@ class ConsolidatedState:
             for p in self._params:
                 self._inner.state.pop(p, None)
             self._set_full_state(full)
+
+    def broadcast_state(self, root_rank: int = 0) -> None:
+        """Every rank's optimizer state and hyperparameters become ``root_rank``'s (a collective:
+        every rank calls it); :func:`broadcast_optimizer_state` calls it.  Under a sharded strategy
+        a state dict ``root_rank`` loaded since its last step is sent whole (its own pieces are all
+        it keeps of it): Horovod's resume, where rank 0 alone loads the checkpoint, then broadcasts.
+
+        Example:
+            >>> if comm.rank == 0:
+            ...     opt.load_state_dict(torch.load(path)["opt"])
+            >>> opt.broadcast_state(0)
+        """
+        comm = self.comm
+        if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < comm.size:
+            raise ValueError(f"broadcast_optimizer_state: root_rank {root_rank!r} is not a rank of "
+                             f"0..{comm.size - 1}")
+        label = "broadcast_optimizer_state()"
+        root_rank = int(root_rank)
+        sd = comm.allgather_object(self._loaded if comm.rank == root_rank else None, label=label)[root_rank]
+        if sd is None:
+            sd = self.state_dict()
+            sd = comm.allgather_object(sd if comm.rank == root_rank else None, label=label)[root_rank]
+        self.load_state_dict(sd)
 
     # ------------------------------------------------------------------ the update
     def _pre_step_hooks(self, evaluate: Callable[[], Any] | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -401,6 +428,7 @@ class ConsolidatedState:
                 if k != "params":
                     sg[k] = v
         self._adopt_state_edits()
+        self._loaded = None
         for piece, idx, *_ in self._pieces:
             if idx in self._unused.indices:
                 piece.grad = None

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 if HAVE_TORCH:
     import torch
 
-    from commlib.bindings.torch import DistributedOptimizer
+    from commlib.bindings.torch import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
     from commlib.collectives import AllReduce, SelSync
 
 
@@ -273,3 +273,31 @@ def test_state_the_optimizer_holds_when_wrapped_trains_on_as_in_one_process(comm
         for k, v in st.items():
             np.testing.assert_allclose(np.asarray(sd["state"][i][k]), np.asarray(v), rtol=2e-5, atol=1e-7,
                                        err_msg=f"param {i} {k}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["allreduce", "dear", "dear-1bucket"])
+def test_a_checkpoint_rank_0_loads_alone_reaches_every_rank_by_broadcast(comm, name):
+    """Horovod's resume: rank 0 alone loads the checkpoint, then ``broadcast_parameters`` and
+    ``broadcast_optimizer_state`` give every rank its model, state and hyperparameters; training
+    goes on as one process's.  Under DeAR the broadcast sent the state gathered from the shards, of
+    which only rank 0's pieces came from the checkpoint (the others' were fresh)."""
+    cut = 2
+    ref = make_model(0)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    train_steps(comm, ref, ref_opt, range(cut), mine=False)
+    msd, osd = copy.deepcopy(ref.state_dict()), copy.deepcopy(ref_opt.state_dict())
+    train_steps(comm, ref, ref_opt, range(cut, STEPS), mine=False)
+
+    model = make_model(comm.rank + 7)
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01 * (comm.rank + 1)), model,
+                               strategy=STRATEGIES[name](), comm=comm, find_unused_parameters=True)
+    if comm.rank == 0:
+        model.load_state_dict(msd)
+        opt.load_state_dict(osd)
+    broadcast_parameters(model.state_dict(), root_rank=0, comm=comm)
+    broadcast_optimizer_state(opt, root_rank=0, comm=comm)
+    assert opt.param_groups[0]["lr"] == 0.01
+    train_steps(comm, model, opt, range(cut, STEPS), mine=True)
+    with opt.flush():
+        assert_close(model, ref)

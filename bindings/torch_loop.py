@@ -22,10 +22,10 @@ between ``backward()`` and ``step()`` meet:
   loss too, so that LBFGS takes the same evaluations on every rank;
 * parameters no rank gave a gradient at the first step are found (one small
   all-reduce, once) and left out of the update, as one process would;
-* a parameter that starts or stops training (``requires_grad``, gradual
-  unfreezing), or a model moved or converted after wrapping (``model.to()``,
-  ``.double()``, ``.data`` assigned), re-plans the buckets at the next
-  forward with gradients enabled (train or eval mode), on every rank.
+* a parameter that starts or stops training (``requires_grad``, gradual unfreezing), a model
+  moved or converted after wrapping (``model.to()``, ``.double()``, ``.data`` assigned) or a
+  checkpoint of another (tuned) cap loaded re-plans the buckets at the next forward with
+  gradients enabled (train or eval mode), on every rank.
 
 Example (the full loop; ``scaler`` may be ``GradScaler("cpu", enabled=False)``):
     >>> for x, y in loader:
@@ -87,6 +87,7 @@ class TrainingLoop:
     _shard_norms: ShardNorms | None
     _in_flight: InFlight
     _signaled: list[bool]
+    _planned_cap: int
 
     def _init_loop(self) -> None:
         self._no_sync_depth = 0
@@ -178,8 +179,8 @@ class TrainingLoop:
     @torch.compiler.disable
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         """Evaluation sees the last update; a forward with gradients (train or eval mode) re-plans when
-        ``requires_grad`` changed or a parameter no longer lives in its bucket (the model moved or
-        converted after wrapping).
+        ``requires_grad`` changed, a parameter no longer lives in its bucket (the model moved or
+        converted after wrapping) or a loaded checkpoint's cap is not the plan's (it was tuned).
 
         Like every hook that waits on communication, never traced by ``torch.compile``:
         Dynamo would replay the Python state it saw while tracing (a wait found
@@ -192,8 +193,8 @@ class TrainingLoop:
             self._complete()
         else:
             self._in_flight.before_module(id(module), ())
-        if grad and (moved or changed):
-            # a collective: every rank changes requires_grad (or moves the model) at the same point;
+        if grad and (moved or changed or self.strategy.cap_bytes != self._planned_cap):
+            # a collective: every rank changes requires_grad (or moves the model, or loads) at the same point;
             # in eval mode too (training with dropout off or batch statistics frozen, as RLHF loops do)
             self.replan()
 
@@ -405,9 +406,8 @@ class TrainingLoop:
     def skip_synchronize(self) -> Iterator[Any]:
         """``with opt.skip_synchronize(): opt.step()`` after :meth:`synchronize` (Horovod's spelling).
 
-        ``step()`` never reduces twice, so this only states the intent; it is
-        here so that Horovod code runs unchanged.
-        """
+        ``step()`` never reduces twice, so this only states the intent; it is here so that Horovod
+        code runs unchanged."""
         yield self
 
     @contextmanager

@@ -354,10 +354,8 @@ class ConsolidatedState:
         extra = sd.pop("commlib", None)
         self._inner.load_state_dict(sd)
         self.param_groups = self._inner.param_groups     # torch replaced the group list
-        if extra is not None:
-            self.strategy.load_state_dict(_as_numpy(extra["strategy"]))
-            if self.strategy.cap_bytes != self._planned_cap:     # the checkpoint was tuned
-                self.replan()
+        if extra is not None:       # a tuned cap re-plans at the next training forward, on every rank
+            self.strategy.load_state_dict(_as_numpy(extra["strategy"]))      # (rank 0 may load alone)
         if self.strategy.sharded:       # the trained parameters' state to their pieces; the rest's stays
             full = {i: self._inner.state[p] for i, p in enumerate(self._params) if p in self._inner.state}
             for p in self._params:

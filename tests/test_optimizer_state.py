@@ -34,7 +34,7 @@ if HAVE_TORCH:
     import torch
 
     from commlib.bindings.torch import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
-    from commlib.collectives import AllReduce, SelSync
+    from commlib.collectives import AllReduce, DeAR, SelSync
 
 
 @pytest.mark.mpi
@@ -301,3 +301,33 @@ def test_a_checkpoint_rank_0_loads_alone_reaches_every_rank_by_broadcast(comm, n
     train_steps(comm, model, opt, range(cut, STEPS), mine=True)
     with opt.flush():
         assert_close(model, ref)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_tuned_checkpoint_rank_0_loads_alone_replans_every_rank_at_the_next_forward(comm):
+    """The same resume from a checkpoint whose cap was tuned (not the new optimizer's): every rank
+    re-plans to it at the next training forward and trains on as one process.  Rank 0 re-planned
+    inside ``load_state_dict()``, alone: every rank raised ``MismatchError`` in the broadcast."""
+    steps, cut = 8, 5
+    tune = {"trials": 3, "window": 1, "skip": 0, "low_mb": 0.0001, "high_mb": 0.002}
+    ref, _ = reference("sgd", comm.size, steps)
+    model, opt = distributed(comm, "sgd", DeAR(cap_mb=0.0003, first_cap_mb=0.0001, tune=tune), cut,
+                             extra_forward=False)
+    assert opt.strategy.tuner.done
+    msd, osd, ssd = copy.deepcopy(model.state_dict()), opt.state_dict(), opt.sched.state_dict()
+
+    model2 = make_model(comm.rank + 7)
+    opt2 = DistributedOptimizer(make_optimizer("sgd", model2), model2, comm=comm, find_unused_parameters=True,
+                                strategy=DeAR(cap_mb=0.005, first_cap_mb=0.0001, tune=tune))
+    sched = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
+    if comm.rank == 0:
+        model2.load_state_dict(msd)
+        opt2.load_state_dict(osd)
+    broadcast_parameters(model2.state_dict(), root_rank=0, comm=comm)
+    broadcast_optimizer_state(opt2, root_rank=0, comm=comm)
+    sched.load_state_dict(ssd)
+    train_steps(comm, model2, opt2, range(cut, steps), mine=True, sched=sched)
+    assert opt2.strategy.cap_bytes == opt.strategy.cap_bytes
+    assert [len(b.slots) for b in opt2.buckets] == [len(b.slots) for b in opt.buckets]
+    with opt2.flush():
+        assert_close(model2, ref)

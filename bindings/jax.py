@@ -63,8 +63,8 @@ Sharp bits (what a user must know):
   :class:`commlib.MismatchError` on every rank when they differ; later calls
   trust the cached plan (``check="always"`` compares on every call, or run
   with ``COMMLIB_CHECK=1`` to have commlib compare every collective).
-* Gradient leaves must be floating (float16, bfloat16, float32, float64),
-  each on one device, all on the same device; integer or ``float0`` leaves
+* Gradient leaves must be floating (float16, bfloat16, float32, float64) or
+  complex (complex64, complex128), each on one device, all on the same device; integer or ``float0`` leaves
   (``jax.grad(..., allow_int=True)``) and arrays sharded over several devices
   are rejected on every rank with :class:`commlib.ValidationError`.
   :func:`broadcast_params` also takes int32 and int64 leaves.
@@ -85,7 +85,7 @@ import jax
 import numpy as np
 
 import commlib
-from commlib.arrays import DTYPES, FLOAT_DTYPES, is_tracer, numpy_dtype
+from commlib.arrays import DTYPES, INEXACT_DTYPES, is_tracer, numpy_dtype
 from commlib.collectives import AllReduce, DeAR, Strategy, checked_strategy
 from commlib.collectives.buckets import Bucket, MiB
 from commlib.errors import ValidationError
@@ -148,7 +148,7 @@ class GradientSync:
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ plans
-    def _plan(self, tree: Any, allowed: Sequence[str] = FLOAT_DTYPES) -> tuple[Plan, list[Any]]:
+    def _plan(self, tree: Any, allowed: Sequence[str] = INEXACT_DTYPES) -> tuple[Plan, list[Any]]:
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         s = self.strategy
         meta = tuple((None if is_tracer(x) else getattr(x, "sharding", None), np.shape(x),

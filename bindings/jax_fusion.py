@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 import commlib
-from commlib.arrays import FLOAT_DTYPES, is_tracer, numpy_dtype
+from commlib.arrays import INEXACT_DTYPES, is_tracer, numpy_dtype
 from commlib.collectives import TensorSpec, plan_buckets
 from commlib.collectives.buckets import Bucket
 from commlib.ops import agree
@@ -44,7 +44,7 @@ class Plan:
         self.device, self.committed = device, committed
         bad = [f"leaf {p} has dtype {d}" for p, d in zip(paths, self.dtypes) if d not in allowed]
         if bad and error is None:
-            kinds = "floating" if tuple(allowed) == FLOAT_DTYPES else "supported"
+            kinds = "floating or complex" if tuple(allowed) == INEXACT_DTYPES else "supported"
             error = (f"{'; '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}: leaves must be "
                      f"{kinds} ({', '.join(allowed)}); take other leaves out of the tree")
         self.error = error

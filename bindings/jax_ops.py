@@ -35,6 +35,7 @@ import numpy as np
 import commlib
 from commlib.arrays import DTYPES, dtype_name, is_tracer
 from commlib.errors import ValidationError
+from commlib.ops import check_reduce_op
 
 _JIT_COMMS: WeakKeyDictionary = WeakKeyDictionary()      # comm -> the communicator of its traced calls
 
@@ -47,8 +48,7 @@ def allreduce(x: Any, op: str = "sum", comm: commlib.Communicator | None = None)
         >>> mean_loss = allreduce(loss, "avg")      # inside a jitted step too
     """
     comm = _checked("allreduce", x, comm)
-    if op not in commlib.REDUCE_OPS:
-        raise ValidationError(f"allreduce: op {op!r}: expected one of {', '.join(commlib.REDUCE_OPS)}")
+    check_reduce_op(op, dtype_name(x.dtype), "allreduce")     # while tracing: every rank, before any call
 
     @jax.custom_vjp
     def run(v: Any) -> Any:

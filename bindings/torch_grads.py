@@ -134,7 +134,8 @@ class ShardNorms:
         ufunc = {"max": np.maximum, "min": np.minimum, "sum": np.add}[combine]    # parts, then ranks
         local = np.full(self.n_params, float("inf") if combine == "min" else 0.0)
         if self.parts:
-            values = torch.stack(torch._foreach_norm([g for _, g in self.parts], ord, dtype=torch.float64))
+            parts = [g.abs() if g.is_complex() else g for _, g in self.parts]     # complex: |z|'s norm
+            values = torch.stack(torch._foreach_norm(parts, ord, dtype=torch.float64))
             if combine == "sum" and ord != 0:
                 values = values.pow(ord)
             ufunc.at(local, [i for i, _ in self.parts], values.cpu().numpy())    # one may span buckets
@@ -150,6 +151,8 @@ class ShardNorms:
 _READ = "a norm of DeAR's sharded .grad (clip_grad_norm_, get_total_norm, .norm())"
 _VALUES = "a read of DeAR's sharded .grad's values (p.grad.sum(), print(p.grad)...), which gathers them"
 _NOT_HELD = object()    # a norm the shards' norms do not give
+#: the dtype of a complex tensor's norm
+_REAL = {torch.complex64: torch.float32, torch.complex128: torch.float64, torch.complex32: torch.float16}
 _NORMS = {torch.linalg.vector_norm, torch.linalg.norm, torch.norm, torch.Tensor.norm, torch._foreach_norm}
 
 
@@ -273,7 +276,7 @@ def _global_norm(func: Any, args: Any, kwargs: dict) -> Any:
     if func is torch.linalg.vector_norm and not kwargs and len(args) <= 2:     # clip_grad_norm_'s
         t, norms, ord = args[0], _live(args[0]), _order(args[1] if len(args) > 1 else 2)
         if norms is not None and ord is not None:
-            return norms.of(t._index, ord).to(device=t.device, dtype=t.dtype)
+            return norms.of(t._index, ord).to(device=t.device, dtype=_REAL.get(t.dtype, t.dtype))
     if func is torch._foreach_norm:     # plain tensors among them (another optimizer's): their own norm
         tensors, ord = args[0], (args[1] if len(args) > 1 else kwargs.get("ord", 2))
         live, dtype = [_live(t) for t in tensors], kwargs.get("dtype")
@@ -281,7 +284,8 @@ def _global_norm(func: Any, args: Any, kwargs: dict) -> Any:
             return None
         if _order(ord) is None:
             return _NOT_HELD
-        return [n.of(t._index, _order(ord)).to(device=t.device, dtype=dtype or t.dtype) if n is not None
+        return [n.of(t._index, _order(ord)).to(device=t.device, dtype=dtype or _REAL.get(t.dtype, t.dtype))
+                if n is not None
                 else torch.linalg.vector_norm(t, ord, dtype=dtype) for n, t in zip(live, tensors)]
     names = ("input", "p" if func in (torch.norm, torch.Tensor.norm) else "ord", "dim", "keepdim")
     bound = dict(zip(names, args))

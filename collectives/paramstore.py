@@ -95,7 +95,7 @@ from commlib import CommTimeoutError, Communicator, ValidationError, split_count
 
 from .rma_progress import PROGRESS_MODES, Pump, resolve_progress
 
-_DTYPES = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
+_DTYPES = {name: np.dtype(name) for name in ("float32", "float64", "complex64", "complex128")}
 _LAYOUTS = ("sharded", "server")
 #: board slots per rank (float64)
 BOARD_SLOTS = 4
@@ -154,7 +154,7 @@ class ParamStore:
         try:  # validate on every rank, then agree, before any collective
             name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
             if name not in _DTYPES:
-                raise ValidationError(f"dtype {dtype!r}: the store holds float32 or float64")
+                raise ValidationError(f"dtype {dtype!r}: the store holds {', '.join(_DTYPES)}")
             if not isinstance(numel, (int, np.integer)) or numel < 0:
                 raise ValidationError(f"numel {numel!r}: expected an integer >= 0")
             if layout not in _LAYOUTS:

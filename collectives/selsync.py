@@ -89,7 +89,7 @@ from typing import Any
 import numpy as np
 
 from commlib import Communicator, Work
-from commlib.arrays import as_view
+from commlib.arrays import INEXACT_DTYPES, as_view
 
 from .allreduce import AllReduce
 from .buckets import Bucket
@@ -205,8 +205,9 @@ class SelSync(Strategy):
         average with the parameters when ``sync_optimizer_state`` is on."""
         for i, buf in enumerate(buffers):
             v = as_view(buf, f"selsync: state buffer {i}")
-            if v.dtype not in ("float16", "bfloat16", "float32", "float64") or not v.writable:
-                raise ValueError(f"state buffer {i}: expected a writable floating array, got {v.dtype}")
+            if v.dtype not in INEXACT_DTYPES or not v.writable:
+                raise ValueError(f"state buffer {i}: expected a writable floating (or complex) array, "
+                                 f"got {v.dtype}")
         self.state_buffers = list(buffers)
 
     def bucket_ready(self, b: int) -> None:

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from commlib.arrays import as_view
+from commlib.arrays import COMPLEX_DTYPES, as_view
 
 
 class SignificanceMeter:
@@ -73,5 +73,7 @@ def l2_norm(buffers: Sequence[Any]) -> float:
             d = (d.astype(v.xp.uint32) << 16).view(v.xp.float32)
         elif v.dtype in ("float16", "int32", "int64"):
             d = d.astype(v.xp.float32)
+        elif v.dtype in COMPLEX_DTYPES:      # |z|^2: the sum of the squared real pairs
+            d = d.view(v.xp.float32 if v.dtype == "complex64" else v.xp.float64)
         total += float(v.xp.dot(d, d))
     return math.sqrt(total)

@@ -23,8 +23,12 @@ import numpy as np
 from .errors import ValidationError
 
 #: The dtypes every operation accepts, by name.
-DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "complex64", "complex128")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+#: summed and averaged (MPI's complex types; NCCL: as pairs of reals), not ordered: no max or min
+COMPLEX_DTYPES = ("complex64", "complex128")
+#: what ``avg`` takes, and gradients may be: floating and complex
+INEXACT_DTYPES = FLOAT_DTYPES + COMPLEX_DTYPES
 
 _STORAGE = {
     "float16": np.dtype(np.float16),
@@ -33,6 +37,8 @@ _STORAGE = {
     "float64": np.dtype(np.float64),
     "int32": np.dtype(np.int32),
     "int64": np.dtype(np.int64),
+    "complex64": np.dtype(np.complex64),
+    "complex128": np.dtype(np.complex128),
 }
 _NUMPY_LOGICAL = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -280,6 +286,8 @@ def as_view(x: Any, name: str, read_only: bool = False) -> View:
         t = x.detach()
         if not t.is_contiguous():
             t = _read_copy(t, lambda t: t.contiguous(), name, kind, read_only)
+        if t.is_conj() or t.is_neg():       # a lazy conjugate (x.conj()): DLPack takes only what is stored
+            t = _read_copy(t, lambda t: t.resolve_conj().resolve_neg(), name, kind, read_only)
         is_bf16 = str(t.dtype) == "torch.bfloat16"
         if is_bf16:
             t = t.view(sys.modules["torch"].int16)

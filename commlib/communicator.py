@@ -33,8 +33,9 @@ class Communicator:
 
     Obtain one from :func:`commlib.init`.  Every operation takes numpy or cupy
     arrays, torch tensors or jax arrays (through DLPack) of float16, bfloat16,
-    float32, float64, int32 or int64, contiguous, of any shape (treated as
-    flat).  Results come back as the caller's kind of array.
+    float32, float64, int32, int64, complex64 or complex128 (summed and averaged,
+    not ordered), contiguous, of any shape (treated as flat).  Results come back
+    as the caller's kind of array.
 
     * ``out=None`` allocates the result; ``out=x`` works in place; any other
       ``out`` receives the result (same dtype and device, right size).
@@ -194,7 +195,7 @@ class Communicator:
     # ------------------------------------------------------------- operations
     def _allreduce(self, x: Any, op: str, out: Any, tag: str | None) -> Op:
         v = as_view(x, "allreduce: x", read_only=out is not x)
-        check_reduce_op(op, v, "allreduce")
+        check_reduce_op(op, v.dtype, "allreduce")
         recv, value = out_buffer(v, out, v.count, "allreduce")
         be, ctx = self._route(v, "allreduce")
         return Op("allreduce", be.allreduce, (v.data, recv, v.dtype, op, ctx),
@@ -226,7 +227,7 @@ class Communicator:
 
     def _reduce_scatter(self, x: Any, op: str, out: Any, tag: str | None) -> Op:
         v = as_view(x, "reduce_scatter: x", read_only=out is not x)
-        check_reduce_op(op, v, "reduce_scatter")
+        check_reduce_op(op, v.dtype, "reduce_scatter")
         counts = self._split.get(v.count)
         if counts is None:
             counts = self._split[v.count] = split_counts(v.count, self.size)

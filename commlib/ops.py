@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import DTYPES, FLOAT_DTYPES, View, as_view, host_pair
+from .arrays import COMPLEX_DTYPES, DTYPES, INEXACT_DTYPES, View, as_view, host_pair
 from .backends.base import REDUCE_OPS, Pending
 from .errors import MismatchError, ValidationError
 
@@ -89,22 +89,33 @@ def out_buffer(v: View, out: Any, count: int, what: str) -> tuple[Any, Any]:
 
 
 def reduce_op_ok(op: str, dtype: str) -> bool:
-    """Whether ``op`` is a reduce op valid for ``dtype`` (``avg`` needs a floating dtype).
+    """Whether ``op`` is a reduce op valid for ``dtype`` (``avg`` needs a floating or complex
+    dtype; ``max`` and ``min`` an ordered one, not complex).
 
     Example:
-        >>> reduce_op_ok("avg", "int32")
-        False
+        >>> reduce_op_ok("avg", "int32"), reduce_op_ok("max", "complex64")
+        (False, False)
     """
-    return op in REDUCE_OPS and (op != "avg" or dtype in FLOAT_DTYPES)
+    if dtype in COMPLEX_DTYPES:
+        return op in ("sum", "avg")
+    return op in REDUCE_OPS and (op != "avg" or dtype in INEXACT_DTYPES)
 
 
-def check_reduce_op(op: str, v: View, what: str) -> None:
-    """Reject an unknown reduce op, and ``avg`` on integers (what :func:`reduce_op_ok` refuses)."""
-    if reduce_op_ok(op, v.dtype):
+def check_reduce_op(op: str, dtype: str, what: str) -> None:
+    """Reject an unknown reduce op, ``avg`` on integers and ``max``/``min`` on complex numbers
+    (what :func:`reduce_op_ok` refuses) with :class:`ValidationError`.
+
+    Example:
+        >>> check_reduce_op("max", "complex64", "allreduce")     # raises: complex numbers have no order
+    """
+    if reduce_op_ok(op, dtype):
         return
     if op not in REDUCE_OPS:
         raise ValidationError(f"{what}: op {op!r} is not one of {REDUCE_OPS}")
-    raise ValidationError(f"{what}: op 'avg' needs a floating dtype, got {v.dtype}")
+    if dtype in COMPLEX_DTYPES:
+        raise ValidationError(f"{what}: op {op!r} needs ordered values, got {dtype} (complex numbers are "
+                              "summed or averaged: op 'sum' or 'avg')")
+    raise ValidationError(f"{what}: op 'avg' needs a floating (or complex) dtype, got {dtype}")
 
 
 def check_agreement(table: np.ndarray, name: str, seq: int) -> None:

@@ -115,6 +115,7 @@ NO_GPU_REASON = "no CUDA device with cupy on this machine (GPU tests run on a le
 NUMPY_DTYPES = {
     "float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
     "float64": np.float64, "int32": np.int32, "int64": np.int64,
+    "complex64": np.complex64, "complex128": np.complex128,
 }
 #: sizes: empty, one, primes, not divisible by 2, 3 or 4, and one that is
 SIZES = [0, 1, 2, 3, 7, 13, 64, 1009]
@@ -126,13 +127,21 @@ def comm() -> commlib.Communicator:
 
 
 def rank_input(rank: int, n: int, dtype: str, salt: int = 0) -> np.ndarray:
-    """Rank ``rank``'s input: small integers (exact in every dtype) times 0.5 for floats."""
+    """Rank ``rank``'s input: small integers (exact in every dtype) times 0.5 for floats (complex:
+    in both parts)."""
     rng = np.random.default_rng([rank, n, salt, 12345])
     ints = rng.integers(-8, 9, size=n)
     dt = NUMPY_DTYPES[dtype]
     if dtype.startswith("int"):
         return ints.astype(dt)
+    if dtype.startswith("complex"):
+        return ((ints + 1j * rng.integers(-8, 9, size=n)) * 0.5).astype(dt)
     return (ints * 0.5).astype(dt)
+
+
+def wide(dtype: str) -> type:
+    """The reference's dtype for ``dtype``: complex128 for complex numbers, else float64."""
+    return np.complex128 if dtype.startswith("complex") else np.float64
 
 
 def heavy_tailed_grad(rank: int, step: int, numel: int, dtype=np.float32, salt: int = 0) -> np.ndarray:
@@ -147,8 +156,8 @@ def heavy_tailed_grad(rank: int, step: int, numel: int, dtype=np.float32, salt: 
 
 
 def all_inputs(size: int, n: int, dtype: str, salt: int = 0) -> np.ndarray:
-    """Every rank's input in float64, shape (size, n): the reference's raw material."""
-    return np.stack([rank_input(r, n, dtype, salt).astype(np.float64) for r in range(size)])
+    """Every rank's input in float64 (complex128), shape (size, n): the reference's raw material."""
+    return np.stack([rank_input(r, n, dtype, salt).astype(wide(dtype)) for r in range(size)])
 
 
 def reference(op: str, stacked: np.ndarray) -> np.ndarray:
@@ -158,9 +167,10 @@ def reference(op: str, stacked: np.ndarray) -> np.ndarray:
 
 
 def tolerance(dtype: str) -> float:
-    return {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-6, "float64": 1e-12}.get(dtype, 0)
+    return {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-6, "float64": 1e-12, "complex64": 1e-6,
+            "complex128": 1e-12}.get(dtype, 0)
 
 
 def assert_close(actual, expected, dtype: str) -> None:
-    a = np.asarray(actual).astype(np.float64)
+    a = np.asarray(actual).astype(wide(dtype))
     np.testing.assert_allclose(a, expected, rtol=tolerance(dtype), atol=tolerance(dtype))

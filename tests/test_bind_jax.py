@@ -154,6 +154,46 @@ def test_training_matches_single_process(comm, kind, name, mode):
     assert (strategy.comm is comm) == (mode != "jit")      # the jitted path has its own communicator
 
 
+def complex_params(seed: int) -> dict:
+    k = jax.random.split(jax.random.PRNGKey(seed), 2)
+    w = jax.random.normal(k[0], (6, 3)) + 1j * jax.random.normal(k[1], (6, 3))
+    return {"w": (0.4 * w).astype(jnp.complex64), "b": jnp.zeros(3)}
+
+
+def complex_loss(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.mean((jnp.abs(x.astype(jnp.complex64) @ params["w"]) + params["b"] - y) ** 2)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit", "sharded"])
+def test_complex_leaves_train_as_one_process(comm, mode):
+    """Complex parameters (a spectral layer's weights): averaged as complex numbers, inside jit too,
+    and updated on shards, as one process trains them.  They were refused ("leaves must be floating")."""
+    tx = optax.adam(0.02)
+
+    def train(dist: bool) -> dict:
+        params = broadcast_params(complex_params(comm.rank), comm=comm) if dist else complex_params(0)
+        strategy = DeAR(cap_mb=SMALL, first_cap_mb=SMALL / 2)
+        chain = (tx if not dist else sharded_optimizer(tx, comm=comm, strategy=strategy) if mode == "sharded"
+                 else optax.chain(average_gradients(comm=comm, strategy=strategy), tx))
+
+        def step_fn(params, state, x, y):
+            updates, state = chain.update(jax.grad(complex_loss)(params, x, y), state, params)
+            return optax.apply_updates(params, updates), state
+        if not dist or mode == "jit":
+            step_fn = jax.jit(step_fn)
+        state = chain.init(params)
+        mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL) if dist else slice(None)
+        for step in range(STEPS):
+            x, y = batch(step, comm.size)
+            params, state = step_fn(params, state, x[mine], y[mine])
+        return params
+
+    got, ref = train(True), train(False)
+    for k in ref:
+        assert got[k].dtype == ref[k].dtype
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(ref[k]), rtol=2e-5, atol=2e-6, err_msg=k)
+
+
 def mixed_tree(rank: int) -> dict:
     rng = np.random.default_rng([rank, 7])
 

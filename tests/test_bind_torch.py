@@ -12,7 +12,8 @@ import copy
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH
+from conftest import HAVE_TORCH, rank_part
+from conftest import STRATEGIES as LOOP_STRATEGIES
 from torch_reference import (
     LOCAL,
     STEPS,
@@ -343,3 +344,61 @@ def test_close_leaves_a_plain_model_that_torch_jit_scripts(comm, name):
             np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match=r"closed by close\(\)"):
         opt.step()
+
+
+class ComplexNet(torch.nn.Module if HAVE_TORCH else object):
+    """A complex layer (spectral weights, as Fourier neural operators hold) before a real head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(8, 4, dtype=torch.complex64))
+        self.b = torch.nn.Parameter(torch.zeros(4, dtype=torch.complex64))
+        self.head = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head((x.to(torch.complex64) @ self.w + self.b).abs())
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", list(LOOP_STRATEGIES))
+def test_complex_parameters_train_as_one_process(comm, name):
+    """Complex parameters (DDP averages them as pairs of reals): averaged, clipped by the global
+    norm (of ``|z|``), updated (DeAR: on shards) and checkpointed as in one process.  The sparse
+    exchange refuses them on every rank, saying so.  Wrapping refused every strategy
+    ("dtype complex64 is not supported")."""
+    from commlib import ValidationError
+    from commlib.collectives import SyncSwitch
+
+    def run(dist: bool):
+        model = ComplexNet()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        if dist:
+            opt = DistributedOptimizer(opt, model, strategy=LOOP_STRATEGIES[name](), comm=comm)
+        norms = []
+        for step in range(STEPS):
+            x, y = batch(step, comm.size)
+            if dist:
+                x, y = rank_part(comm, LOCAL, x, y)
+            opt.zero_grad()
+            loss_fn(model, x, y).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)))
+            opt.step()
+        return model, opt, norms
+
+    if name.startswith("sparse"):
+        with pytest.raises(ValidationError, match="complex64; sparse exchange needs floating gradients"):
+            run(True)
+        return
+    (model, opt, norms), (ref, ref_opt, ref_norms) = run(True), run(False)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.dtype == q.dtype
+        np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=2e-5, atol=2e-6)
+    for i, st in ref_sd["state"].items():
+        for k, v in st.items():
+            assert torch.as_tensor(sd["state"][i][k]).dtype == torch.as_tensor(v).dtype, (i, k)
+            np.testing.assert_allclose(np.asarray(sd["state"][i][k]), np.asarray(v), rtol=2e-5, atol=1e-7)
+    if isinstance(opt.strategy, SyncSwitch):
+        opt.strategy.close()

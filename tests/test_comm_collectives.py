@@ -7,10 +7,18 @@ import pytest
 
 import commlib
 
-from conftest import SIZES, all_inputs, assert_close, rank_input, reference
+from conftest import SIZES, all_inputs, assert_close, rank_input, reference, wide
 
 DTYPES = list(commlib.DTYPES)
-FLOATS = ["float16", "bfloat16", "float32", "float64"]
+FLOATS = ["float16", "bfloat16", "float32", "float64", "complex64", "complex128"]     # avg takes these
+UNORDERED = ["complex64", "complex128"]       # no max, no min: test_complex_numbers_have_no_max_or_min
+
+
+def defined(ops: list[str]) -> list[tuple[str, str]]:
+    """(dtype, op) pairs where the reduction is defined: avg on floats and complex numbers, max and
+    min on ordered values (the refusals: test_comm_errors, test_complex_numbers_have_no_max_or_min)."""
+    return [(d, op) for d in DTYPES for op in ops
+            if (op != "avg" or d in FLOATS) and (op not in ("max", "min") or d not in UNORDERED)]
 
 
 def _mode_call(comm, mode, name, x, **kw):
@@ -23,12 +31,9 @@ def _mode_call(comm, mode, name, x, **kw):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("op", ["sum", "avg", "max", "min"])
+@pytest.mark.parametrize("dtype,op", defined(["sum", "avg", "max", "min"]))
 @pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
 def test_allreduce_matches_reference(comm, dtype, op, mode):
-    if op == "avg" and dtype not in FLOATS:
-        pytest.skip("avg is defined for floating dtypes only")
     for n in SIZES:
         x = rank_input(comm.rank, n, dtype)
         expected = reference(op, all_inputs(comm.size, n, dtype))
@@ -55,12 +60,9 @@ def test_allreduce_in_place_and_into_out(comm, dtype, mode):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+@pytest.mark.parametrize("dtype,op", defined(["sum", "avg", "max"]))
 @pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
 def test_reduce_scatter_any_size(comm, dtype, op, mode):
-    if op == "avg" and dtype not in FLOATS:
-        pytest.skip("avg is defined for floating dtypes only")
     for n in SIZES:
         x = rank_input(comm.rank, n, dtype, salt=1)
         full = reference(op, all_inputs(comm.size, n, dtype, salt=1))
@@ -99,7 +101,7 @@ def test_allgather(comm, dtype, mode):
 def test_allgatherv_variable_counts(comm, dtype, mode, give_counts):
     counts = [(3 * r + 1) % 5 for r in range(comm.size)]  # includes zero for some ranks
     x = rank_input(comm.rank, counts[comm.rank], dtype, salt=4)
-    expected = np.concatenate([rank_input(r, counts[r], dtype, salt=4).astype(np.float64)
+    expected = np.concatenate([rank_input(r, counts[r], dtype, salt=4).astype(wide(dtype))
                                for r in range(comm.size)])
     got = _mode_call(comm, mode, "allgatherv", x, counts=counts if give_counts else None)
     assert got.shape == (sum(counts),)
@@ -190,7 +192,7 @@ def test_host_path_edges_match_the_reference(comm):
     assert gathered.shape == (comm.size, 3)
     assert_close(gathered, all_inputs(comm.size, n, "float32")[:, :3], "float32")
     for bad, match in [(lambda c: c.allreduce(x, out=np.empty(5, np.float32)), "out has 5 elements"),
-                       (lambda c: c.allreduce(np.ones(3, np.int32), op="avg"), "needs a floating dtype")]:
+                       (lambda c: c.allreduce(np.ones(3, np.int32), op="avg"), "needs a floating")]:
         spare = comm.split(0)            # a rejected input aborts the communicator it was given to
         with pytest.raises(commlib.ValidationError, match=match):
             bad(spare)
@@ -266,3 +268,26 @@ def test_results_without_out_stay_yours_while_you_hold_them(comm, mode):
     del held, views, gathered
     again = _mode_call(comm, mode, "allreduce", base * (comm.rank + 1))     # reused: the right values
     np.testing.assert_array_equal(again, total)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_complex_numbers_have_no_max_or_min(comm):
+    """Complex numbers are summed and averaged (MPI's complex types) but not ordered: ``max`` and
+    ``min`` raise on every rank, saying so.  A torch tensor's lazy conjugate (``t.conj()``) is read
+    as the values it stands for."""
+    x = rank_input(comm.rank, 5, "complex64")
+    spare = comm.split(0)            # a rejected input may abort the communicator it was given to
+    try:
+        for op in ("max", "min"):
+            with pytest.raises(commlib.ValidationError, match=f"'{op}' needs ordered values, got complex64"):
+                spare.allreduce(x, op=op)
+    finally:
+        spare.close()
+    expected = reference("sum", all_inputs(comm.size, 5, "complex64"))
+    try:
+        import torch
+    except ImportError:
+        return
+    got = comm.allreduce(torch.from_numpy(x).conj())
+    assert got.dtype == torch.complex64 and not got.is_conj()
+    assert_close(got.numpy(), expected.conj(), "complex64")

@@ -29,13 +29,13 @@ def fresh(**settings) -> commlib.Communicator:
 def test_local_validation_messages():
     comm = fresh(check=True, timeout=30)  # check mode: all ranks agree, comm stays usable
     with pytest.raises(commlib.ValidationError, match="not supported"):
-        comm.allreduce(np.ones(3, np.complex64))
+        comm.allreduce(np.ones(3, np.uint8))
     column = np.ones((4, 4), np.float32)[:, 0]
     with pytest.raises(commlib.ValidationError, match="not contiguous"):
         comm.allreduce(column, out=column)     # in place: read through a copy, it could not be written
     with pytest.raises(commlib.ValidationError, match="op 'prod'"):
         comm.allreduce(np.ones(3), op="prod")
-    with pytest.raises(commlib.ValidationError, match="floating dtype"):
+    with pytest.raises(commlib.ValidationError, match="needs a floating"):
         comm.allreduce(np.ones(3, np.int32), op="avg")
     with pytest.raises(commlib.ValidationError, match="out has 2 elements"):
         comm.allreduce(np.ones(3), out=np.ones(2))
@@ -55,7 +55,7 @@ def test_local_validation_messages():
 def test_local_validation_keeps_a_single_rank_world_usable():
     c = commlib.init(comm=MPI.COMM_SELF)
     with pytest.raises(commlib.ValidationError):
-        c.allreduce(np.ones(3, np.complex64))
+        c.allreduce(np.ones(3, np.uint8))
     np.testing.assert_array_equal(c.allreduce(np.ones(2)), np.ones(2))
     c.close()
 
@@ -94,8 +94,8 @@ def test_check_mode_names_mismatched_shape_and_dtype():
 @pytest.mark.mpi(min_size=2)
 def test_check_mode_reports_a_peers_bad_input_on_every_rank():
     c = fresh(check=True, timeout=30)
-    x = np.ones(3, np.complex64 if c.rank == 1 else np.float32)
-    with pytest.raises(commlib.ValidationError, match="rank 1 rejected its input: .*complex64"):
+    x = np.ones(3, np.uint8 if c.rank == 1 else np.float32)
+    with pytest.raises(commlib.ValidationError, match="rank 1 rejected its input: .*uint8"):
         c.allreduce(x)
     np.testing.assert_array_equal(c.allreduce(np.ones(2)), np.full(2, c.size))
     c.close()
@@ -111,7 +111,7 @@ def test_an_input_every_rank_rejects_keeps_the_communicator_without_check_mode()
     c = fresh(check=False, timeout=60)
     r, n = c.rank, c.size
     bad = {0: lambda: c.allreduce(np.ones(3, np.int32), op="avg"),
-           1: lambda: c.allreduce(np.ones(3, np.complex64)),
+           1: lambda: c.allreduce(np.ones(3, np.uint8)),
            2: lambda: c.reduce_scatter(np.ones(3), out=np.empty(7)),
            3: lambda: c.allgatherv(np.ones(3, bool))}
     for k in range(6):

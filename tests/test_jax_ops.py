@@ -55,6 +55,20 @@ def test_collectives_match_numpy(comm, mode, dtype):
         np.testing.assert_allclose(np.asarray(avg, np.float64), every.mean(0), rtol=rtol)
 
 
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_complex_numbers_are_summed_averaged_and_moved(comm, mode):
+    """complex64 (a spectral layer's values): summed and averaged as complex numbers, gathered and
+    broadcast (max and min are refused while tracing: test_bad_input_raises_on_every_rank_...)."""
+    every = inputs(comm.size, "float32") + 1j * inputs(comm.size, "float32")[:, ::-1]
+    x = jnp.asarray(every[comm.rank]).astype(jnp.complex64)
+    root = comm.size - 1
+    got = run(mode, lambda v: (allreduce(v, "sum", comm), allreduce(v, "avg", comm), allgather(v, comm),
+                               broadcast(v, root, comm)), x)
+    for g, w in zip(got, (every.sum(0), every.mean(0), every, every[root])):
+        assert g.dtype == jnp.complex64 and g.shape == w.shape
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-6)
+
+
 def objectives(size: int, root: int):
     """Rank r's objective of its own input, through each collective, and the sum over ranks of
     the same objectives written without collectives (one process, every rank's input)."""
@@ -96,6 +110,9 @@ def test_bad_input_raises_on_every_rank_before_any_collective(comm):
     x = jnp.ones(3)
     for call, match in [(lambda: allreduce(x, "prod", comm), "op 'prod'"),
                         (lambda: allreduce(x > 0, "sum", comm), "dtype bool"),
+                        (lambda: jax.jit(lambda v: allreduce(v.astype(jnp.int32), "avg", comm))(x),
+                         "'avg' needs a floating"),
+                        (lambda: jax.jit(lambda v: allreduce(v * 1j, "max", comm))(x), "'max' needs ordered"),
                         (lambda: jax.jit(lambda v: allgather(v.astype(jnp.uint8), comm))(x), "dtype uint8"),
                         (lambda: broadcast(x, comm.size, comm), "root"),
                         (lambda: allreduce([1.0], "sum", comm), "expected a jax or numpy array")]:

@@ -14,14 +14,17 @@ from commlib.collectives.paramstore import ParamStore
 
 
 def _pushes(seed: int, rank: int, numel: int, dtype: str) -> list[np.ndarray]:
-    """Rank ``rank``'s pushes for example ``seed``: small integers (exact in float32 sums)."""
+    """Rank ``rank``'s pushes for example ``seed``: small integers (exact in float32 sums; complex:
+    in both parts)."""
     rng = np.random.default_rng([seed, rank, 7])
-    return [rng.integers(-4, 5, numel).astype(dtype) for _ in range(int(rng.integers(0, 6)))]
+    part = 1j if np.dtype(dtype).kind == "c" else 0
+    return [(rng.integers(-4, 5, numel) + part * rng.integers(-4, 5, numel)).astype(dtype)
+            for _ in range(int(rng.integers(0, 6)))]
 
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("layout", ["sharded", "server"])
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "complex64"])
 @settings(max_examples=4, deadline=None, derandomize=True, database=None)
 @given(seed=st.integers(0, 2**16), numel=st.integers(0, 40))
 def test_asp_nothing_lost(comm, layout, dtype, seed, numel):
@@ -36,10 +39,11 @@ def test_asp_nothing_lost(comm, layout, dtype, seed, numel):
             store.pull(out)                      # interleaved reads do not disturb the sums
         store.barrier()
         got = store.pull()
-        expected = init.astype(np.float64) + sum(
-            (sum(_pushes(seed, r, numel, dtype), np.zeros(numel)) for r in range(comm.size)),
-            np.zeros(numel))
-        np.testing.assert_array_equal(got.astype(np.float64), expected)
+        wide = np.complex128 if np.dtype(dtype).kind == "c" else np.float64
+        expected = init.astype(wide) + sum(
+            (sum(_pushes(seed, r, numel, dtype), np.zeros(numel, wide)) for r in range(comm.size)),
+            np.zeros(numel, wide))
+        np.testing.assert_array_equal(got.astype(wide), expected)
     finally:
         store.close()
 
@@ -62,7 +66,7 @@ def test_push_pull_scale_and_load(comm):
 
 @pytest.mark.mpi(min_size=1)
 def test_bad_input_raises_everywhere(comm):
-    with pytest.raises(commlib.ValidationError, match="float32 or float64"):
+    with pytest.raises(commlib.ValidationError, match="holds float32, float64, complex64, complex128"):
         ParamStore(comm, 10, "int32")
     # one rank's bad init is reported on every rank, before any window exists
     init = np.zeros(10 if comm.rank else 9, np.float32)

@@ -268,6 +268,9 @@ def test_l2_norm_dtypes():
     x = np.array([3.0, 4.0, 12.0])
     for dt in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64):
         assert l2_norm([x[:2].astype(dt), x[2:].astype(dt)]) == pytest.approx(13.0)
+    z = np.array([3 + 4j, 12j])                     # |z|: 5 and 12 (the sum of z*z would be -151 + 24j)
+    for dt in (np.complex64, np.complex128):
+        assert l2_norm([z[:1].astype(dt), z[1:].astype(dt)]) == pytest.approx(13.0)
     big = np.full(1000, 300.0, np.float16)          # the sum of squares overflows float16
     assert l2_norm([big]) == pytest.approx(300.0 * math.sqrt(1000), rel=1e-6)
     if HAVE_TORCH:

@@ -40,6 +40,18 @@ _DTYPES = {"float16": ("NCCL_FLOAT16", 6), "bfloat16": ("NCCL_BFLOAT16", 9),
            "int32": ("NCCL_INT32", 2), "int64": ("NCCL_INT64", 4)}
 _OPS = {"sum": ("NCCL_SUM", 0), "max": ("NCCL_MAX", 2), "min": ("NCCL_MIN", 3),
         "avg": ("NCCL_AVG", 4)}
+#: NCCL has no complex type: complex numbers travel as pairs of reals, whose sums and averages
+#: are the complex ones (max and min, which would not be, are refused before any backend)
+_PAIRS = {"complex64": "float32", "complex128": "float64"}
+
+
+def _as_pairs(dtype: str, arrays: Sequence[Any], counts: Sequence[int] | None = None,
+              ) -> tuple[str, list[Any], list[int] | None]:
+    """``dtype``, ``arrays`` and element ``counts`` as NCCL takes them (complex: real pairs)."""
+    real = _PAIRS.get(dtype)
+    if real is None:
+        return dtype, list(arrays), None if counts is None else list(counts)
+    return real, [a.view(real) for a in arrays], None if counts is None else [2 * c for c in counts]
 
 
 class NCCLBackend:
@@ -118,15 +130,17 @@ class NCCLBackend:
     # -- operations ------------------------------------------------------
     def allreduce(self, send: Any, recv: Any, dtype: str, op: str,
                   ctx: CallerStream | None = None) -> Pending:
+        dtype, (send, recv), _ = _as_pairs(dtype, (send, recv))
         dt, rop = self._dtypes[dtype], self._ops[op]
         return self._launch(ctx, lambda s: self.comm.allReduce(
             send.data.ptr, recv.data.ptr, send.size, dt, rop, s))
 
     def reduce_scatter(self, send: Any, recv: Any, dtype: str, op: str,
                        counts: Sequence[int], ctx: CallerStream | None = None) -> Pending:
+        dtype, (send, recv), counts = _as_pairs(dtype, (send, recv), counts)
         dt, rop = self._dtypes[dtype], self._ops[op]
         n = int(send.size)
-        if n % self.size == 0:
+        if counts == [n // self.size] * self.size:     # even (not n % size: complex pairs double n)
             return self._launch(ctx, lambda s: self.comm.reduceScatter(
                 send.data.ptr, recv.data.ptr, n // self.size, dt, rop, s))
         # uneven: pad every chunk to the largest count, then take our prefix
@@ -146,12 +160,14 @@ class NCCLBackend:
         return self._launch(ctx, body)
 
     def allgather(self, send: Any, recv: Any, dtype: str, ctx: CallerStream | None = None) -> Pending:
+        dtype, (send, recv), _ = _as_pairs(dtype, (send, recv))
         dt = self._dtypes[dtype]
         return self._launch(ctx, lambda s: self.comm.allGather(
             send.data.ptr, recv.data.ptr, send.size, dt, s))
 
     def allgatherv(self, send: Any, recv: Any, dtype: str, counts: Sequence[int],
                    ctx: CallerStream | None = None) -> Pending:
+        dtype, (send, recv), counts = _as_pairs(dtype, (send, recv), counts)
         dt = self._dtypes[dtype]
         nccl = self._nccl
         item = recv.itemsize
@@ -172,6 +188,7 @@ class NCCLBackend:
         return self._launch(ctx, body)
 
     def broadcast(self, buf: Any, dtype: str, root: int, ctx: CallerStream | None = None) -> Pending:
+        dtype, (buf,), _ = _as_pairs(dtype, (buf,))
         dt = self._dtypes[dtype]
         return self._launch(ctx, lambda s: self.comm.bcast(buf.data.ptr, buf.size, dt, root, s))
 

@@ -8,6 +8,8 @@ In one run, on the same float32 numpy buffers, per operation and message size:
 * ``commlib-t0``  blocking calls with ``timeout=0`` (MPI's blocking collectives, no hang detection);
 * ``gloo``        ``torch.distributed`` on gloo, same memory (``all_reduce`` is in place: a copy first);
 * ``mpi4py-nb``   (only with ``--contenders``) raw ``Iallreduce(...).Wait()`` and so on;
+* ``commlib-torch`` (only with ``--contenders``) ``commlib``'s blocking calls on torch tensors that
+  share those buffers (``torch.from_numpy``): what a torch user's call costs on top;
 * ``mpi4py-new``, ``commlib-new`` (only with ``--contenders``) a new result per call, kept until
   the next call returns (``r = f(x)`` in a loop): raw calls into ``np.empty_like`` results, and
   commlib's calls without ``out``;
@@ -61,13 +63,14 @@ from benchmarks import engine_figures
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "rs+ag")
 CONTENDERS = ("mpi4py", "commlib", "commlib-nb", "commlib-t0", "gloo")
-OPTIONAL = ("mpi4py-nb", "mpi4py-new", "commlib-new", "jax-jit", "mpi4jax")
+OPTIONAL = ("mpi4py-nb", "commlib-torch", "mpi4py-new", "commlib-new", "jax-jit", "mpi4jax")
 #: ratio name -> (first, second contender)
 RATIOS = {"commlib/mpi4py": ("commlib", "mpi4py"), "nb/blocking": ("commlib-nb", "commlib"),
           "t0/mpi4py": ("commlib-t0", "mpi4py"), "gloo/mpi4py": ("gloo", "mpi4py"),
           "mpi4py-nb/mpi4py": ("mpi4py-nb", "mpi4py"), "jax-jit/mpi4jax": ("jax-jit", "mpi4jax"),
           "jax-jit/mpi4py": ("jax-jit", "mpi4py"), "new/out": ("commlib-new", "commlib"),
-          "commlib-new/mpi4py-new": ("commlib-new", "mpi4py-new")}
+          "commlib-new/mpi4py-new": ("commlib-new", "mpi4py-new"),
+          "torch/numpy": ("commlib-torch", "commlib")}
 #: (ratio, sizes, limit): the project's targets, checked per operation at the end of a run
 TARGETS = (("commlib/mpi4py", ">=1MiB", 1.05), ("commlib/mpi4py", "4KiB", 1.5),
            ("nb/blocking", "1MiB", 1.10))
@@ -163,6 +166,15 @@ def make_calls(op: str, count: int, world: Any, comm: commlib.Communicator,
                 calls[name] = call
             else:
                 skipped[name] = why
+    if "commlib-torch" in wanted:
+        import torch
+
+        tx, tfull, tshard, tpart = (torch.from_numpy(a) for a in (x, full, shard, part))
+        calls["commlib-torch"] = {
+            "allreduce": lambda: c.allreduce(tx, out=tfull),
+            "reduce_scatter": lambda: c.reduce_scatter(tx, out=tshard),
+            "allgather": lambda: c.allgather(tpart, out=tfull),
+            "rs+ag": lambda: (c.reduce_scatter(tx, out=tshard), c.allgather(tshard, out=tfull))}[op]
     if "gloo" in wanted and dist is not None:
         import torch
 

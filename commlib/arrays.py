@@ -103,6 +103,10 @@ _NP_NAMES = {np.dtype(ml_dtypes.bfloat16): "bfloat16",
              **{v: k for k, v in _STORAGE.items() if k != "bfloat16"}}
 
 
+#: torch dtype -> its name (dtype_name's answer, kept: a dict lookup instead of 1 us of strings)
+_TORCH_NAMES: dict[Any, str] = {}
+
+
 def storage_dtype(dtype: str) -> np.dtype:
     """The numpy/cupy dtype that holds ``dtype`` (``uint16`` for bfloat16)."""
     return _STORAGE[dtype]
@@ -207,6 +211,10 @@ class View:
         raise ValidationError(f"cannot hand back an array of kind {self.kind}")
 
 
+def _dtype_error(name: str, dt: str) -> ValidationError:
+    return ValidationError(f"{name}: dtype {dt} is not supported; use one of {', '.join(DTYPES)}")
+
+
 def _contiguity_error(name: str, kind: str) -> ValidationError:
     hint = {"numpy": "np.ascontiguousarray(x)", "cupy": "cupy.ascontiguousarray(x)",
             "torch": "x.contiguous()"}.get(kind, "a contiguous copy")
@@ -275,6 +283,7 @@ def as_view(x: Any, name: str, read_only: bool = False) -> View:
     kind = _kind(x)
     writable = True
     device, device_id = "cpu", -1
+    dt = None
     if kind == "numpy":
         arr = x if x.flags.c_contiguous else _read_copy(x, np.ascontiguousarray, name, kind, read_only)
         writable = bool(arr.flags.writeable)
@@ -283,25 +292,28 @@ def as_view(x: Any, name: str, read_only: bool = False) -> View:
             x, sys.modules["cupy"].ascontiguousarray, name, kind, read_only)
         device, device_id = "cuda", int(arr.device.id)
     elif kind == "torch":
-        t = x.detach()
+        t = x.detach() if x.requires_grad else x        # the data: numpy() refuses a tensor that needs grad
         if not t.is_contiguous():
             t = _read_copy(t, lambda t: t.contiguous(), name, kind, read_only)
         if t.is_conj() or t.is_neg():       # a lazy conjugate (x.conj()): DLPack takes only what is stored
             t = _read_copy(t, lambda t: t.resolve_conj().resolve_neg(), name, kind, read_only)
-        is_bf16 = str(t.dtype) == "torch.bfloat16"
+        dt = _TORCH_NAMES.get(t.dtype) or _TORCH_NAMES.setdefault(t.dtype, dtype_name(t.dtype))
+        if dt not in DTYPES:        # before numpy meets it (float8, complex32: a TypeError there)
+            raise _dtype_error(name, dt)
+        is_bf16 = dt == "bfloat16"
         if is_bf16:
             t = t.view(sys.modules["torch"].int16)
-        if t.device.type == "cuda":
+        where = t.device
+        if where.type == "cuda":
             import cupy
             arr = cupy.from_dlpack(t)
-            device, device_id = "cuda", int(t.device.index or 0)
-        elif t.device.type == "cpu":
-            arr = np.from_dlpack(t)
+            device, device_id = "cuda", int(where.index or 0)
+        elif where.type == "cpu":
+            arr = t.numpy()         # shares the memory, as DLPack does, 2 us sooner
         else:
-            raise ValidationError(f"{name}: torch device {t.device} is not supported (cpu, cuda)")
+            raise ValidationError(f"{name}: torch device {where} is not supported (cpu, cuda)")
         if is_bf16:
             arr = arr.view(np.uint16) if device == "cpu" else arr.view("uint16")
-            dt = "bfloat16"
     elif kind == "jax":
         if is_tracer(x):
             raise ValidationError(
@@ -325,10 +337,10 @@ def as_view(x: Any, name: str, read_only: bool = False) -> View:
         raise ValidationError(
             f"{name}: expected a numpy, cupy, torch or jax array (or any DLPack array), "
             f"got {type(x).__name__}")
-    if kind != "torch" or str(x.dtype) != "torch.bfloat16":
-        dt = dtype_name(arr.dtype)
+    if dt is None:
+        dt = _NP_NAMES.get(arr.dtype) or dtype_name(arr.dtype)     # the lookup: str(dtype) costs 3 us
     if dt not in DTYPES:
-        raise ValidationError(f"{name}: dtype {dt} is not supported; use one of {', '.join(DTYPES)}")
+        raise _dtype_error(name, dt)
     shape = tuple(int(s) for s in arr.shape)
     if device == "cpu":
         flat = arr.reshape(-1).view(storage_dtype(dt))

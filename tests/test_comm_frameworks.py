@@ -57,6 +57,26 @@ def test_torch_parameter_with_grad_and_noncontiguous(comm):
         commlib.init(comm=__import__("mpi4py.MPI").MPI.COMM_SELF).allreduce(t, out=t)   # in place
 
 
+@torch_only
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_torch_dtypes_numpy_lacks_are_refused_on_every_rank(comm):
+    """float8 and complex32 tensors (numpy has neither) raise ValidationError naming the dtype,
+    before any collective: numpy's conversion raised TypeError (RuntimeError through DLPack), which
+    the rank did not report as a rejection, so a peer with a valid input waited until the timeout."""
+    import torch
+
+    import commlib
+
+    for bad in (torch.float8_e4m3fn, torch.complex32):
+        spare = comm.split(0)
+        try:
+            with pytest.raises(commlib.ValidationError, match=f"dtype {str(bad)[6:]} is not supported"):
+                spare.allreduce(torch.zeros(3, dtype=bad))
+        finally:
+            spare.close()
+
+
 @jax_only
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int32"])

@@ -45,8 +45,8 @@ _OPS = {"sum": ("NCCL_SUM", 0), "max": ("NCCL_MAX", 2), "min": ("NCCL_MIN", 3),
 _PAIRS = {"complex64": "float32", "complex128": "float64"}
 
 
-def _as_pairs(dtype: str, arrays: Sequence[Any], counts: Sequence[int] | None = None,
-              ) -> tuple[str, list[Any], list[int] | None]:
+def _as_pairs(dtype: str, arrays: Sequence[Any],
+              counts: Sequence[int] | None = None) -> tuple[str, list[Any], list[int] | None]:
     """``dtype``, ``arrays`` and element ``counts`` as NCCL takes them (complex: real pairs)."""
     real = _PAIRS.get(dtype)
     if real is None:

@@ -63,10 +63,10 @@ Sharp bits (what a user must know):
   :class:`commlib.MismatchError` on every rank when they differ; later calls
   trust the cached plan (``check="always"`` compares on every call, or run
   with ``COMMLIB_CHECK=1`` to have commlib compare every collective).
-* Gradient leaves must be floating (float16, bfloat16, float32, float64) or
-  complex (complex64, complex128), each on one device, all on the same device; integer or ``float0`` leaves
-  (``jax.grad(..., allow_int=True)``) and arrays sharded over several devices
-  are rejected on every rank with :class:`commlib.ValidationError`.
+* Gradient leaves must be floating (float16, bfloat16, float32, float64) or complex
+  (complex64, complex128), each on one device, all on the same device; integer or
+  ``float0`` leaves (``jax.grad(..., allow_int=True)``) and arrays sharded over several
+  devices are rejected on every rank with :class:`commlib.ValidationError`.
   :func:`broadcast_params` also takes int32 and int64 leaves.
 * Buffers live in host memory: on GPU each step copies the gradients to the
   host and back (a cupy/NCCL staging path is future work).

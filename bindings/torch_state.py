@@ -204,12 +204,17 @@ class ConsolidatedState:
         # state the wrapped optimizer holds already is its pieces': a checkpoint loaded before
         # wrapping, Adagrad's accumulators made by its constructor (from its own arguments, which
         # the shard optimizer made from the groups does not see)
-        st = self._inner.state
-        held = {i: dict(st[p]) for i, p in enumerate(self._params)
-                if p in st and st[p] and not isinstance(st[p], ShardedParamState)}
+        whole = self._whole_states()
+        held = {i: dict(whole[p]) for i, p in enumerate(self._params) if whole.get(p)}
         if held:
             self._load_pieces(held)
         self._mark_sharded_state()
+
+    def _whole_states(self) -> dict[Any, Any]:
+        """The entries of ``opt.state`` the wrapped optimizer holds whole (every one under an
+        unsharded strategy; under a sharded one, those of parameters it does not train and any
+        loaded or assigned since they were marked), not a sharded strategy's empty marks."""
+        return {p: d for p, d in self._inner.state.items() if not isinstance(d, ShardedParamState)}
 
     def _mark_sharded_state(self) -> None:
         """Each trained parameter's entry in ``opt.state`` a fresh :class:`ShardedParamState` (and no
@@ -283,7 +288,7 @@ class ConsolidatedState:
         trained (gathered from the shards: a collective under a sharded strategy) or not (held
         whole by the wrapped optimizer, as in one process: frozen after training, or loaded)."""
         full = self._full_state()
-        out = {id(p): d for p, d in self._inner.state.items() if not isinstance(d, ShardedParamState)}
+        out = {id(p): d for p, d in self._whole_states().items()}
         out.update({id(self._params[i]): d for i, d in full.items()})
         return out
 
@@ -334,10 +339,10 @@ class ConsolidatedState:
         """
         self._complete()
         full = self._full_state()
-        saved = dict(self._inner.state)
+        saved, whole = dict(self._inner.state), self._whole_states()
         try:
             self._inner.state.clear()       # the state of parameters it does not train stays too
-            self._inner.state.update({p: d for p, d in saved.items() if not isinstance(d, ShardedParamState)})
+            self._inner.state.update(whole)
             for i, d in full.items():
                 self._inner.state[self._params[i]] = d
             sd = self._inner.state_dict()

@@ -253,6 +253,51 @@ def host_pair(x: Any, out: Any) -> str | None:
     return dt if flags.c_contiguous and flags.writeable else None
 
 
+#: the torch dtypes the host path takes (all of DTYPES but bfloat16), made at the first torch call
+_TORCH_HOST: frozenset = frozenset()
+
+
+def _plain_cpu_tensor(t: Any, tensor_type: type) -> Any:
+    """numpy's alias of ``t`` when it is a plain (not a subclass), contiguous, stored-as-read CPU
+    tensor of a dtype the host path takes (bfloat16 excluded, as in :func:`host_pair`); else None."""
+    if (type(t) is not tensor_type or not t.is_cpu or t.dtype not in _TORCH_HOST
+            or not t.is_contiguous() or t.is_neg() or t.is_conj()):
+        return None
+    return (t.detach() if t.requires_grad else t).numpy()
+
+
+def torch_host_pair(x: Any, out: Any) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """numpy aliases of ``x`` and ``out`` (the same memory) when ``x`` is a plain contiguous CPU
+    torch tensor of a dtype MPI handles natively and ``out`` is ``None`` or one of the same dtype;
+    else ``None``.
+
+    A blocking call on them then takes the numpy arrays' path (:func:`host_pair`,
+    :meth:`~commlib.runner.Runner.call_host`) instead of two :func:`as_view` and the general
+    path: about 5 us less per call.  :func:`torch_host_result` hands the result back as torch.
+
+    Example:
+        >>> xn, on = torch_host_pair(torch.ones(4), None)     # (array([1., 1., 1., 1.]), None)
+    """
+    global _TORCH_HOST
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    if not _TORCH_HOST:
+        _TORCH_HOST = frozenset(getattr(torch, name) for name in DTYPES if name != "bfloat16")
+    tensor = torch.Tensor
+    xn = _plain_cpu_tensor(x, tensor)
+    if xn is None or out is None:
+        return None if xn is None else (xn, None)
+    on = _plain_cpu_tensor(out, tensor)
+    return None if on is None or out.dtype is not x.dtype else (xn, on)
+
+
+def torch_host_result(result: np.ndarray, out: Any) -> Any:
+    """What a call on the aliases of :func:`torch_host_pair` returns: ``out`` itself when the
+    caller gave one, else the numpy ``result`` as a torch tensor (the same memory)."""
+    return out if out is not None else sys.modules["torch"].from_numpy(result)
+
+
 def is_tracer(x: Any) -> bool:
     """``x`` is an abstract jax value (inside ``jax.jit``, ``grad`` or ``vmap``), not an array.
 

@@ -59,6 +59,60 @@ def test_torch_parameter_with_grad_and_noncontiguous(comm):
 
 @torch_only
 @pytest.mark.mpi(min_size=1)
+def test_torch_host_path_edges_match_the_reference(comm, monkeypatch):
+    """Blocking calls on plain contiguous CPU tensors take numpy's host path through aliases
+    (``torch_host_pair``; ``Runner.call_host`` once per call, one sequence number): results
+    are tensors (the caller's ``out`` itself when given), in place through an alias of ``x``,
+    0-d, needing grad, and lazy views (``conj()``, a conjugate's ``imag``) read as their values;
+    what the path passes on (an ``out`` of another dtype, a lazy view as ``out``) keeps the
+    general path's error."""
+    import torch
+
+    import commlib
+
+    hosted = []
+    real_call_host = comm._run.call_host
+    monkeypatch.setattr(comm._run, "call_host",
+                        lambda *a, **kw: hosted.append(a[0]) or real_call_host(*a, **kw))
+    n = 12
+    xs = all_inputs(comm.size, n, "float64")
+    x = torch.from_numpy(rank_input(comm.rank, n, "float64"))
+    seq = comm.seq
+    out = torch.empty(n, dtype=torch.float64)
+    assert comm.allreduce(x, out=out) is out
+    np.testing.assert_allclose(out.numpy(), xs.sum(0))
+    rs_out = torch.empty(commlib.split_counts(n, comm.size)[comm.rank], dtype=torch.float64)
+    comm.reduce_scatter(x, out=rs_out)           # the first call of a size: the general path, on numpy
+    assert comm.reduce_scatter(x, out=rs_out) is rs_out
+    np.testing.assert_allclose(rs_out.numpy(), np.array_split(xs.sum(0), comm.size)[comm.rank])
+    got = comm.allgather(x.view(3, 4))
+    assert isinstance(got, torch.Tensor) and got.shape == (comm.size, 3, 4)
+    np.testing.assert_array_equal(got.numpy(), xs.reshape(comm.size, 3, 4))
+    assert comm.seq == seq + 4
+    assert hosted in (["allreduce", "reduce_scatter", "allgather"],       # 12 elements split before: twice
+                      ["allreduce", "reduce_scatter", "reduce_scatter", "allgather"])
+    y = x.clone()
+    comm.allreduce(y, op="avg", out=y.view(3, 4))                 # aliases y without being y
+    np.testing.assert_allclose(y.numpy(), xs.mean(0))
+    scalar = comm.allreduce(torch.tensor(comm.rank + 1.0, requires_grad=True))
+    assert scalar.shape == () and not scalar.requires_grad
+    assert float(scalar) == comm.size * (comm.size + 1) / 2
+    z = torch.from_numpy(rank_input(comm.rank, n, "complex128"))
+    zs = all_inputs(comm.size, n, "complex128")
+    np.testing.assert_allclose(comm.allreduce(z.conj()).numpy(), zs.conj().sum(0))
+    np.testing.assert_allclose(comm.allreduce(z.conj().imag).numpy(), -zs.imag.sum(0))
+    int32, f32 = torch.ones(3, dtype=torch.int32), torch.empty(n, dtype=torch.float32)
+    for bad, match in [(lambda c: c.allreduce(x, out=f32), "out has dtype float32"),
+                       (lambda c: c.allreduce(z.imag, out=z.conj().imag), "out: array is not contiguous"),
+                       (lambda c: c.allreduce(int32, op="avg"), "needs a floating")]:
+        spare = comm.split(0)            # a rejected input aborts the communicator it was given to
+        with pytest.raises(commlib.ValidationError, match=match):
+            bad(spare)
+        spare.close()
+
+
+@torch_only
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_torch_dtypes_numpy_lacks_are_refused_on_every_rank(comm):
     """float8 and complex32 tensors (numpy has neither) raise ValidationError naming the dtype,

@@ -350,7 +350,8 @@ def average_gradients(comm: commlib.Communicator | None = None, strategy: Strate
                       cap_mb: float | None = None, check: str = "first") -> Any:
     """An optax ``GradientTransformation`` that averages the updates over the ranks.
 
-    Put it first in a chain: ``optax.chain(average_gradients(), optax.sgd(0.1, 0.9))``.
+    Put it first in a chain: ``optax.chain(average_gradients(), optax.sgd(0.1, 0.9))``, and
+    inside nothing that decides per rank (``optax.apply_if_finite`` goes after it).
     ``init`` returns ``optax.EmptyState()``; ``update`` averages through a
     :class:`GradientSync` (``strategy`` ``AllReduce`` by default; ``DeAR`` runs
     as a decoupled all-reduce).  Works eagerly and inside ``jax.jit`` (through
@@ -392,12 +393,11 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
                       strategy: Strategy | None = None) -> Any:
     """DeAR with a sharded update: ``inner`` runs on this rank's shard of each bucket.
 
-    ``update(grads, state, params)`` reduce-scatters (``avg``) the fused
-    gradients, applies ``inner`` (any *elementwise* optax transformation:
-    sgd with momentum or Nesterov, adam, adamw, schedules; not ones that look
-    across leaves, such as ``clip_by_global_norm``, LAMB or masks keyed by the
-    tree: tried on a small problem first, refused with ``ValueError``) to the
-    gradient and parameter shards, and all-gathers the updates,
+    ``update(grads, state, params)`` reduce-scatters (``avg``) the fused gradients, applies
+    ``inner`` (any *elementwise* optax transformation: sgd with momentum or Nesterov, adam,
+    adamw, schedules; not ones that look across leaves, such as ``clip_by_global_norm``, LAMB,
+    ``apply_if_finite`` or masks keyed by the tree: tried on a small problem first, refused
+    with ``ValueError``) to the gradient and parameter shards, and all-gathers the updates,
     which come back as a full pytree for ``optax.apply_updates``.  Optimizer
     state costs 1/world_size (it differs per rank: checkpoint every rank's and
     restore each its own; a state restored on another rank is refused, on

@@ -135,10 +135,12 @@ def make_plan(tree: Any, leaves: Sequence[Any], treedef: Any, allowed: Sequence[
 def shard_problem(inner: Any) -> str | None:
     """Why optax transformation ``inner`` cannot run on shards, or ``None``: each rank runs it on its
     flat shards of the buckets, which updates as on the leaves only where an element's update
-    depends on that element alone (not LAMB's trust ratio, ``clip_by_global_norm``, Adafactor).
+    depends on that element alone (not LAMB's trust ratio, ``clip_by_global_norm``, Adafactor, nor
+    ``apply_if_finite``'s skip of the whole update, which each shard would decide alone).
     Tried, as :func:`bindings.torch_state.shard_problem` tries a torch optimizer: one 4x6 leaf
     against its flat halves, each with a state of its own, six steps of a quadratic whose
-    gradients (~100 an element) are larger than any usual clipping norm.
+    gradients (~100 an element) are larger than any usual clipping norm; then the same with the
+    first element's gradient infinite at the third step.
 
     Example:
         >>> shard_problem(optax.lamb(1e-3))     # 'the transformation is not elementwise (...)'
@@ -150,23 +152,31 @@ def shard_problem(inner: Any) -> str | None:
     a, b = 100 * a, 100 * b
     update = jax.jit(inner.update)          # one compilation per shape: eager ops cost seconds
 
-    def train(pieces: list[tuple[np.ndarray, ...]]) -> np.ndarray:
+    def train(pieces: list[tuple[np.ndarray, ...]], poisoned: bool = False) -> np.ndarray:
         out = []
-        for w, aw, bw in pieces:
+        for k, (w, aw, bw) in enumerate(pieces):
             w = jnp.asarray(w, jnp.float32)
             state = inner.init([w])
-            for _ in range(6):
-                updates, state = update([jnp.asarray(aw * w + bw, jnp.float32)], state, [w])
+            for step in range(6):
+                g = aw * w + bw
+                if poisoned and k == 0 and step == 2:       # the whole leaf's first element: piece 0's
+                    g = np.array(g).reshape(-1)
+                    g[0] = np.inf
+                    g = g.reshape(np.shape(w))
+                updates, state = update([jnp.asarray(g, jnp.float32)], state, [w])
                 w = w + updates[0]
             out.append(np.ravel(w))
         return np.concatenate(out)
+
+    def halves() -> list[tuple[np.ndarray, ...]]:
+        return [tuple(t.reshape(-1)[k * 12:(k + 1) * 12] for t in (w0, a, b)) for k in range(2)]
 
     try:
         whole = train([(w0, a, b)])
     except Exception:       # noqa: BLE001 - not runnable on a list of arrays: its own error comes later
         return None
     try:
-        split = train([tuple(t.reshape(-1)[k * 12:(k + 1) * 12] for t in (w0, a, b)) for k in range(2)])
+        split = train(halves())
     except Exception as e:  # noqa: BLE001
         return f"the transformation is not elementwise (on a flat piece: {e})"
     size = float(np.abs(whole - w0.reshape(-1)).max())
@@ -175,4 +185,10 @@ def shard_problem(inner: Any) -> str | None:
         return (f"the transformation is not elementwise (its update of an element depends on others: on "
                 f"the two flat halves of a leaf, each with a state of its own as on two ranks' shards, it "
                 f"differed from its update of the whole by {off / size:.2g} of its size)")
+    whole, split = train([(w0, a, b)], poisoned=True), train(halves(), poisoned=True)
+    if not np.allclose(split, whole, rtol=0, atol=1e-5 * size, equal_nan=True):
+        return ("the transformation is not elementwise on non-finite gradients (with one element's "
+                "gradient infinite at one step, its update of the other elements differed on two ranks' "
+                "shards from its update of the whole: a skip of the whole update, as optax.apply_if_finite "
+                "makes, would be decided by each shard alone)")
     return None

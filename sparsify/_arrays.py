@@ -90,3 +90,18 @@ def write_as(xp: Any, values: Any, dtype: str) -> Any:
         nan = values != values
         return xp.where(nan, xp.uint32(0x7FC0), rounded).astype(xp.uint16)
     return values.astype(numpy_dtype(dtype), copy=False)
+
+
+def all_finite(xp: Any, x: Any) -> bool:
+    """Whether flat floating ``x`` holds no inf or NaN, in one reduction: 32- and 64-bit arrays by
+    their sum (non-finite when an element is, or when finite elements sum past the format's
+    range, ~3e38 in float32: an overflow too), 16-bit ones element by element (their sums
+    overflow at 65504).
+
+    Example:
+        >>> all_finite(np, np.array([1.0, np.inf], np.float32))
+        False
+    """
+    if x.dtype.itemsize >= 4:
+        return bool(xp.isfinite(x.sum()))
+    return bool(xp.isfinite(x).all())

@@ -36,10 +36,12 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from commlib import Communicator, ValidationError
 from commlib.collectives.strategy import Strategy
 
-from ._arrays import GRAD_DTYPES, acc_dtype_for, flat_view, read_as, write_as
+from ._arrays import GRAD_DTYPES, acc_dtype_for, all_finite, flat_view, read_as, write_as
 from .base import Selector, StepStats
 from .exdyna import ExDyna
 from .feedback import ErrorFeedback
@@ -110,7 +112,16 @@ class SparseAllReduce(Strategy):
     def launch(self, b: int) -> None:
         data, dtype, xp = self._views[b]
         fb = self.feedback[b]
-        acc = fb.accumulate(read_as(xp, data, dtype, fb.residual.dtype) if dtype == "bfloat16" else data)
+        grad = read_as(xp, data, dtype, fb.residual.dtype) if dtype == "bfloat16" else data
+        if not self._finite_everywhere(b, grad):
+            # a rank's gradient overflowed (inf or NaN, as fp16 loss scaling makes on purpose): the
+            # dense average, as DDP's, carries it to every rank (GradScaler and apply_if_finite
+            # skip the step everywhere); residuals and selectors stay as they were, not poisoned
+            self.comm.allreduce(self.grads[b], "avg", out=self.grads[b], tag=f"{self.name}:dense{b}")
+            self.stats["bytes"] += 2 * data.nbytes * (self.comm.size - 1) / self.comm.size
+            self.stats["nonfinite_steps"] = self.stats.get("nonfinite_steps", 0) + 1
+            return
+        acc = fb.accumulate(grad)
         out = self.selectors[b].reduce(acc)
         if out.indices is None:
             data[...] = write_as(xp, out.values, dtype)
@@ -124,6 +135,11 @@ class SparseAllReduce(Strategy):
             while len(self.history) <= b:
                 self.history.append([])
             self.history[b].append(out.stats)
+
+    def _finite_everywhere(self, b: int, grad: Any) -> bool:
+        """Whether every rank's gradient of bucket ``b`` is finite (one 4-byte all-reduce)."""
+        flag = np.zeros(1, np.int32) if all_finite(self._views[b][2], grad) else np.ones(1, np.int32)
+        return not self.comm.allreduce(flag, "max", out=flag, tag=f"{self.name}:finite{b}")[0]
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -83,6 +83,48 @@ def test_strategy_state_round_trips(comm, before_setup):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("selector", ["exdyna", "topk"])
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_an_overflowed_gradient_is_averaged_densely_and_spares_the_residuals(comm, selector, bad):
+    """A non-finite element in one rank's gradient (fp16 loss scaling overflows on purpose) reaches
+    every rank as the dense average does (DDP: inf/NaN where it was, GradScaler and apply_if_finite
+    then skip the step everywhere), and that step leaves residuals and selectors as they were: the
+    steps after it equal a run without it.  ExDyna kept an overflow outside the rank's partition in
+    its residual (the skip came a step late, on a good step) and never sent a NaN (no rank skipped;
+    the NaN stayed in the residual for good)."""
+    n = 5000
+    make = {"exdyna": lambda: ExDyna(0.02), "topk": lambda: TopK(0.02)}[selector]
+    where = (comm.size - 1, n - 7)          # the last rank, near the end: another rank's partition
+    steps = [0, 1, 2, 3, 4]
+
+    def run(strategy, take):
+        buf = np.zeros(n, np.float32)
+        buckets = plan_buckets([TensorSpec(0, n, "float32", 4)], comm.size, strategy.cap_bytes,
+                               strategy.first_cap_bytes)
+        strategy.setup(comm, buckets, [buf], [buf], broadcast=False)
+        out, states = {}, {}
+        for t in take:
+            buf[...] = heavy_tailed_grad(comm.rank, t, n)
+            if t == 2 and comm.rank == where[0]:
+                buf[where[1]] = bad
+            strategy.bucket_ready(0)
+            strategy.before_update()
+            out[t] = buf.astype(np.float64)
+            strategy.after_update()
+            states[t] = pickle.dumps(strategy.state_dict()["buckets"])
+        return out, states
+
+    got, states = run(SparseAllReduce(selector=make()), steps)
+    dense = np.stack([heavy_tailed_grad(r, 2, n) for r in range(comm.size)]).astype(np.float64)
+    dense[where] = bad
+    np.testing.assert_allclose(got[2], dense.mean(0), rtol=1e-6, atol=1e-6)    # inf or NaN there
+    assert states[2] == states[1]                          # residual, threshold, step: untouched
+    without, _ = run(SparseAllReduce(selector=make()), [0, 1, 3, 4])
+    for t in (3, 4):
+        np.testing.assert_array_equal(got[t], without[t])
+
+
+@pytest.mark.mpi(min_size=1)
 def test_strategy_state_from_another_rank_drops_the_residual(comm):
     n = 5000
     s = SparseAllReduce(selector=ExDyna(0.02))
@@ -168,6 +210,50 @@ def test_drops_into_the_torch_binding(comm):
     assert strategy.steps == 4 and strategy.last_stats[0].union == strategy.last_stats[0].k
     state = opt.state_dict()["commlib"]["strategy"]
     assert state["name"] == "sparse" and len(state["buckets"]) == 1
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize("bad", ["inf", "nan"])
+def test_grad_scaler_skips_an_overflowed_step_on_every_rank(comm, bad):
+    """ExDyna under ``GradScaler``: one rank's loss overflows at step 2; every rank's scaler skips
+    that step and halves its scale, and the run goes on as one that never had step 2 (its scale
+    halved by hand): parameters and the strategy's state equal.  The skip came at step 3 (inf:
+    held in the residual, sent a step late) or never (NaN)."""
+    torch = pytest.importorskip("torch")
+    binding = pytest.importorskip("commlib.bindings.torch")
+
+    def run(take):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+        strategy = SparseAllReduce(selector=ExDyna(0.05))
+        opt = binding.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
+                                           strategy=strategy, comm=comm)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        scales = []
+        for step in range(5):
+            if step not in take:
+                scaler.update(new_scale=scaler.get_scale() / 2)
+                continue
+            g = torch.Generator().manual_seed(100 * step + comm.rank)
+            x, y = torch.randn(8, 20, generator=g), torch.randn(8, 4, generator=g)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if step == 2 and comm.rank == comm.size - 1:
+                loss = loss + model[0].bias[0] * float(bad)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+        return scales, params, pickle.dumps(strategy.state_dict()["buckets"])
+
+    scales, params, state = run([0, 1, 2, 3, 4])
+    assert scales == [1024.0, 1024.0, 512.0, 512.0, 512.0]
+    _, params_without, state_without = run([0, 1, 3, 4])
+    np.testing.assert_array_equal(params, params_without)
+    assert state == state_without
 
 
 @pytest.mark.mpi(min_size=1)

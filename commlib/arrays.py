@@ -288,6 +288,8 @@ def torch_host_pair(x: Any, out: Any) -> tuple[np.ndarray, np.ndarray | None] | 
     xn = _plain_cpu_tensor(x, tensor)
     if xn is None or out is None:
         return None if xn is None else (xn, None)
+    if out is x:            # in place: one alias, which the backend knows as in place at once
+        return xn, xn
     on = _plain_cpu_tensor(out, tensor)
     return None if on is None or out.dtype is not x.dtype else (xn, on)
 

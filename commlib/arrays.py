@@ -273,7 +273,8 @@ def torch_host_pair(x: Any, out: Any) -> tuple[np.ndarray, np.ndarray | None] | 
 
     A blocking call on them then takes the numpy arrays' path (:func:`host_pair`,
     :meth:`~commlib.runner.Runner.call_host`) instead of two :func:`as_view` and the general
-    path: about 5 us less per call.  :func:`torch_host_result` hands the result back as torch.
+    path: 7-9 us less per call (``benchmarks/results/collectives-torch-2ranks.md``).
+    :func:`torch_host_result` hands the result back as torch.
 
     Example:
         >>> xn, on = torch_host_pair(torch.ones(4), None)     # (array([1., 1., 1., 1.]), None)

@@ -81,6 +81,7 @@ class SparseAllReduce(Strategy):
         self._views: list[tuple[Any, str, Any]] = []
         self._layout: list[tuple[int, str, str]] = []
         self._pending: dict[str, Any] | None = None
+        self.stats["nonfinite_steps"] = 0      # buckets averaged densely: a rank's gradient overflowed
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, comm: Communicator, buckets: Sequence[Any], params: Sequence[Any],
@@ -119,7 +120,7 @@ class SparseAllReduce(Strategy):
             # skip the step everywhere); residuals and selectors stay as they were, not poisoned
             self.comm.allreduce(self.grads[b], "avg", out=self.grads[b], tag=f"{self.name}:dense{b}")
             self.stats["bytes"] += 2 * data.nbytes * (self.comm.size - 1) / self.comm.size
-            self.stats["nonfinite_steps"] = self.stats.get("nonfinite_steps", 0) + 1
+            self.stats["nonfinite_steps"] += 1
             return
         acc = fb.accumulate(grad)
         out = self.selectors[b].reduce(acc)

@@ -94,7 +94,7 @@ def test_an_overflowed_gradient_is_averaged_densely_and_spares_the_residuals(com
     the NaN stayed in the residual for good)."""
     n = 5000
     make = {"exdyna": lambda: ExDyna(0.02), "topk": lambda: TopK(0.02)}[selector]
-    where = (comm.size - 1, n - 7)          # the last rank, near the end: another rank's partition
+    where = (comm.size - 1, n - 7)          # one element of the last rank's gradient
     steps = [0, 1, 2, 3, 4]
 
     def run(strategy, take):

@@ -373,8 +373,8 @@ def test_readme_loop_runs_verbatim(comm, tmp_path):
     ema_ref = torch.cat([e.reshape(-1) for e in ema]).numpy()
     np.testing.assert_allclose(ema_vec, ema_ref, rtol=0, atol=moved / 20)
     with torch.no_grad():
-        val = sum(torch.nn.functional.mse_loss(ref(x), y).item() for x, y in ns["val_loader"]) / 2
-    assert ns["val_loss"] == pytest.approx(val, rel=2e-2)
+        val = sum(torch.nn.functional.mse_loss(ref(x), y).item() for x, y in loader(50, 2, slice(None))) / 2
+    assert ns["val_loss"] == pytest.approx(val, rel=2e-3)     # every rank's: the mean over all shards
     if rank == 0:
         saved = torch.load(ns["path"])
         saved_params = torch.cat([v.reshape(-1) for v in saved["model"].values()]).numpy()

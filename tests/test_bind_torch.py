@@ -176,6 +176,43 @@ def test_syncswitch_through_distributed_optimizer_keeps_replicas_identical_at_bs
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("agree", [False, True])
+def test_grad_scalers_that_drifted_in_asp_agree_again_by_the_readme_recipe(comm, agree):
+    """Under ASP one rank's GradScaler skips an overflowed step and halves its scale alone; back at BSP
+    the ranks' scaled gradients are averaged, so unequal scales make the replicas drift apart (without
+    the README's recipe), and the recipe (the smallest scale everywhere when BSP resumes) keeps them
+    identical at every BSP step."""
+    from commlib.collectives import SchedulePolicy, SyncSwitch
+
+    model = make_model(comm.rank)
+    ss = SyncSwitch(bsp=AllReduce(cap_mb=0.0003), policy=SchedulePolicy([(0, "bsp"), (2, "asp"), (5, "bsp")]))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, strategy=ss, comm=comm,
+                               find_unused_parameters=True)       # the model's head "unused"
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    same = []
+    for step in range(8):
+        x, y = batch(step + 17 * comm.rank, comm.size)
+        opt.zero_grad()
+        loss = loss_fn(model, x[:LOCAL], y[:LOCAL])
+        if step == 3 and comm.rank == 0:            # ASP: this rank alone overflows
+            loss = loss + model.fc1.bias[0] * float("inf")
+        scaler.scale(loss).backward()
+        before = opt.strategy.phase
+        scaler.step(opt)
+        scaler.update()
+        if agree and before != "bsp" and opt.strategy.phase == "bsp":     # README, mixed precision
+            scaler.update(new_scale=comm.allreduce(torch.tensor([scaler.get_scale()]), "min").item())
+        if ss.phase == "bsp" and step >= 5:
+            opt.flush()
+            vec = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+            table = comm.allgather(vec)
+            same.append(all(np.array_equal(table[r], table[0]) for r in range(comm.size)))
+    assert [s["to"] for s in ss.switches] == ["asp", "bsp"]
+    assert same == [agree] * 3, same
+    ss.close()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_asp_steps_leave_out_this_ranks_unused_parameters_without_meeting(comm):
     """Sync-Switch's ASP with a parameter no rank uses: each rank leaves out what it gave no gradient
     on its own, so the ranks do not meet at every step (an agreement there held ASP in lockstep:

@@ -86,8 +86,7 @@ class Communicator:
         self._control = Control(ctl, mpi_comm.Dup(), self._run, self._tracer)
         self._seq = 0
         self._split: dict[int, list[int]] = {}   # split_counts(n, size) by n
-        # blocking calls on plain numpy arrays skip the Op and View layers (Runner.call_host)
-        # unless a check or a trace needs them
+        # blocking calls on plain host arrays skip Op and View (Runner.call_host) unless checked or traced
         self._host = not config.check and not self._tracer.active
         #: what close() closes first (newest first): objects made over this communicator
         self._resources: list[Closable] = []
@@ -480,10 +479,9 @@ class Communicator:
     def close_with(self, resource: Closable) -> None:
         """Have :meth:`close` (explicit, or at interpreter exit) close ``resource`` first.
 
-        For objects made collectively over this communicator with a collective ``close()``
-        (MPI windows, duplicated communicators): closed newest first, before this
-        communicator's own frees, not at all when it is aborted.  ``close()`` must do
-        nothing when already called, so closing early stays allowed.
+        For objects made collectively over this communicator with a collective ``close()`` (MPI
+        windows, duplicated communicators): closed newest first, before this communicator's own
+        frees, not at all when it is aborted.  ``close()`` must do nothing when already called.
 
         Example:
             >>> store = ParamStore(comm, 1000)      # calls comm.close_with(store)

@@ -342,12 +342,10 @@ def test_mixed_devices_raise_on_every_rank(comm):
 
 @pytest.mark.parametrize("name", ["lamb", "lars", "clip_by_global_norm", "adafactor", "apply_if_finite"])
 def test_sharded_optimizer_refuses_what_is_not_elementwise(name):
-    """The update runs on each rank's flat shards: LAMB's trust ratio, a global-norm clip or
-    Adafactor's factored moments there are not the leaves' (LAMB was 0.026 off one process after
-    4 steps at 2 ranks, silently), nor is ``apply_if_finite``'s skip of the whole update (each
-    shard skipped alone: 0.13 off after 5 steps with an inf in one leaf's gradients).  Tried on a
-    small problem at construction, on every rank alike (no collective); elementwise ones, chained
-    with a schedule, an elementwise clip or ``zero_nans``, pass."""
+    """On each rank's flat shards LAMB's trust ratio, a global-norm clip, Adafactor's factored moments
+    are not the leaves' (LAMB 0.026 off one process after 4 steps at 2 ranks, silently), nor is
+    ``apply_if_finite``'s skip (each shard skipped alone: 0.13 off after 5 steps, an inf in one leaf).
+    Tried at construction on every rank alike; elementwise ones (a schedule, ``clip``, ``zero_nans``) pass."""
     inner = {"lamb": optax.lamb(1e-3), "lars": optax.lars(1e-3), "adafactor": optax.adafactor(1e-3),
              "clip_by_global_norm": optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
              "apply_if_finite": optax.apply_if_finite(optax.adam(1e-3), 3)}[name]

@@ -15,6 +15,8 @@ In one run, on the same float32 numpy buffers, per operation and message size:
   commlib's calls without ``out``;
 * ``jax-jit``     (only with ``--contenders``; allreduce, allgather) a jitted function calling
   ``commlib.bindings.jax.allreduce`` / ``allgather`` on a jax array, result ready;
+* ``jax-eager``   (only with ``--contenders``; allreduce, allgather) the same calls outside
+  ``jax.jit``, on a concrete jax array, result ready (metrics, a script's own collectives);
 * ``mpi4jax``     (only with ``--contenders``, where it imports) the same jitted function with
   mpi4jax's ``allreduce`` / ``allgather`` on ``MPI.COMM_WORLD``: what a JAX user has today.
 
@@ -63,14 +65,15 @@ from benchmarks import engine_figures
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "rs+ag")
 CONTENDERS = ("mpi4py", "commlib", "commlib-nb", "commlib-t0", "gloo")
-OPTIONAL = ("mpi4py-nb", "commlib-torch", "mpi4py-new", "commlib-new", "jax-jit", "mpi4jax")
+OPTIONAL = ("mpi4py-nb", "commlib-torch", "mpi4py-new", "commlib-new", "jax-jit", "jax-eager",
+            "mpi4jax")
 #: ratio name -> (first, second contender)
 RATIOS = {"commlib/mpi4py": ("commlib", "mpi4py"), "nb/blocking": ("commlib-nb", "commlib"),
           "t0/mpi4py": ("commlib-t0", "mpi4py"), "gloo/mpi4py": ("gloo", "mpi4py"),
           "mpi4py-nb/mpi4py": ("mpi4py-nb", "mpi4py"), "jax-jit/mpi4jax": ("jax-jit", "mpi4jax"),
           "jax-jit/mpi4py": ("jax-jit", "mpi4py"), "new/out": ("commlib-new", "commlib"),
           "commlib-new/mpi4py-new": ("commlib-new", "mpi4py-new"),
-          "torch/numpy": ("commlib-torch", "commlib")}
+          "torch/numpy": ("commlib-torch", "commlib"), "jax-eager/numpy": ("jax-eager", "commlib")}
 #: (ratio, sizes, limit): the project's targets, checked per operation at the end of a run
 TARGETS = (("commlib/mpi4py", ">=1MiB", 1.05), ("commlib/mpi4py", "4KiB", 1.5),
            ("nb/blocking", "1MiB", 1.10))
@@ -159,7 +162,7 @@ def make_calls(op: str, count: int, world: Any, comm: commlib.Communicator,
     }
     calls = {k: f for k, f in table[op].items() if k in wanted}
     skipped: dict[str, str] = {}
-    for name in ("jax-jit", "mpi4jax"):
+    for name in ("jax-jit", "jax-eager", "mpi4jax"):
         if name in wanted:
             call, why = jax_call(name, op, x, part, world, c)
             if call is not None:
@@ -200,14 +203,14 @@ def make_calls(op: str, count: int, world: Any, comm: commlib.Communicator,
 
 def jax_call(name: str, op: str, x: np.ndarray, part: np.ndarray, world: Any,
              comm: commlib.Communicator) -> tuple[Callable[[], Any] | None, str]:
-    """A jitted JAX function doing ``op`` through commlib (``jax-jit``) or mpi4jax, result ready;
-    or None and why not."""
+    """A jitted JAX function doing ``op`` through commlib (``jax-jit``) or mpi4jax, or commlib's
+    call outside jit (``jax-eager``), result ready; or None and why not."""
     if op not in ("allreduce", "allgather"):
         return None, "allreduce and allgather only"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    if name == "jax-jit":
+    if name in ("jax-jit", "jax-eager"):
         from commlib.bindings import jax as ours
 
         fn = (lambda a: ours.allreduce(a, "sum", comm)) if op == "allreduce" else (
@@ -219,7 +222,7 @@ def jax_call(name: str, op: str, x: np.ndarray, part: np.ndarray, world: Any,
             return None, f"mpi4jax does not import here ({exc})"
         fn = (lambda a: mpi4jax.allreduce(a, op=MPI.SUM, comm=world)) if op == "allreduce" else (
             lambda a: mpi4jax.allgather(a, comm=world))
-    f, arg = jax.jit(fn), jax.numpy.asarray(x if op == "allreduce" else part)
+    f, arg = (fn if name == "jax-eager" else jax.jit(fn)), jax.numpy.asarray(x if op == "allreduce" else part)
     return (lambda: f(arg).block_until_ready()), ""
 
 

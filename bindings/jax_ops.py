@@ -49,6 +49,8 @@ def allreduce(x: Any, op: str = "sum", comm: commlib.Communicator | None = None)
     """
     comm = _checked("allreduce", x, comm)
     check_reduce_op(op, dtype_name(x.dtype), "allreduce")     # while tracing: every rank, before any call
+    if not is_tracer(x):        # a concrete value is never differentiated: the call itself
+        return _eager(comm.allreduce(x, op), x.shape)
 
     @jax.custom_vjp
     def run(v: Any) -> Any:
@@ -71,6 +73,8 @@ def allgather(x: Any, comm: commlib.Communicator | None = None) -> jax.Array:
         >>> table = allgather(jnp.array([n_correct, n_seen]))     # (size, 2)
     """
     comm = _checked("allgather", x, comm)
+    if not is_tracer(x):
+        return _eager(comm.allgather(x), (comm.size, *x.shape))
     rank = comm.rank
 
     @jax.custom_vjp
@@ -94,6 +98,8 @@ def broadcast(x: Any, root: int = 0, comm: commlib.Communicator | None = None) -
     comm = _checked("broadcast", x, comm)
     if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < comm.size:
         raise ValidationError(f"broadcast: root {root!r}: expected an int in [0, {comm.size})")
+    if not is_tracer(x):
+        return _eager(comm.broadcast(x, root), x.shape)
     mine = comm.rank == root
 
     @jax.custom_vjp
@@ -116,6 +122,13 @@ def _checked(name: str, x: Any, comm: commlib.Communicator | None) -> commlib.Co
     if dtype_name(x.dtype) not in DTYPES:
         raise ValidationError(f"{name}: dtype {x.dtype} is not carried (expected one of {', '.join(DTYPES)})")
     return comm if comm is not None else commlib.world()
+
+
+def _eager(result: Any, shape: tuple[int, ...]) -> jax.Array:
+    """A concrete call's result as a jax array of ``shape`` (a numpy ``x`` gives numpy back)."""
+    if not isinstance(result, jax.Array):
+        result = jnp.asarray(result)
+    return result if result.shape == shape else result.reshape(shape)
 
 
 def _call(comm: commlib.Communicator, x: Any, shape: tuple[int, ...],

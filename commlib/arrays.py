@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,8 +53,9 @@ class HostResults:
 
     A fresh result of 1 MiB or more meets MPI's own temporaries and glibc's trimming of the
     heap: about 180 page faults a call, an all-reduce of 1 MiB at 450 us instead of 150 (raw
-    mpi4py writing into a fresh array per call pays the same).  Arrays under 64 KiB (numpy
-    keeps those cheap) or over 64 MiB are plain ``np.empty``; at most 4 are kept per shape and
+    mpi4py writing into a fresh array per call pays the same).  Arrays under 64 KiB are plain
+    ``np.empty`` (numpy keeps those cheap); larger ones start on a 64-byte boundary (jax takes
+    them without a copy); those over 64 MiB are not kept; at most 4 are kept per shape and
     dtype, 256 MiB in all.  Off where reference counts are not exact (a free-threaded Python).
 
     Example:
@@ -61,17 +63,19 @@ class HostResults:
     """
 
     MIN_BYTES, MAX_BYTES, PER_KEY, TOTAL_BYTES = 64 << 10, 64 << 20, 4, 256 << 20
-    _IDLE = 3           # the pool's list, the loop's name, getrefcount's argument
+    _IDLE = 3           # the pool's pair, the loop's name, getrefcount's argument
+    _OWNER_IDLE = 4     # the same and the buffer's base (numpy's views of the buffer hold the owner)
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._kept: dict[tuple, list[np.ndarray]] = {}
+        #: per (shape, dtype): (the buffer handed out, the array owning its memory)
+        self._kept: dict[tuple, list[tuple[np.ndarray, np.ndarray]]] = {}
         self._bytes = 0
         self._on = getattr(sys, "_is_gil_enabled", lambda: True)()
 
     def like(self, x: np.ndarray) -> np.ndarray:
         """An array of ``x``'s shape and dtype (``x`` C-contiguous) that no caller holds."""
-        if not (self._on and self.MIN_BYTES <= x.nbytes <= self.MAX_BYTES):
+        if x.nbytes < self.MIN_BYTES:
             return np.empty_like(x)
         return self.empty(x.shape, x.dtype)
 
@@ -79,27 +83,38 @@ class HostResults:
         """A C-contiguous array of ``shape`` and ``dtype`` that no caller holds."""
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
-        if not (self._on and self.MIN_BYTES <= nbytes <= self.MAX_BYTES):
+        if nbytes < self.MIN_BYTES:
             return np.empty(shape, dtype)
+        if not (self._on and nbytes <= self.MAX_BYTES):
+            return _aligned_empty(shape, dtype, nbytes)[0]
         with self._lock:
             kept = self._kept.setdefault((tuple(shape), dtype), [])
-            for buf in kept:
-                if sys.getrefcount(buf) == self._IDLE:
+            for buf, owner in kept:
+                if sys.getrefcount(buf) == self._IDLE and sys.getrefcount(owner) == self._OWNER_IDLE:
                     return buf
             if len(kept) < self.PER_KEY and self._bytes + nbytes <= self.TOTAL_BYTES:
-                buf = np.empty(shape, dtype)
-                kept.append(buf)
+                pair = _aligned_empty(shape, dtype, nbytes)
+                kept.append(pair)
                 self._bytes += nbytes
-                return buf
-        return np.empty(shape, dtype)
+                return pair[0]
+        return _aligned_empty(shape, dtype, nbytes)[0]
+
+
+def _aligned_empty(shape: tuple, dtype: np.dtype, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """``np.empty(shape, dtype)`` starting on a 64-byte boundary (XLA takes such memory as a jax
+    array without a copy: :func:`jax_result`), and the array that owns its memory."""
+    owner = np.empty(nbytes + 64, np.uint8)
+    start = -owner.ctypes.data % 64
+    return owner[start:start + nbytes].view(dtype).reshape(shape), owner
 
 
 #: the process's pool of host results (one for every communicator)
 HOST_RESULTS = HostResults()
 
 
+_BF16 = np.dtype(ml_dtypes.bfloat16)
 #: numpy dtype -> commlib name, for the fast path
-_NP_NAMES = {np.dtype(ml_dtypes.bfloat16): "bfloat16",
+_NP_NAMES = {_BF16: "bfloat16",
              **{v: k for k, v in _STORAGE.items() if k != "bfloat16"}}
 
 
@@ -124,6 +139,8 @@ def dtype_name(dtype: Any) -> str:
         >>> dtype_name(np.float32), dtype_name("torch.bfloat16")
         ('float32', 'bfloat16')
     """
+    if isinstance(dtype, np.dtype) and dtype in _NP_NAMES:      # numpy's and jax's: a lookup, not strings
+        return _NP_NAMES[dtype]
     name = str(dtype)
     if name.startswith("torch."):
         name = name[len("torch."):]
@@ -204,10 +221,9 @@ class View:
                 return t.view(torch.bfloat16)
             return torch.from_dlpack(data)
         if self.kind == "jax":
-            jnp = sys.modules["jax"].numpy
             if self.device == "cpu":
-                return jnp.asarray(data.view(numpy_dtype(self.dtype)))
-            return jnp.from_dlpack(data)
+                return jax_result(data.view(numpy_dtype(self.dtype)))
+            return sys.modules["jax"].numpy.from_dlpack(data)
         raise ValidationError(f"cannot hand back an array of kind {self.kind}")
 
 
@@ -255,6 +271,8 @@ def host_pair(x: Any, out: Any) -> str | None:
 
 #: the torch dtypes the host path takes (all of DTYPES but bfloat16), made at the first torch call
 _TORCH_HOST: frozenset = frozenset()
+#: the classes of concrete jax arrays (not tracers), recorded as :func:`as_view` meets them
+_JAX_ARRAYS: set[type] = set()
 
 
 def _plain_cpu_tensor(t: Any, tensor_type: type) -> Any:
@@ -266,39 +284,68 @@ def _plain_cpu_tensor(t: Any, tensor_type: type) -> Any:
     return (t.detach() if t.requires_grad else t).numpy()
 
 
-def torch_host_pair(x: Any, out: Any) -> tuple[np.ndarray, np.ndarray | None] | None:
-    """numpy aliases of ``x`` and ``out`` (the same memory) when ``x`` is a plain contiguous CPU
-    torch tensor of a dtype MPI handles natively and ``out`` is ``None`` or one of the same dtype;
-    else ``None``.
+def host_alias(x: Any, out: Any) -> tuple[np.ndarray, np.ndarray | None, Callable[[np.ndarray], Any]] | None:
+    """numpy aliases of ``x`` and ``out`` (the same memory) and the function that hands a new result
+    back as ``x``'s kind, when ``x`` is a plain contiguous CPU torch tensor of a dtype MPI handles
+    natively and ``out`` is ``None`` or one of the same dtype, or a jax array on one CPU device
+    (``out`` ``None``: jax arrays are never outputs); else ``None``.
 
     A blocking call on them then takes the numpy arrays' path (:func:`host_pair`,
     :meth:`~commlib.runner.Runner.call_host`) instead of two :func:`as_view` and the general
-    path: 7-9 us less per call (``benchmarks/results/collectives-torch-2ranks.md``).
-    :func:`torch_host_result` hands the result back as torch.
+    path: 7-9 us less per torch call, 20-30 us per jax one
+    (``benchmarks/results/collectives-torch-2ranks.md``, ``jax-collectives.md``).
+    :func:`host_alias_result` hands the result back.
 
     Example:
-        >>> xn, on = torch_host_pair(torch.ones(4), None)     # (array([1., 1., 1., 1.]), None)
+        >>> xn, on, back = host_alias(torch.ones(4), None)   # (array([1., 1., 1., 1.]), None, ...)
     """
     global _TORCH_HOST
     torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    if not _TORCH_HOST:
-        _TORCH_HOST = frozenset(getattr(torch, name) for name in DTYPES if name != "bfloat16")
-    tensor = torch.Tensor
-    xn = _plain_cpu_tensor(x, tensor)
-    if xn is None or out is None:
-        return None if xn is None else (xn, None)
-    if out is x:            # in place: one alias, which the backend knows as in place at once
-        return xn, xn
-    on = _plain_cpu_tensor(out, tensor)
-    return None if on is None or out.dtype is not x.dtype else (xn, on)
+    if torch is not None:
+        if not _TORCH_HOST:
+            _TORCH_HOST = frozenset(getattr(torch, name) for name in DTYPES if name != "bfloat16")
+        tensor = torch.Tensor
+        xn = _plain_cpu_tensor(x, tensor)
+        if xn is not None:
+            if out is None:
+                return xn, None, torch.from_numpy
+            if out is x:            # in place: one alias, which the backend knows as in place at once
+                return xn, xn, torch.from_numpy
+            on = _plain_cpu_tensor(out, tensor)
+            return None if on is None or out.dtype is not x.dtype else (xn, on, torch.from_numpy)
+    if out is None and type(x) in _JAX_ARRAYS:
+        devices = x.devices()
+        if len(devices) == 1 and next(iter(devices)).platform == "cpu" and x.dtype in _NP_NAMES:
+            xn = np.asarray(x)      # read-only, the same memory
+            if xn.flags.c_contiguous:
+                return xn, None, jax_result
+    return None
 
 
-def torch_host_result(result: np.ndarray, out: Any) -> Any:
-    """What a call on the aliases of :func:`torch_host_pair` returns: ``out`` itself when the
-    caller gave one, else the numpy ``result`` as a torch tensor (the same memory)."""
-    return out if out is not None else sys.modules["torch"].from_numpy(result)
+#: host results from this many bytes reach jax without a copy, through DLPack
+_JAX_ALIAS_BYTES = 64 << 10
+
+
+def jax_result(data: np.ndarray) -> Any:
+    """A new host result (numpy, nothing else writes it) as a jax array on the CPU: from 64 KiB,
+    on a 64-byte boundary, the same memory through DLPack (about 26 us whatever the size; the
+    array holds ``data``, so the pool of results never hands it out again while it lives), else a
+    copy (``jnp.asarray``: 18 us at 4 KiB, 0.2 ms at 1 MiB and 1 ms at 4 MiB on this machine).
+
+    Example:
+        >>> jax_result(np.ones(1 << 16, np.float32))       # the same memory
+    """
+    jax = sys.modules["jax"]
+    if (data.nbytes >= _JAX_ALIAS_BYTES and data.dtype in _NP_NAMES and data.dtype != _BF16
+            and data.flags.c_contiguous and data.ctypes.data % 64 == 0):
+        return jax.dlpack.from_dlpack(data)
+    return jax.numpy.asarray(data)
+
+
+def host_alias_result(result: np.ndarray, out: Any, back: Callable[[np.ndarray], Any]) -> Any:
+    """What a call on the aliases of :func:`host_alias` returns: ``out`` itself when the
+    caller gave one, else ``back(result)`` (a torch tensor of the same memory, a jax array)."""
+    return out if out is not None else back(result)
 
 
 def is_tracer(x: Any) -> bool:
@@ -370,6 +417,8 @@ def as_view(x: Any, name: str, read_only: bool = False) -> View:
                 "broadcast (or average_gradients for a gradient pytree)")
         devs = list(x.devices()) if hasattr(x, "devices") else []
         platform = devs[0].platform if devs else "cpu"
+        if devs:
+            _JAX_ARRAYS.add(type(x))        # a concrete array's class: host_alias knows it now
         if platform == "cpu":
             arr = np.asarray(x)
         elif platform == "gpu":

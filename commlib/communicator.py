@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from . import board as _board
 from . import shutdown
-from .arrays import HOST_RESULTS, View, as_view, host_pair, torch_host_pair, torch_host_result
+from .arrays import HOST_RESULTS, View, as_view, host_alias, host_alias_result, host_pair
 from .backends.base import Backend, Pending, split_counts
 from .config import Config
 from .control import Control
@@ -217,8 +217,8 @@ class Communicator:
                 if out.size == x.size:
                     return self._run.call_host("allreduce", self._number(), self._host_backend.allreduce,
                                                (x, out, dt, op), out, x.nbytes, tag)
-            elif dt is None and (pair := torch_host_pair(x, out)) is not None:
-                return torch_host_result(self.allreduce(pair[0], op, out=pair[1], tag=tag), out)
+            elif dt is None and (pair := host_alias(x, out)) is not None:
+                return host_alias_result(self.allreduce(pair[0], op, out=pair[1], tag=tag), out, pair[2])
         return self._call("allreduce", self._allreduce, (x, op, out, tag), True)
 
     def iallreduce(self, x: Any, op: str = "sum", *, out: Any = None,
@@ -261,8 +261,8 @@ class Communicator:
                     return self._run.call_host("reduce_scatter", self._number(),
                                                self._host_backend.reduce_scatter,
                                                (x, out, dt, op, counts), out, x.nbytes, tag)
-            elif dt is None and (pair := torch_host_pair(x, out)) is not None:
-                return torch_host_result(self.reduce_scatter(pair[0], op, out=pair[1], tag=tag), out)
+            elif dt is None and (pair := host_alias(x, out)) is not None:
+                return host_alias_result(self.reduce_scatter(pair[0], op, out=pair[1], tag=tag), out, pair[2])
         return self._call("reduce_scatter", self._reduce_scatter, (x, op, out, tag), True)
 
     def ireduce_scatter(self, x: Any, op: str = "sum", *, out: Any = None,
@@ -295,8 +295,8 @@ class Communicator:
                 if out.size == x.size * self.size:
                     return self._run.call_host("allgather", self._number(), self._host_backend.allgather,
                                                (x, out, dt), out, out.nbytes, tag)
-            elif (pair := torch_host_pair(x, out)) is not None:
-                return torch_host_result(self.allgather(pair[0], out=pair[1], tag=tag), out)
+            elif (pair := host_alias(x, out)) is not None:
+                return host_alias_result(self.allgather(pair[0], out=pair[1], tag=tag), out, pair[2])
         return self._call("allgather", self._allgather, (x, out, tag), True)
 
     def iallgather(self, x: Any, *, out: Any = None, tag: str | None = None) -> Work:

@@ -18,17 +18,22 @@ def test_collectives_benchmark_quick_run(tmp_path_factory):
     path = os.path.join(base, "c.json")
     collectives.main(["--quick", "--no-torch", "--max-bytes", "65536", "--ops", "allreduce", "rs+ag",
                       "--contenders", "mpi4py", "commlib", "commlib-nb", "commlib-t0", "commlib-torch",
-                      "--json", path])
+                      "jax-eager", "--json", path])
     world.Barrier()
     doc = json.load(open(path))
     assert doc["env"]["ranks"] == world.size
     rows = doc["results"]
     assert {r["op"] for r in rows} == {"allreduce", "rs+ag"}
     for r in rows:
-        assert set(r["time_s"]) == {"mpi4py", "commlib", "commlib-nb", "commlib-t0", "commlib-torch"}
+        jax = {"jax-eager"} if r["op"] == "allreduce" else set()       # allreduce and allgather only
+        assert set(r["time_s"]) == {"mpi4py", "commlib", "commlib-nb", "commlib-t0", "commlib-torch", *jax}
         assert all(t > 0 for t in r["time_s"].values())
         assert r["ratio"]["commlib/mpi4py"] == r["time_s"]["commlib"] / r["time_s"]["mpi4py"]
         assert r["ratio"]["torch/numpy"] == r["time_s"]["commlib-torch"] / r["time_s"]["commlib"]
+        if jax:
+            assert r["ratio"]["jax-eager/numpy"] == r["time_s"]["jax-eager"] / r["time_s"]["commlib"]
+        else:
+            assert "allreduce and allgather only" in r["skipped"]["jax-eager"]
     ov = doc["engine"]["overlap"]   # torch is installed: the figure runs (1 MiB with --quick)
     assert ov["bytes"] == 1 << 20 and ov["allreduce_alone_s"] > 0 and ov["matmul_alone_s"] > 0
     assert ov["allreduce_cpu_s"] >= 0

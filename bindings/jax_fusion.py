@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 import commlib
-from commlib.arrays import INEXACT_DTYPES, is_tracer, numpy_dtype
+from commlib.arrays import HOST_RESULTS, INEXACT_DTYPES, is_tracer, numpy_dtype
 from commlib.collectives import TensorSpec, plan_buckets
 from commlib.collectives.buckets import Bucket
 from commlib.ops import agree
@@ -80,10 +80,13 @@ class Plan:
             buf[piece] = np.asarray(leaves[i]).reshape(-1)[flat]
 
     def unpack(self) -> list[np.ndarray]:
-        """Fresh numpy leaves (never views of the reused buffers)."""
+        """Numpy leaves of their own (never views of the reused buffers), from the pool of host
+        results: JAX takes them without a copy, and a bucket's memory is reused once no leaf of
+        it is held (a fresh copy of every bucket each step paid page faults: 27 MiB took 5.7 ms)."""
         out: list[np.ndarray | None] = [None] * len(self.shapes)
         for b, bucket in enumerate(self.buckets):
-            copy = self.buffers[b][:bucket.numel].copy()
+            copy = HOST_RESULTS.empty((bucket.numel,), self.buffers[b].dtype)
+            np.copyto(copy, self.buffers[b][:bucket.numel])
             for s in bucket.slots:
                 out[s.index] = copy[s.offset:s.offset + s.numel].reshape(self.shapes[s.index])
         for i, o in enumerate(out):     # zero-size leaves have no slot

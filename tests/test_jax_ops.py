@@ -161,3 +161,19 @@ def test_successive_jitted_results_are_their_own(comm):
     np.testing.assert_array_equal(first[1], np.ones((comm.size, 4)))
     scalar = jax.jit(lambda v: allreduce(v, "max", comm))(jnp.float32(comm.rank))
     assert scalar.shape == () and float(scalar) == comm.size - 1
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_averaged_gradients_held_stay_their_own(comm, mode):
+    """average_gradients' leaves come from the pool of host results (reused once nothing holds
+    them; JAX takes them without a copy eagerly): seven results held, then each against its own."""
+    tx = average_gradients(comm=comm)
+    step = (lambda g: tx.update(g, tx.init(g))[0])
+    step = jax.jit(step) if mode == "jit" else step
+    n = 1 << 15                                    # two leaves of 128 KiB: one pooled bucket
+    held = [step({"a": jnp.full(n, k * (comm.rank + 1.0)), "b": jnp.full((n // 8, 8), -k * 1.0)})
+            for k in range(1, 8)]
+    mean = (comm.size + 1) / 2
+    for k, g in enumerate(held, 1):
+        np.testing.assert_array_equal(g["a"], np.full(n, k * mean, np.float32))
+        np.testing.assert_array_equal(g["b"], np.full((n // 8, 8), -k, np.float32))

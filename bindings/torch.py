@@ -69,6 +69,7 @@ from .torch_grads import ShardedGrad, ShardNorms
 from .torch_loop import TrainingLoop
 from .torch_norm import RunningStats, SyncBatchNorm
 from .torch_params import InFlight
+from .torch_replicas import ReplicaLoads
 from .torch_state import ConsolidatedState, shard_problem
 
 __all__ = ["DistributedOptimizer", "SyncBatchNorm", "broadcast_parameters", "broadcast_optimizer_state",
@@ -88,7 +89,7 @@ class _Flush:
         return None
 
 
-class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimizer):
+class DistributedOptimizer(TrainingLoop, ConsolidatedState, ReplicaLoads, torch.optim.Optimizer):
     """Wrap ``optimizer`` so that ``step()`` trains ``model`` data-parallel over ``comm``.
 
     ``strategy``: a :class:`collectives.Strategy` (default :class:`collectives.AllReduce`).
@@ -144,6 +145,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         self.backward_passes_per_step = backward_passes_per_step
         self.find_unused_parameters = find_unused_parameters
         self._inner = optimizer
+        self._init_loads()          # before the state is sharded: whether the optimizer holds state
         self._wrapped = False       # Optimizer.__init__ below adds its groups through add_param_group
         super().__init__([p for g in optimizer.param_groups for p in g["params"]], optimizer.defaults)
         self.param_groups = optimizer.param_groups     # one truth: schedulers may hold either object
@@ -388,6 +390,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, torch.optim.Optimize
         """
         if self._retired_by:
             raise RuntimeError(f"DistributedOptimizer: {self._retired_by}")
+        self._check_replicas()      # after a load on some ranks only: the same error everywhere if apart
         loss = None
         evaluate = None if closure is None else self._evaluation(closure)
         if evaluate is not None and self.strategy.sharded:     # elementwise optimizers: evaluated once, first

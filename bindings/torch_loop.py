@@ -18,10 +18,9 @@ between ``backward()`` and ``step()`` meet:
   and evaluation forwards (``model.eval()`` or ``torch.no_grad()``) wait
   for the communication in flight (DeAR's all-gathers) first, and any other
   use of a parameter waits for its own bucket (``torch_params``);
-* ``opt.step(closure)``: each evaluation of the closure is averaged, its
-  loss too, so that LBFGS takes the same evaluations on every rank;
-* parameters no rank gave a gradient at the first step are found (one small
-  all-reduce, once) and left out of the update, as one process would;
+* ``opt.step(closure)``: each evaluation of the closure averaged, its loss too (LBFGS evaluates alike);
+* parameters no rank gave a gradient are left out of the update, as one process leaves them (one small
+  all-reduce per step, which also finds a checkpoint loaded on some ranks only: ``torch_replicas``);
 * a parameter that starts or stops training (``requires_grad``, gradual unfreezing), a model
   moved or converted after wrapping (``model.to()``, ``.double()``, ``.data`` assigned) or a
   checkpoint of another (tuned) cap loaded re-plans the buckets at the next forward with
@@ -95,9 +94,9 @@ class TrainingLoop:
         self._end_step()
         model = self.model
         guard_module_hooks_under_compile()
-        complete = self._hook(lambda *_: self._complete())
+        complete, loading = self._hook(lambda *_: self._complete()), self._hook(self._model_loading)
         self._loop_hooks = [h for m in model.modules() for h in (m.register_state_dict_pre_hook(complete),
-                                                                  m.register_load_state_dict_pre_hook(complete))]
+                                                                  m.register_load_state_dict_pre_hook(loading))]
         self._loop_hooks.append(self._hook(self._before_forward).register_on(model))
 
     def _retire_older_owners(self) -> None:
@@ -284,8 +283,9 @@ class TrainingLoop:
             if not self._signaled[b]:
                 self._signal(b)
         self.strategy.before_update()
-        self._unused.find(self._params, self._got, self.strategy.gradients_are_local(), self.model,
-                          None if self.strategy.sharded else self._grad_views)
+        self._agree_loads(self._unused.find(self._params, self._got, self.strategy.gradients_are_local(),
+                                            self.model, None if self.strategy.sharded else self._grad_views,
+                                            also=self._load_flags()))
         if self.strategy.sharded:
             self._settle_shards()
         self._synced = True

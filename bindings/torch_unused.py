@@ -56,12 +56,20 @@ class UnusedParameters:
         self.indices, self.sent, self._checked = set(), set(), False
 
     def find(self, params: Sequence[torch.nn.Parameter], got: Sequence[bool], local: bool,
-             model: torch.nn.Module, grads: Sequence[torch.Tensor] | None) -> None:
+             model: torch.nn.Module, grads: Sequence[torch.Tensor] | None,
+             also: Sequence[int] = ()) -> np.ndarray | None:
         """This step's :attr:`indices`, from ``got`` (whether this rank gave each a gradient): a
         collective unless ``local``.  ``grads``: the gradients the update reads, where they are
         whole (not under a sharded strategy); one that is not zero stays in the update though no
-        rank gave a gradient (a sparse strategy's error feedback sent the parameter's residual)."""
-        used = got if local else self.comm.allreduce(np.array(got, np.int32), "max", tag="unused")
+        rank gave a gradient (a sparse strategy's error feedback sent the parameter's residual).
+        ``also``: other small integers to agree on in the same all-reduce; returns their max over
+        the ranks (``None`` when ``local``)."""
+        agreed = None
+        if local:
+            used = got
+        else:
+            both = self.comm.allreduce(np.array([*got, *also], np.int32), "max", tag="unused")
+            used, agreed = both[:len(got)], both[len(got):]
         had = self._had
         idle = [i for i, u in enumerate(used) if not u]
         self.sent = {i for i in idle if grads is not None and bool(grads[i].any())}
@@ -69,7 +77,7 @@ class UnusedParameters:
                         if i not in self.sent and (id(params[i]) not in had or params[i].grad is None)}
         had.update(id(params[i]) for i, u in enumerate(used) if u)
         if local:
-            return
+            return agreed
         if self.indices and not self._checked and not self.expected:
             names = {id(p): n for n, p in model.named_parameters()}
             listed = ", ".join(names.get(id(params[i]), f"#{i}") for i in sorted(self.indices))
@@ -78,3 +86,4 @@ class UnusedParameters:
                           "(pass find_unused_parameters=True to say that you expect it, or leave them "
                           "out of the optimizer)", stacklevel=3)
         self._checked = True
+        return agreed

@@ -35,6 +35,7 @@ if HAVE_TORCH:
 
     from commlib.bindings.torch import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
     from commlib.collectives import AllReduce, DeAR, SelSync
+    from commlib.errors import ValidationError
 
 
 @pytest.mark.mpi
@@ -275,6 +276,16 @@ def test_state_the_optimizer_holds_when_wrapped_trains_on_as_in_one_process(comm
                                        err_msg=f"param {i} {k}")
 
 
+def checkpoint_and_reference(comm, cut: int) -> tuple[Net, dict, dict]:
+    """One process trained with Adam to the end, and its model's and optimizer's state at step ``cut``."""
+    ref = make_model(0)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    train_steps(comm, ref, ref_opt, range(cut), mine=False)
+    msd, osd = copy.deepcopy(ref.state_dict()), copy.deepcopy(ref_opt.state_dict())
+    train_steps(comm, ref, ref_opt, range(cut, STEPS), mine=False)
+    return ref, msd, osd
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", ["allreduce", "dear", "dear-1bucket"])
 def test_a_checkpoint_rank_0_loads_alone_reaches_every_rank_by_broadcast(comm, name):
@@ -283,11 +294,7 @@ def test_a_checkpoint_rank_0_loads_alone_reaches_every_rank_by_broadcast(comm, n
     goes on as one process's.  Under DeAR the broadcast sent the state gathered from the shards, of
     which only rank 0's pieces came from the checkpoint (the others' were fresh)."""
     cut = 2
-    ref = make_model(0)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    train_steps(comm, ref, ref_opt, range(cut), mine=False)
-    msd, osd = copy.deepcopy(ref.state_dict()), copy.deepcopy(ref_opt.state_dict())
-    train_steps(comm, ref, ref_opt, range(cut, STEPS), mine=False)
+    ref, msd, osd = checkpoint_and_reference(comm, cut)
 
     model = make_model(comm.rank + 7)
     opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01 * (comm.rank + 1)), model,
@@ -299,6 +306,56 @@ def test_a_checkpoint_rank_0_loads_alone_reaches_every_rank_by_broadcast(comm, n
     broadcast_optimizer_state(opt, root_rank=0, comm=comm)
     assert opt.param_groups[0]["lr"] == 0.01
     train_steps(comm, model, opt, range(cut, STEPS), mine=True)
+    with opt.flush():
+        assert_close(model, ref)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", ["allreduce", "dear"])
+@pytest.mark.parametrize("forgot", ["model", "optimizer", "optimizer-before-wrapping", "nothing"])
+def test_a_checkpoint_loaded_on_some_ranks_and_not_broadcast_raises_on_every_rank(comm, name, forgot):
+    """Rank 0 alone loads the checkpoint and broadcasts one part of it, or loads the optimizer's
+    state before wrapping: the replicas would train apart (silently, as under Horovod and DDP).  The
+    next ``step()`` raises the same ValidationError on every rank, before the update, naming the
+    load and the call that mends it; mended and the step taken again, training goes on as one
+    process's.  Rank 0 loading other weights for a moment (an evaluation) and back passes."""
+    cut = 2
+    ref, msd, osd = checkpoint_and_reference(comm, cut)
+
+    model = make_model(comm.rank + 7)
+    inner = torch.optim.Adam(model.parameters(), lr=0.01)
+    if comm.rank == 0 and forgot == "optimizer-before-wrapping":
+        model.load_state_dict(msd)
+        inner.load_state_dict(osd)
+    opt = DistributedOptimizer(inner, model, strategy=STRATEGIES[name](), comm=comm,
+                               find_unused_parameters=True)          # rank 0's parameters everywhere
+    if forgot == "nothing":         # what the replicas train from is loaded on every rank
+        model.load_state_dict(msd)
+        opt.load_state_dict(osd)
+        if comm.rank == 0:          # and rank 0 alone evaluates other weights, then puts them back
+            model.load_state_dict({k: v + 1 for k, v in msd.items()})
+            model.load_state_dict(msd)
+    elif forgot != "optimizer-before-wrapping":
+        if comm.rank == 0:
+            model.load_state_dict(msd)
+            opt.load_state_dict(osd)
+        if forgot == "model":
+            broadcast_optimizer_state(opt, root_rank=0, comm=comm)
+        else:
+            broadcast_parameters(model.state_dict(), root_rank=0, comm=comm)
+    if forgot != "nothing":
+        what, mend = (("model.load_state_dict", "broadcast_parameters") if forgot == "model"
+                      else ("opt.load_state_dict", "broadcast_optimizer_state"))
+        with pytest.raises(ValidationError, match=rf"{what}\(\) ran on rank\(s\) \[0\] .*not on "
+                                                  rf"\[1.*replicas now differ.*{mend}\(.*root_rank=0\)"):
+            train_steps(comm, model, opt, range(cut, cut + 1), mine=True)
+        if forgot == "model":
+            broadcast_parameters(model.state_dict(), root_rank=0, comm=comm)
+        elif forgot == "optimizer" or name == "allreduce":
+            broadcast_optimizer_state(opt, root_rank=0, comm=comm)
+        else:                       # DeAR's pieces on the other ranks never held it: load everywhere
+            opt.load_state_dict(osd)
+    train_steps(comm, model, opt, range(cut, STEPS), mine=True)      # the failed step taken again
     with opt.flush():
         assert_close(model, ref)
 

@@ -10,7 +10,8 @@ held state when wrapped); the next step's agreement on unused parameters (one sm
 that is there anyway) carries these notes, and where some ranks loaded and others did not,
 ``step()`` compares the replicas (one small all-gather of checksums, on that step only) and
 raises the same ``ValidationError`` on every rank where they differ, before the update.  A load
-followed by its broadcast, or one on every rank, passes.
+followed by its broadcast, or one on every rank, passes.  Not under SelSync or Sync-Switch, whose
+replicas drift apart between synchronizations by design.
 """
 
 from __future__ import annotations
@@ -57,8 +58,13 @@ class ReplicaLoads:
         return [m, 1 - m, o, 1 - o]
 
     def _agree_loads(self, agreed: np.ndarray | None) -> None:
-        """The max over ranks of :meth:`_load_flags` (``None``: a local step agreed nothing)."""
+        """The max over ranks of :meth:`_load_flags` (``None``: a local step agreed nothing).  Not
+        under a strategy whose replicas drift between synchronizations (SelSync, Sync-Switch):
+        there they differ without any load."""
         if agreed is None:
+            return
+        if self.strategy.updates_parameters:
+            self._loads = [0, 0]
             return
         for k in (_MODEL, _OPTIMIZER):
             if agreed[2 * k] and agreed[2 * k + 1]:

@@ -361,6 +361,29 @@ def test_a_checkpoint_loaded_on_some_ranks_and_not_broadcast_raises_on_every_ran
 
 
 @pytest.mark.mpi(min_size=2)
+def test_rank_0_evaluating_other_weights_under_selsync_is_no_load_of_its_own(comm):
+    """SelSync's replicas differ between synchronizations with no load at all: rank 0 loading other
+    weights for an evaluation and putting them back is not taken for a checkpoint it alone loaded
+    (the replicas, compared at the next synchronized step, differed: every rank raised)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, comm=comm,
+                               strategy=SelSync(inner=AllReduce(), delta=0.5, mode="grads", window=2))
+    synced = 0
+    for step in range(8):
+        if step == 3 and comm.rank == 0:
+            kept = {k: v.clone() for k, v in model.state_dict().items()}
+            model.load_state_dict({k: v + 1 for k, v in kept.items()})
+            model.load_state_dict(kept)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + comm.rank))
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        synced += opt.strategy.synced
+    assert 0 < synced < 8         # local steps (replicas apart) and synchronized ones after the load
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_tuned_checkpoint_rank_0_loads_alone_replans_every_rank_at_the_next_forward(comm):
     """The same resume from a checkpoint whose cap was tuned (not the new optimizer's): every rank
     re-plans to it at the next training forward and trains on as one process.  Rank 0 re-planned

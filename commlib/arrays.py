@@ -281,7 +281,10 @@ def _plain_cpu_tensor(t: Any, tensor_type: type) -> Any:
     if (type(t) is not tensor_type or not t.is_cpu or t.dtype not in _TORCH_HOST
             or not t.is_contiguous() or t.is_neg() or t.is_conj()):
         return None
-    return (t.detach() if t.requires_grad else t).numpy()
+    try:
+        return (t.detach() if t.requires_grad else t).numpy()
+    except RuntimeError:        # no storage to alias (a functorch tensor): the general path says why
+        return None
 
 
 def host_alias(x: Any, out: Any) -> tuple[np.ndarray, np.ndarray | None, Callable[[np.ndarray], Any]] | None:
@@ -313,7 +316,7 @@ def host_alias(x: Any, out: Any) -> tuple[np.ndarray, np.ndarray | None, Callabl
                 return xn, xn, torch.from_numpy
             on = _plain_cpu_tensor(out, tensor)
             return None if on is None or out.dtype is not x.dtype else (xn, on, torch.from_numpy)
-    if out is None and type(x) in _JAX_ARRAYS:
+    if out is None and type(x) in _JAX_ARRAYS and not x.is_deleted():   # deleted: the general path says so
         devices = x.devices()
         if len(devices) == 1 and next(iter(devices)).platform == "cpu" and x.dtype in _NP_NAMES:
             xn = np.asarray(x)      # read-only, the same memory

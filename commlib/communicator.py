@@ -154,8 +154,8 @@ class Communicator:
         seq = self._number()
         try:
             op, err = build(*args), None
-        except ValidationError as exc:
-            op, err = None, exc
+        except Exception as exc:     # a ValidationError, or an input that cannot be read (deleted jax array)
+            op, err = None, exc if isinstance(exc, ValidationError) else ValidationError(f"{name}: {exc!r}")
         if self.config.check:
             self._control.agree(name, seq, fingerprint(*op.check_args) if op else [], err)
         elif err is not None:

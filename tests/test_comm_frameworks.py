@@ -191,6 +191,34 @@ def test_jax_host_path_matches_the_reference(comm, monkeypatch):
 
 
 @jax_only
+@pytest.mark.mpi(min_size=2)
+def test_an_array_that_cannot_be_read_is_a_rejection_its_peers_hear_of():
+    """A jax array donated to a jitted step (deleted) is a ValidationError saying why, a rejection
+    like any invalid input: every rank raises it at once (numpy's RuntimeError escaped before the
+    check, so the peers waited in it until the timeout) and the communicator goes on; alone,
+    without check mode, its rank raises it too."""
+    import jax.numpy as jnp
+    from mpi4py import MPI
+
+    import commlib
+
+    c = commlib.init(comm=MPI.COMM_WORLD, check=True, timeout=30)
+    x = jnp.ones(4)
+    c.allreduce(x)                   # jax's array class known: the host path is tried first
+    if c.rank == 0:
+        x.delete()
+    with pytest.raises(commlib.ValidationError, match=r"rank 0 rejected its input: .*Array has been deleted"):
+        c.allreduce(x)
+    np.testing.assert_array_equal(c.allreduce(np.ones(2)), np.full(2, c.size))
+    c.close()
+    alone, y = commlib.init(comm=MPI.COMM_SELF), jnp.ones(3)
+    y.delete()
+    with pytest.raises(commlib.ValidationError, match="allreduce: RuntimeError.*deleted"):
+        alone.allreduce(y)
+    alone.close()
+
+
+@jax_only
 @pytest.mark.mpi(min_size=1)
 def test_jax_array_is_never_an_output():
     import jax.numpy as jnp

@@ -65,10 +65,15 @@ class Control:
 
         Ranks first exchange their pickle's size and their label's checksum: ranks in calls
         with different labels raise :class:`MismatchError` on every rank instead of exchanging
-        each other's objects."""
-        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-        head = np.array([data.size, zlib.crc32(label.encode())], np.int64)
-        heads = np.empty((self.size, 2), np.int64)
+        each other's objects.  An object that does not pickle on some rank raises
+        :class:`ValidationError` on every rank, naming it (its rank sends why instead)."""
+        try:
+            data, failed = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), 0
+        except Exception as exc:     # the exchange goes on with why: its peers raise too, not wait
+            data, failed = pickle.dumps(f"{type(exc).__name__}: {exc}"), 1
+        data = np.frombuffer(data, np.uint8)
+        head = np.array([data.size, zlib.crc32(label.encode()), failed], np.int64)
+        heads = np.empty((self.size, 3), np.int64)
         with self._run.board.calling(seq, label), self._tracer.span("running", label, "control", seq=seq):
             req = self.objects.Iallgather(head, heads)
             self._wait(req, label, seq, rejections=False)   # after operation seq, not in it
@@ -82,7 +87,11 @@ class Control:
             req = self.objects.Iallgatherv(data, (buf, sizes))
             self._wait(req, label, seq, rejections=False)
         ends = np.cumsum(sizes)
-        return [pickle.loads(buf[end - n:end].tobytes()) for n, end in zip(sizes, ends)]
+        objects = [pickle.loads(buf[end - n:end].tobytes()) for n, end in zip(sizes, ends)]
+        if heads[:, 2].any():
+            raise ValidationError(f"{label}: " + "; ".join(
+                f"rank {r} could not pickle its object ({objects[r]})" for r in np.flatnonzero(heads[:, 2])))
+        return objects
 
     def _wait(self, req: Any, name: str, seq: int, rejections: bool = True) -> None:
         """Wait for the MPI request ``req`` as for operation ``seq`` (timeout, peers' failures, and with

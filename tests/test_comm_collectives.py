@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -242,6 +244,11 @@ def test_allgather_object_beside_operations_in_flight(comm):
     if comm.size > 1:
         with pytest.raises(commlib.MismatchError, match="another label"):
             comm.allgather_object(comm.rank, label="odd" if comm.rank == 1 else "even")
+    # an object that does not pickle on the last rank: every rank raises, naming it (they waited)
+    last = comm.size - 1
+    with pytest.raises(commlib.ValidationError, match=f"cfg: rank {last} could not pickle its object "
+                                                      r"\(TypeError: cannot pickle '_thread.lock'"):
+        comm.allgather_object(threading.Lock() if comm.rank == last else comm.rank, label="cfg")
     assert comm.allgather_object(comm.rank) == list(range(comm.size))
     np.testing.assert_array_equal(comm.allreduce(np.ones(2)), np.full(2, comm.size))
 

@@ -7,11 +7,12 @@ averaging gradients never brings together: they train apart, silently, under Hor
 :class:`ReplicaLoads` (part of :class:`bindings.torch.DistributedOptimizer`) notes on each rank
 that ``model.load_state_dict()`` or ``opt.load_state_dict()`` ran (or that the wrapped optimizer
 held state when wrapped); the next step's agreement on unused parameters (one small all-reduce
-that is there anyway) carries these notes, and where some ranks loaded and others did not,
-``step()`` compares the replicas (one small all-gather of checksums, on that step only) and
-raises the same ``ValidationError`` on every rank where they differ, before the update.  A load
-followed by its broadcast, or one on every rank, passes.  Not under SelSync or Sync-Switch, whose
-replicas drift apart between synchronizations by design.
+that is there anyway) carries these notes, and after a load ``step()`` compares the replicas
+(one small all-gather of checksums, on that step only) and raises the same ``ValidationError``
+on every rank where they differ, before the update: a load on some ranks never broadcast, or
+different checkpoints loaded on different ranks.  A load followed by its broadcast, or the same
+one on every rank, passes.  Not under SelSync or Sync-Switch, whose replicas drift apart
+between synchronizations by design.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ class ReplicaLoads:
     def _init_loads(self) -> None:
         #: this rank loaded (model, optimizer state) since the last agreement
         self._loads = [0, int(bool(self._inner.state))]
-        #: agreed: some ranks loaded and others did not, not yet checked (model, optimizer state)
-        self._loads_apart = [False, False]
+        #: agreed: some rank loaded since the last check (model, optimizer state)
+        self._loads_to_check = [False, False]
         #: whether this rank was one that loaded, at those agreements
         self._loaded_here = [False, False]
 
@@ -53,9 +54,8 @@ class ReplicaLoads:
         self._loads[_MODEL] = 1
 
     def _load_flags(self) -> list[int]:
-        """What rides on the step's agreement (a max over ranks): per kind, loaded and not loaded."""
-        m, o = self._loads
-        return [m, 1 - m, o, 1 - o]
+        """What rides on the step's agreement (a max over ranks): per kind, whether this rank loaded."""
+        return list(self._loads)
 
     def _agree_loads(self, agreed: np.ndarray | None) -> None:
         """The max over ranks of :meth:`_load_flags` (``None``: a local step agreed nothing).  Not
@@ -63,58 +63,55 @@ class ReplicaLoads:
         there they differ without any load."""
         if agreed is None:
             return
-        if self.strategy.updates_parameters:
-            self._loads = [0, 0]
-            return
-        for k in (_MODEL, _OPTIMIZER):
-            if agreed[2 * k] and agreed[2 * k + 1]:
-                self._loads_apart[k] = True
-                self._loaded_here[k] = self._loaded_here[k] or bool(self._loads[k])
-            elif agreed[2 * k]:       # loaded on every rank since: whatever was apart is settled
-                self._loads_apart[k] = False
-                self._loaded_here[k] = False
+        if not self.strategy.updates_parameters:
+            for k in (_MODEL, _OPTIMIZER):
+                if agreed[k]:
+                    self._loads_to_check[k] = True
+                    self._loaded_here[k] = self._loaded_here[k] or bool(self._loads[k])
         self._loads = [0, 0]
 
     def _check_replicas(self) -> None:
-        """Before an update that follows a load on some ranks only: the same error on every rank
-        where the replicas' parameters or optimizer states differ (one small all-gather)."""
-        if not any(self._loads_apart):
+        """Before the first update after a load: the same error on every rank where the replicas'
+        parameters or optimizer states differ (one small all-gather)."""
+        if not any(self._loads_to_check):
             return
         self._complete()
         sharded = self.strategy.sharded and self.comm.size > 1
+        check = self._loads_to_check
         rows = self.comm.allgather_object(
-            (self._loaded_here, self._loads,
-             _digest(self._flat_params) if self._loads_apart[_MODEL] else None,
-             _digest(self._state_tensors()) if self._loads_apart[_OPTIMIZER] and not sharded else None),
-            label="DistributedOptimizer: the replicas after a load on some ranks")
+            (self._loaded_here, self._loads, _digest(self._flat_params) if check[_MODEL] else None,
+             _digest(self._state_tensors()) if check[_OPTIMIZER] and not sharded else None),
+            label="DistributedOptimizer: the replicas after a load")
         problems = []
         for k, what, fix in ((_MODEL, "model.load_state_dict()", "broadcast_parameters(model.state_dict(), "
                               "root_rank={root})"),
                              (_OPTIMIZER, "opt.load_state_dict()", "broadcast_optimizer_state(opt, "
                               "root_rank={root})")):
-            if not self._loads_apart[k]:
-                continue
             loaded = [r for r, row in enumerate(rows) if row[0][k]]
-            if all(row[1][k] for row in rows):      # loaded again on every rank since
+            if not check[k] or all(row[1][k] for row in rows):      # (loaded again on every rank since)
                 continue
-            if k == _OPTIMIZER and sharded:
-                differ = True       # each rank's pieces came from what that rank held
+            if k == _OPTIMIZER and sharded:     # each rank's pieces came from what that rank loaded
+                differ = len(loaded) < len(rows)
             else:
-                digests = [row[2 + k] for row in rows]
-                differ = any(d != digests[0] for d in digests)
-            if differ:
-                others = [r for r in range(len(rows)) if r not in loaded]
-                held = " (or the optimizer held state when wrapped there)" if k == _OPTIMIZER else ""
-                shards = (f"; with {self.strategy.name} each rank keeps its own pieces of the state, so "
-                          "load before wrapping on every rank, or broadcast right after the load"
-                          if k == _OPTIMIZER and sharded else "")
-                problems.append(f"{what} ran on rank(s) {loaded}{held} and not on {others}, and the "
-                                f"replicas now differ: load it on every rank, or call "
-                                f"{fix.format(root=loaded[0] if loaded else 0)} after loading{shards}")
+                differ = any(row[2 + k] != rows[0][2 + k] for row in rows)
+            if not differ:
+                continue
+            fix = fix.format(root=loaded[0])
+            if len(loaded) == len(rows):
+                problems.append(f"{what} ran on every rank, and the replicas now differ (different "
+                                f"checkpoints?): load the same one everywhere, or on one rank, then {fix}")
+                continue
+            others = [r for r in range(len(rows)) if r not in loaded]
+            held = " (or the optimizer held state when wrapped there)" if k == _OPTIMIZER else ""
+            shards = (f"; with {self.strategy.name} each rank keeps its own pieces of the state, so "
+                      "load before wrapping on every rank, or broadcast right after the load"
+                      if k == _OPTIMIZER and sharded else "")
+            problems.append(f"{what} ran on rank(s) {loaded}{held} and not on {others}, and the replicas "
+                            f"now differ: load it on every rank, or call {fix} after loading{shards}")
         if problems:
             raise ValidationError("DistributedOptimizer: " + "; ".join(problems) + " (Horovod's resume: "
                                   "rank 0 loads, then broadcasts)")
-        self._loads_apart, self._loaded_here = [False, False], [False, False]
+        self._loads_to_check, self._loaded_here = [False, False], [False, False]
 
     def _state_tensors(self) -> list[Any]:
         """The wrapped optimizer's state of the trained parameters, in their order and key order."""

@@ -312,13 +312,15 @@ def test_a_checkpoint_rank_0_loads_alone_reaches_every_rank_by_broadcast(comm, n
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("name", ["allreduce", "dear"])
-@pytest.mark.parametrize("forgot", ["model", "optimizer", "optimizer-before-wrapping", "nothing"])
+@pytest.mark.parametrize("forgot", ["model", "optimizer", "optimizer-before-wrapping", "nothing",
+                                    "different"])
 def test_a_checkpoint_loaded_on_some_ranks_and_not_broadcast_raises_on_every_rank(comm, name, forgot):
     """Rank 0 alone loads the checkpoint and broadcasts one part of it, or loads the optimizer's
     state before wrapping: the replicas would train apart (silently, as under Horovod and DDP).  The
     next ``step()`` raises the same ValidationError on every rank, before the update, naming the
     load and the call that mends it; mended and the step taken again, training goes on as one
-    process's.  Rank 0 loading other weights for a moment (an evaluation) and back passes."""
+    process's.  Rank 0 loading other weights for a moment (an evaluation) and back passes; every
+    rank loading a checkpoint of its own (different ones) raises too."""
     cut = 2
     ref, msd, osd = checkpoint_and_reference(comm, cut)
 
@@ -335,6 +337,9 @@ def test_a_checkpoint_loaded_on_some_ranks_and_not_broadcast_raises_on_every_ran
         if comm.rank == 0:          # and rank 0 alone evaluates other weights, then puts them back
             model.load_state_dict({k: v + 1 for k, v in msd.items()})
             model.load_state_dict(msd)
+    elif forgot == "different":     # every rank its own file: only rank 0's is the checkpoint
+        model.load_state_dict({k: v + comm.rank for k, v in msd.items()})
+        opt.load_state_dict(osd)
     elif forgot != "optimizer-before-wrapping":
         if comm.rank == 0:
             model.load_state_dict(msd)
@@ -344,12 +349,13 @@ def test_a_checkpoint_loaded_on_some_ranks_and_not_broadcast_raises_on_every_ran
         else:
             broadcast_parameters(model.state_dict(), root_rank=0, comm=comm)
     if forgot != "nothing":
-        what, mend = (("model.load_state_dict", "broadcast_parameters") if forgot == "model"
+        what, mend = (("model.load_state_dict", "broadcast_parameters") if forgot in ("model", "different")
                       else ("opt.load_state_dict", "broadcast_optimizer_state"))
-        with pytest.raises(ValidationError, match=rf"{what}\(\) ran on rank\(s\) \[0\] .*not on "
-                                                  rf"\[1.*replicas now differ.*{mend}\(.*root_rank=0\)"):
+        where = "every rank" if forgot == "different" else r"rank\(s\) \[0\] .*not on \[1"
+        with pytest.raises(ValidationError, match=rf"{what}\(\) ran on {where}.*replicas now differ.*"
+                                                  rf"{mend}\(.*root_rank=0\)"):
             train_steps(comm, model, opt, range(cut, cut + 1), mine=True)
-        if forgot == "model":
+        if forgot in ("model", "different"):
             broadcast_parameters(model.state_dict(), root_rank=0, comm=comm)
         elif forgot == "optimizer" or name == "allreduce":
             broadcast_optimizer_state(opt, root_rank=0, comm=comm)

@@ -125,7 +125,7 @@ def _checked(name: str, x: Any, comm: commlib.Communicator | None) -> commlib.Co
 
 
 def _eager(result: Any, shape: tuple[int, ...]) -> jax.Array:
-    """A concrete call's result as a jax array of ``shape`` (a numpy ``x`` gives numpy back)."""
+    """A concrete call's result as a jax array of ``shape`` (the communicator gives numpy for numpy)."""
     if not isinstance(result, jax.Array):
         result = jnp.asarray(result)
     return result if result.shape == shape else result.reshape(shape)

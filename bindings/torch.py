@@ -390,7 +390,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, ReplicaLoads, torch.
         """
         if self._retired_by:
             raise RuntimeError(f"DistributedOptimizer: {self._retired_by}")
-        self._check_replicas()      # after a load on some ranks only: the same error everywhere if apart
+        self._check_replicas()      # after a load: the same error on every rank if the replicas differ
         loss = None
         evaluate = None if closure is None else self._evaluation(closure)
         if evaluate is not None and self.strategy.sharded:     # elementwise optimizers: evaluated once, first

@@ -20,7 +20,7 @@ between ``backward()`` and ``step()`` meet:
   use of a parameter waits for its own bucket (``torch_params``);
 * ``opt.step(closure)``: each evaluation of the closure averaged, its loss too (LBFGS evaluates alike);
 * parameters no rank gave a gradient are left out of the update, as one process leaves them (one small
-  all-reduce per step, which also finds a checkpoint loaded on some ranks only: ``torch_replicas``);
+  all-reduce per step, which also carries the notes of checkpoints loaded: ``torch_replicas``);
 * a parameter that starts or stops training (``requires_grad``, gradual unfreezing), a model
   moved or converted after wrapping (``model.to()``, ``.double()``, ``.data`` assigned) or a
   checkpoint of another (tuned) cap loaded re-plans the buckets at the next forward with

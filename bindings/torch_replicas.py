@@ -1,4 +1,4 @@
-"""Checkpoints loaded on some ranks only, found before the replicas train apart on them.
+"""Checkpoints that leave the replicas apart, found before the replicas train on them.
 
 Horovod's resume loads a checkpoint on rank 0 and broadcasts it (``broadcast_parameters``,
 ``broadcast_optimizer_state``).  A loop that loads on some ranks and broadcasts nothing, or the

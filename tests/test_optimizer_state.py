@@ -314,7 +314,7 @@ def test_a_checkpoint_rank_0_loads_alone_reaches_every_rank_by_broadcast(comm, n
 @pytest.mark.parametrize("name", ["allreduce", "dear"])
 @pytest.mark.parametrize("forgot", ["model", "optimizer", "optimizer-before-wrapping", "nothing",
                                     "different"])
-def test_a_checkpoint_loaded_on_some_ranks_and_not_broadcast_raises_on_every_rank(comm, name, forgot):
+def test_a_checkpoint_that_leaves_the_replicas_apart_raises_on_every_rank(comm, name, forgot):
     """Rank 0 alone loads the checkpoint and broadcasts one part of it, or loads the optimizer's
     state before wrapping: the replicas would train apart (silently, as under Horovod and DDP).  The
     next ``step()`` raises the same ValidationError on every rank, before the update, naming the

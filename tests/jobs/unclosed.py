@@ -50,7 +50,26 @@ def syncswitch_asp() -> None:
     assert opt.strategy.phase == "asp", opt.strategy.phase
 
 
-CASES = {f.__name__: f for f in (store, syncswitch_asp)}
+def jax_results_held() -> None:
+    """Eager collectives on jax arrays of every dtype (x64 on), results of 256 KiB (which jax
+    takes without a copy, aliasing the pool of host results) held to the end: the process exits
+    cleanly (``jax.dlpack.from_dlpack`` of a 64-bit array it had to convert aborted at exit)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import jax.numpy as jnp
+
+    jax.config.update("jax_enable_x64", True)
+    comm = commlib.init()
+    held = []
+    for dt in ("float16", "float32", "float64", "int32", "int64", "complex64", "complex128", "bfloat16"):
+        x = jnp.ones(1 << 16, dt)
+        held += [comm.allreduce(x), comm.allgather(x[: 1 << 15])]
+    assert [h.dtype for h in held[::2]] == [jnp.dtype(dt) for dt in ("float16", "float32", "float64", "int32",
+                                            "int64", "complex64", "complex128", "bfloat16")]
+    assert all(bool((h == (comm.size if h.shape == (1 << 16,) else 1)).all()) for h in held)
+
+
+CASES = {f.__name__: f for f in (store, syncswitch_asp, jax_results_held)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]]()

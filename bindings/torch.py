@@ -145,7 +145,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, ReplicaLoads, torch.
         self.backward_passes_per_step = backward_passes_per_step
         self.find_unused_parameters = find_unused_parameters
         self._inner = optimizer
-        self._init_loads()          # before the state is sharded: whether the optimizer holds state
+        self._init_loads(broadcast)     # before the state is sharded: whether the optimizer holds state
         self._wrapped = False       # Optimizer.__init__ below adds its groups through add_param_group
         super().__init__([p for g in optimizer.param_groups for p in g["params"]], optimizer.defaults)
         self.param_groups = optimizer.param_groups     # one truth: schedulers may hold either object

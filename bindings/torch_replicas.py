@@ -9,10 +9,11 @@ that ``model.load_state_dict()`` or ``opt.load_state_dict()`` ran (or that the w
 held state when wrapped); the next step's agreement on unused parameters (one small all-reduce
 that is there anyway) carries these notes, and after a load ``step()`` compares the replicas
 (one small all-gather of checksums, on that step only) and raises the same ``ValidationError``
-on every rank where they differ, before the update: a load on some ranks never broadcast, or
-different checkpoints loaded on different ranks.  A load followed by its broadcast, or the same
-one on every rank, passes.  Not under SelSync or Sync-Switch, whose replicas drift apart
-between synchronizations by design.
+on every rank where they differ, before the update: a load on some ranks never broadcast,
+different checkpoints loaded on different ranks, or (wrapped with ``broadcast=False``, as the
+Horovod API wraps) replicas that did not start from the same parameters.  A load followed by
+its broadcast, or the same one on every rank, passes.  Not under SelSync or Sync-Switch, whose
+replicas drift apart between synchronizations by design.
 """
 
 from __future__ import annotations
@@ -39,9 +40,12 @@ class ReplicaLoads:
     _params: list[torch.nn.Parameter]
     _flat_params: list[torch.Tensor]
 
-    def _init_loads(self) -> None:
+    def _init_loads(self, broadcast: bool) -> None:
+        """Wrapped without ``broadcast``, the parameters count as loaded: the first step compares them."""
         #: this rank loaded (model, optimizer state) since the last agreement
-        self._loads = [0, int(bool(self._inner.state))]
+        self._loads = [int(not broadcast), int(bool(self._inner.state))]
+        #: the parameters were not broadcast when wrapped and have not been compared yet
+        self._unbroadcast = not broadcast
         #: agreed: some rank loaded since the last check (model, optimizer state)
         self._loads_to_check = [False, False]
         #: whether this rank was one that loaded, at those agreements
@@ -97,21 +101,25 @@ class ReplicaLoads:
             if not differ:
                 continue
             fix = fix.format(root=loaded[0])
-            if len(loaded) == len(rows):
+            others = [r for r in range(len(rows)) if r not in loaded]
+            if k == _MODEL and self._unbroadcast:
+                problems.append("the replicas' parameters differ at the first step (wrapped with "
+                                f"broadcast=False): start every rank from the same ones, or call {fix} first")
+            elif not others:
                 problems.append(f"{what} ran on every rank, and the replicas now differ (different "
                                 f"checkpoints?): load the same one everywhere, or on one rank, then {fix}")
-                continue
-            others = [r for r in range(len(rows)) if r not in loaded]
-            held = " (or the optimizer held state when wrapped there)" if k == _OPTIMIZER else ""
-            shards = (f"; with {self.strategy.name} each rank keeps its own pieces of the state, so "
-                      "load before wrapping on every rank, or broadcast right after the load"
-                      if k == _OPTIMIZER and sharded else "")
-            problems.append(f"{what} ran on rank(s) {loaded}{held} and not on {others}, and the replicas "
-                            f"now differ: load it on every rank, or call {fix} after loading{shards}")
+            else:
+                held = " (or the optimizer held state when wrapped there)" if k == _OPTIMIZER else ""
+                shards = (f"; with {self.strategy.name} each rank keeps its own pieces of the state, so "
+                          "load before wrapping on every rank, or broadcast right after the load"
+                          if k == _OPTIMIZER and sharded else "")
+                problems.append(f"{what} ran on rank(s) {loaded}{held} and not on {others}, and the replicas "
+                                f"now differ: load it on every rank, or call {fix} after loading{shards}")
         if problems:
             raise ValidationError("DistributedOptimizer: " + "; ".join(problems) + " (Horovod's resume: "
                                   "rank 0 loads, then broadcasts)")
         self._loads_to_check, self._loaded_here = [False, False], [False, False]
+        self._unbroadcast = False
 
     def _state_tensors(self) -> list[Any]:
         """The wrapped optimizer's state of the trained parameters, in their order and key order."""

@@ -367,6 +367,29 @@ def test_a_checkpoint_that_leaves_the_replicas_apart_raises_on_every_rank(comm, 
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", ["allreduce", "dear"])
+def test_replicas_wrapped_apart_without_a_broadcast_raise_at_the_first_step(comm, name):
+    """Wrapped with ``broadcast=False`` (as the Horovod API wraps, leaving the broadcast to the user)
+    from different initial parameters: the first ``step()`` raises on every rank, before the
+    update, saying so (they trained apart silently); after the broadcast the replicas train alike.
+    From the same parameters, ``broadcast=False`` passes."""
+    model = make_model(comm.rank + 7)           # each rank its own initialization
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, comm=comm,
+                               strategy=STRATEGIES[name](), broadcast=False, find_unused_parameters=True)
+    with pytest.raises(ValidationError, match=r"differ at the first step \(wrapped with broadcast=False\).*"
+                                              r"broadcast_parameters\(model.state_dict\(\), root_rank=0\)"):
+        train_steps(comm, model, opt, range(1), mine=True)
+    broadcast_parameters(model.state_dict(), root_rank=0, comm=comm)
+    train_steps(comm, model, opt, range(STEPS), mine=True)
+    with opt.flush():
+        same_on_all_ranks(comm, model)
+    alike = make_model(0)
+    opt = DistributedOptimizer(torch.optim.SGD(alike.parameters(), lr=0.1), alike, comm=comm,
+                               strategy=STRATEGIES[name](), broadcast=False, find_unused_parameters=True)
+    train_steps(comm, alike, opt, range(STEPS), mine=True)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_rank_0_evaluating_other_weights_under_selsync_is_no_load_of_its_own(comm):
     """SelSync's replicas differ between synchronizations with no load at all: rank 0 loading other
     weights for an evaluation and putting them back is not taken for a checkpoint it alone loaded

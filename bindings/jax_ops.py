@@ -136,7 +136,7 @@ def _call(comm: commlib.Communicator, x: Any, shape: tuple[int, ...],
     """``host(comm, x, out)`` on concrete values (``out`` None: a new array); on a traced one, an
     ordered ``io_callback`` on the communicator of traced calls, into a reused host buffer."""
     if not is_tracer(x):
-        return jnp.asarray(host(comm, x, None)).reshape(shape)      # a 0-d array comes back 1-d
+        return _eager(host(comm, x, None), shape)      # (a backward pass's cotangent, outside jit)
     from jax.experimental import io_callback
 
     side = _JIT_COMMS.get(comm)

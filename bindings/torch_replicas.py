@@ -57,6 +57,10 @@ class ReplicaLoads:
         self._complete()
         self._loads[_MODEL] = 1
 
+    def _optimizer_loaded(self) -> None:
+        """``opt.load_state_dict()`` ran: the load is noted."""
+        self._loads[_OPTIMIZER] = 1
+
     def _load_flags(self) -> list[int]:
         """What rides on the step's agreement (a max over ranks): per kind, whether this rank loaded."""
         return list(self._loads)

@@ -356,7 +356,7 @@ class ConsolidatedState:
         """Load a :meth:`state_dict` (from any number of ranks, or a plain optimizer's)."""
         sd = dict(state_dict)
         self._loaded = state_dict if self.strategy.sharded else None
-        self._loads[1] = 1      # noted for the next step's agreement (ReplicaLoads)
+        self._optimizer_loaded()        # noted for the next step's agreement (ReplicaLoads)
         extra = sd.pop("commlib", None)
         self._inner.load_state_dict(sd)
         self.param_groups = self._inner.param_groups     # torch replaced the group list

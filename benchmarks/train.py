@@ -18,6 +18,9 @@ over its bound shows whether compute ran slower than alone (the cores are
 shared with the communication) or communication did (waits over what the bound
 leaves exposed).
 
+``syncswitch-dear`` (named only): ``SyncSwitch(bsp=DeAR())`` in BSP throughout, against DeAR's bound
+(the composition's BSP steps should cost DeAR's).
+
 Step time: per round one untimed step (DeAR's all-gathers are then in flight
 as in steady state), then ``--steps`` timed steps, the slowest rank's mean;
 the median over ``--rounds`` rounds.
@@ -46,11 +49,13 @@ from benchmarks import _common as bc
 from benchmarks import train_pieces as tp
 from benchmarks.models import build, count, loss_of
 from commlib.bindings.torch import DistributedOptimizer
-from commlib.collectives import AllReduce, DeAR
+from commlib.collectives import AllReduce, DeAR, SyncSwitch
 
-CONTENDERS = ("local", "ddp", "allreduce", "dear", "exdyna", "topk")
+CONTENDERS = ("local", "ddp", "allreduce", "dear", "syncswitch-dear", "exdyna", "topk")
 #: sparse contenders (issue 5), left out unless asked for: they change what is trained
 SPARSE = ("exdyna", "topk")
+#: left out unless asked for too: SyncSwitch(bsp=DeAR()) in BSP throughout, whose steps should cost DeAR's
+NAMED_ONLY = SPARSE + ("syncswitch-dear",)
 #: the targets of issue 12 (2 ranks): DeAR's speedups at the rate where they differ most, step/bound
 TARGETS = {"dear/allreduce": 1.10, "dear/ddp": 1.10, "step/bound": 1.15}
 PHASES = ("fwd", "bwd", "opt")
@@ -82,6 +87,9 @@ class Trainer:
             cls = AllReduce if name == "allreduce" else DeAR
             self.dopt = self.opt = DistributedOptimizer(self.opt_inner, self.model,
                                                         cls(cap_mb=args.cap_mb), comm)
+        elif name == "syncswitch-dear":
+            self.dopt = self.opt = DistributedOptimizer(self.opt_inner, self.model,
+                                                        SyncSwitch(bsp=DeAR(cap_mb=args.cap_mb)), comm)
         elif name in SPARSE:
             from commlib.sparsify import ExDyna, SparseAllReduce, TopK
             selector = ExDyna(density=args.density) if name == "exdyna" else TopK(density=args.density)
@@ -252,8 +260,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     p = bc.base_parser(__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["resnet"], choices=["resnet", "transformer", "mlp"])
-    p.add_argument("--contenders", nargs="+", default=[c for c in CONTENDERS if c not in SPARSE],
-                   choices=CONTENDERS, help="exdyna and topk (sparse, --density) only when named")
+    p.add_argument("--contenders", nargs="+", default=[c for c in CONTENDERS if c not in NAMED_ONLY],
+                   choices=CONTENDERS,
+                   help="exdyna and topk (sparse, --density) and syncswitch-dear only when named")
     p.add_argument("--rates", nargs="*", default=[],
                    help="link rates to sweep on the emulated cluster (e.g. 100mbit 1gbit); "
                         "default: the launcher's rate only")

@@ -56,6 +56,7 @@ def bounds(p: dict[str, float]) -> dict[str, float]:
     out["allreduce"] = p["t_fwd"] + max(p["t_bwd"], p["t_allreduce"]) + p["t_update"]
     out["dear"] = (max(p["t_fwd"], p["t_allgather"]) + max(p["t_bwd"], p["t_reduce_scatter"])
                    + p["t_update_shard"])
+    out["syncswitch-dear"] = out["dear"]       # in BSP throughout: DeAR's steps
     return out
 
 

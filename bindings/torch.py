@@ -46,8 +46,6 @@ gradient on this rank's shard only; its full norms read as the global gradient's
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -69,6 +67,7 @@ from .torch_grads import ShardedGrad, ShardNorms
 from .torch_loop import TrainingLoop
 from .torch_norm import RunningStats, SyncBatchNorm
 from .torch_params import InFlight
+from .torch_phases import PhaseSwitches
 from .torch_replicas import ReplicaLoads
 from .torch_state import ConsolidatedState, shard_problem
 
@@ -89,7 +88,8 @@ class _Flush:
         return None
 
 
-class DistributedOptimizer(TrainingLoop, ConsolidatedState, ReplicaLoads, torch.optim.Optimizer):
+class DistributedOptimizer(TrainingLoop, ConsolidatedState, PhaseSwitches, ReplicaLoads,
+                           torch.optim.Optimizer):
     """Wrap ``optimizer`` so that ``step()`` trains ``model`` data-parallel over ``comm``.
 
     ``strategy``: a :class:`collectives.Strategy` (default :class:`collectives.AllReduce`).
@@ -230,7 +230,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, ReplicaLoads, torch.
             problems.append(f"LBFGS evaluates the loss again and again within a step, each evaluation "
                             f"averaged on every rank, but {self.strategy.name} lets the replicas drift "
                             "between synchronizations (their line searches would part): use AllReduce")
-        if self.strategy.sharded and not self._wrapped:
+        if self.strategy.needs_shard_grads and not self._wrapped:
             problem = shard_problem(self._inner)
             if problem:
                 problems.append(f"{self.strategy.name} updates flat shards of the buckets: {problem}; use "
@@ -256,9 +256,6 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, ReplicaLoads, torch.
         self._bucket_of = [0] * len(self._params)
         self._flat_params, self._flat_grads, self._shard_grads = [], [], []
         self._grad_views: list[torch.Tensor] = [None] * len(self._params)   # type: ignore[list-item]
-        # sharded: .grad is averaged on this rank's shard only, and its norms read the global one
-        norms = (ShardNorms(self.comm, len(self._params), [], self._flat_grads, self._whole_grads)
-                 if s.sharded and self.comm.size > 1 else None)
         for b in self.buckets:
             p0 = self._params[b.slots[0].index]
             fp = torch.zeros(b.padded, dtype=p0.dtype, device=p0.device)
@@ -270,19 +267,14 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, ReplicaLoads, torch.
                 data.copy_(p.detach())
                 p.data = data
                 view = in_layout(fg, sl.offset, layout(p))
-                if norms is not None:
-                    view = ShardedGrad.of(view, norms, sl.index)
                 if p.grad is not None:
                     view.copy_(p.grad)
                 p.grad = view
                 self._grad_views[sl.index] = view
             self._flat_params.append(fp)
             self._flat_grads.append(fg)
-            if s.sharded:
+            if s.needs_shard_grads:
                 self._shard_grads.append(torch.zeros(b.shard_numel, dtype=p0.dtype, device=p0.device))
-            if norms is not None:
-                norms.parts += [(idx, fg[bslice]) for idx, _, bslice in b.pieces(self.comm.rank)]
-        self._shard_norms = norms
         self._in_flight = InFlight([[self._params[sl.index] for sl in b.slots] for b in self.buckets],
                                    s.before_forward)
         #: where each parameter's data lives: a view of its bucket (moved or converted: re-planned),
@@ -291,10 +283,31 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, ReplicaLoads, torch.
         self._layouts = [layout(p) for p in self._params]
         self._bucket_need = [len(b.slots) for b in self.buckets]
         self._signaled = [False] * len(self.buckets)
-        if s.sharded:
-            self._build_shard_optimizer()
+        self._sharded = None        # a switch in the strategy's setup leaves the update's side to below
         s.setup(self.comm, self.buckets, self._flat_params, self._flat_grads,
-                self._shard_grads if s.sharded else None, broadcast=broadcast)
+                self._shard_grads if s.needs_shard_grads else None, broadcast=broadcast)
+        self._make_update_side(s.sharded)
+
+    def _make_update_side(self, sharded: bool) -> None:
+        """``.grad``'s views of the buckets and what the update runs on: sharded, the shard optimizer
+        over this rank's pieces (the state the wrapped optimizer holds whole goes to them) and views
+        whose norms read the global gradient's, since ``.grad`` is then averaged on this rank's shard
+        only; else the wrapped optimizer over the whole parameters and plain views."""
+        self._sharded = sharded
+        norms = (ShardNorms(self.comm, len(self._params), [], self._flat_grads, self._whole_grads)
+                 if sharded and self.comm.size > 1 else None)
+        for b in self.buckets:
+            for sl in b.slots:
+                view = in_layout(self._flat_grads[b.index], sl.offset, self._layouts[sl.index])
+                if norms is not None:
+                    view = ShardedGrad.of(view, norms, sl.index)
+                self._params[sl.index].grad = self._grad_views[sl.index] = view
+            if norms is not None:
+                fg = self._flat_grads[b.index]
+                norms.parts += [(idx, fg[bslice]) for idx, _, bslice in b.pieces(self.comm.rank)]
+        self._shard_norms = norms
+        if sharded:
+            self._build_shard_optimizer()
 
     def _install_hooks(self) -> None:
         for h in self._hooks:
@@ -302,7 +315,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, ReplicaLoads, torch.
         self._hooks = []
         for i, p in enumerate(self._params):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(i)))
-            if self.strategy.sharded and self.strategy.reopens:
+            if self._sharded and self.strategy.reopens:
                 self._hooks.append(p.register_hook(self._make_pre_accumulate_hook(i)))
         if type(self.strategy).before_forward is not Strategy.before_forward:
             index = {id(p): i for i, p in enumerate(self._params)}
@@ -393,13 +406,14 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, ReplicaLoads, torch.
         self._check_replicas()      # after a load: the same error on every rank if the replicas differ
         loss = None
         evaluate = None if closure is None else self._evaluation(closure)
-        if evaluate is not None and self.strategy.sharded:     # elementwise optimizers: evaluated once, first
+        if evaluate is not None and self._sharded:     # elementwise optimizers: evaluated once, first
             loss = evaluate()
         t0 = time.perf_counter()
-        args, kwargs = self._pre_step_hooks(None if self.strategy.sharded else evaluate)
-        if self.strategy.sharded:
+        args, kwargs = self._pre_step_hooks(None if self._sharded else evaluate)
+        if self._sharded:
             self._reduce()          # done when backward returned, unless passes are missing
-            self._update_shards()
+            with self._scaled_hyperparameters():
+                self._update_shards()
         else:
             if evaluate is None:
                 self._reduce()
@@ -462,29 +476,6 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, ReplicaLoads, torch.
         if [id(p) for p in self._params] != [id(p) for p in before]:
             self._unused.replanned()
             self._end_step()
-
-    @contextmanager
-    def _scaled_hyperparameters(self) -> Iterator[None]:
-        """Strategies that change the learning rate or momentum for a phase
-        (Sync-Switch's ``lr_scale`` / ``momentum_scale``) scale them for this update only."""
-        lr_s, mom_s = float(self.strategy.lr_scale), float(self.strategy.momentum_scale)
-        if lr_s == 1.0 and mom_s == 1.0:
-            yield
-            return
-        saved = [(g.get("lr"), g.get("momentum")) for g in self.param_groups]
-        for g in self.param_groups:
-            if isinstance(g.get("lr"), float):
-                g["lr"] *= lr_s
-            if isinstance(g.get("momentum"), float):
-                g["momentum"] *= mom_s
-        try:
-            yield
-        finally:
-            for g, (lr, mom) in zip(self.param_groups, saved):
-                if lr is not None:
-                    g["lr"] = lr
-                if mom is not None:
-                    g["momentum"] = mom
 
     @torch.compiler.disable
     def flush(self) -> _Flush:

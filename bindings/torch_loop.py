@@ -223,7 +223,7 @@ class TrainingLoop:
         if self._synced:
             if fresh:
                 self._close_skipped_step()      # GradScaler skipped the last step(), then model.zero_grad()
-            elif self.strategy.reopens and not self.strategy.sharded:  # sharded: reopened before accumulating
+            elif self.strategy.reopens and not self._sharded:  # sharded: reopened before accumulating
                 self._reopen()
             else:
                 raise RuntimeError(f"DistributedOptimizer: backward() ran again after this step's gradients "
@@ -250,7 +250,7 @@ class TrainingLoop:
         and added to them.  ``.grad`` must hold the whole average first, on every rank (a sharded
         strategy's shards are all-gathered, as by :meth:`synchronize`): the pass then adds to it,
         and reducing the sum adds the pass's average."""
-        if self.strategy.sharded:
+        if self._sharded:
             self.synchronize()
         self.strategy.reopen()
         k = self.backward_passes_per_step
@@ -284,9 +284,9 @@ class TrainingLoop:
                 self._signal(b)
         self.strategy.before_update()
         self._agree_loads(self._unused.find(self._params, self._got, self.strategy.gradients_are_local(),
-                                            self.model, None if self.strategy.sharded else self._grad_views,
+                                            self.model, None if self._sharded else self._grad_views,
                                             also=self._load_flags()))
-        if self.strategy.sharded:
+        if self._sharded:
             self._settle_shards()
         self._synced = True
 
@@ -343,7 +343,7 @@ class TrainingLoop:
             with torch.enable_grad():
                 loss = closure()
             self._reduce()
-            if not self.strategy.sharded:
+            if not self._sharded:
                 self._leave_out_unused()
             return average_loss(self.comm, loss)
         return evaluate
@@ -380,7 +380,7 @@ class TrainingLoop:
             ...     opt.step()
         """
         self._reduce()
-        if self.strategy.sharded and not self._gathered and self.comm.size > 1:
+        if self._sharded and not self._gathered and self.comm.size > 1:
             self._gather_shards()
         self._gathered = True
 
@@ -471,7 +471,7 @@ class TrainingLoop:
             problem = f"max_norm {max_norm!r}: expected a number >= 0"
         if not (isinstance(norm_type, numbers.Real) and norm_type > 0):
             problem = f"norm_type {norm_type!r}: expected a number > 0 or inf"
-        sharded = self.strategy.sharded and not self._gathered and self.comm.size > 1
+        sharded = self._sharded and not self._gathered and self.comm.size > 1
         if problem and not sharded:          # no collective here: raise before any
             raise ValueError(f"clip_grad_norm_: {problem}")
         self._reduce()

@@ -84,7 +84,7 @@ class ReplicaLoads:
         if not any(self._loads_to_check):
             return
         self._complete()
-        sharded = self.strategy.sharded and self.comm.size > 1
+        sharded = self._sharded and self.comm.size > 1
         check = self._loads_to_check
         rows = self.comm.allgather_object(
             (self._loaded_here, self._loads, _digest(self._flat_params) if check[_MODEL] else None,

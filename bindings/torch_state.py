@@ -10,7 +10,7 @@ class can run on them); that runs the update between the wrapped optimizer's own
 step hooks; that keeps ``opt.state`` the wrapped optimizer's, where a reset made as
 in one process reaches the shards (:class:`ShardedParamState`); and that
 averages it over ranks where a strategy asks (SelSync's synchronized steps,
-Sync-Switch on its way back to BSP) or resets momentum at a phase switch.
+Sync-Switch on its way back to BSP: :mod:`bindings.torch_phases`).
 
 Example:
     >>> sd = opt.state_dict()            # a collective under DeAR: every rank
@@ -166,6 +166,8 @@ class ConsolidatedState:
     _wrapped: bool
     _state_marks: list[ShardedParamState]
     _unused: UnusedParameters
+    #: whether the update runs on shards (the strategy's ``sharded`` when the update's side was made)
+    _sharded: bool | None
     #: under a sharded strategy, the state dict loaded since the last step: this rank keeps only its
     #: pieces, so that a broadcast from it (Horovod's resume: rank 0 alone reads the checkpoint) sends it
     _loaded: dict[str, Any] | None = None
@@ -241,7 +243,7 @@ class ConsolidatedState:
     def _full_state(self) -> dict[int, dict[str, Any]]:
         """Per parameter (index in ``self._params``): its optimizer state, gathered from the shards
         (a collective for sharded strategies: identical calls on every rank)."""
-        if not self.strategy.sharded:
+        if not self._sharded:
             return {i: self._inner.state[p] for i, p in enumerate(self._params) if p in self._inner.state}
         self._adopt_state_edits()
         keys: set[str] = set()
@@ -297,14 +299,14 @@ class ConsolidatedState:
         strategy); one that stopped training keeps its state whole, as in one process (unfrozen
         again, it trains on from it)."""
         self._set_full_state({i: kept[id(p)] for i, p in enumerate(self._params) if id(p) in kept})
-        if self.strategy.sharded:
+        if self._sharded:
             now = {id(p) for p in self._params}
             for p in before:
                 if id(p) not in now and id(p) in kept:
                     self._inner.state[p] = kept[id(p)]
 
     def _set_full_state(self, full: dict[int, dict[str, Any]]) -> None:
-        if not self.strategy.sharded:
+        if not self._sharded:
             for i, d in full.items():      # state follows its parameter's device and dtype, as in
                 p = self._params[i]        # torch's Optimizer.load_state_dict (a moved model)
                 self._inner.state[p] = {
@@ -355,18 +357,19 @@ class ConsolidatedState:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`state_dict` (from any number of ranks, or a plain optimizer's)."""
         sd = dict(state_dict)
-        self._loaded = state_dict if self.strategy.sharded else None
+        self._loaded = state_dict if self._sharded else None
         self._optimizer_loaded()        # noted for the next step's agreement (ReplicaLoads)
         extra = sd.pop("commlib", None)
         self._inner.load_state_dict(sd)
         self.param_groups = self._inner.param_groups     # torch replaced the group list
-        if extra is not None:       # a tuned cap re-plans at the next training forward, on every rank
-            self.strategy.load_state_dict(_as_numpy(extra["strategy"]))      # (rank 0 may load alone)
-        if self.strategy.sharded:       # the trained parameters' state to their pieces; the rest's stays
+        if self._sharded:       # the trained parameters' state to their pieces; the rest's stays
             full = {i: self._inner.state[p] for i, p in enumerate(self._params) if p in self._inner.state}
             for p in self._params:
                 self._inner.state.pop(p, None)
             self._set_full_state(full)
+        if extra is not None:       # a tuned cap re-plans at the next training forward, on every rank
+            # (rank 0 may load alone); a phase switch here (Sync-Switch) moves the state with it
+            self.strategy.load_state_dict(_as_numpy(extra["strategy"]))
 
     def broadcast_state(self, root_rank: int = 0) -> None:
         """Every rank's optimizer state and hyperparameters become ``root_rank``'s (a collective:
@@ -403,7 +406,7 @@ class ConsolidatedState:
         for hook in list(inner._optimizer_step_pre_hooks.values()):
             result = hook(inner, args, kwargs)
             if result is not None:
-                if self.strategy.sharded:
+                if self._sharded:
                     raise RuntimeError(f"DistributedOptimizer: a step pre-hook of {type(inner).__name__} "
                                        f"changed step()'s arguments, which {self.strategy.name}'s update on "
                                        "shards does not take")
@@ -448,13 +451,3 @@ class ConsolidatedState:
     def _average_optimizer_state(self) -> None:
         for t in self._optimizer_tensors():
             self.comm.allreduce(t, "avg", out=t, tag="optstate")
-
-    def _on_switch(self, old: str, new: str, changes: dict[str, Any]) -> None:
-        """Sync-Switch: reset momentum when asked, and make optimizers agree on the way back to BSP."""
-        if changes.get("momentum") == "reset":
-            for p in self._params:
-                buf = self._inner.state.get(p, {}).get("momentum_buffer")
-                if buf is not None:
-                    buf.zero_()
-        if new == "bsp":
-            self._average_optimizer_state()

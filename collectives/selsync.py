@@ -142,6 +142,9 @@ class SelSync(Strategy):
         checked_strategy(inner, "SelSync(inner=...)")
         if isinstance(inner, SelSync):
             raise ValueError("SelSync cannot wrap another SelSync")
+        if inner.updates_parameters:
+            raise ValueError(f"SelSync(inner={inner.name}): the inner strategy averages the gradients of "
+                             f"synchronized steps, but {inner.name} writes the parameters itself")
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
         delta = float(delta)

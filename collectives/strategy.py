@@ -53,7 +53,11 @@ parameters are views of it), ``grads[b]`` its gradients; a strategy with
 ``sharded = True`` also gets ``shard_grads[b]`` (``bucket.shard_numel``
 elements) and the binding then runs the optimizer on this rank's shard of
 each bucket only (ZeRO-1), reading gradients from ``shard_grads`` and
-updating ``params[b][bucket.shard(rank)]``.
+updating ``params[b][bucket.shard(rank)]``.  ``sharded`` may change only at
+a phase switch (Sync-Switch over DeAR: sharded in BSP, whole in ASP): the
+binding's ``on_switch`` callback then moves the optimizer's state between
+pieces and whole tensors; ``needs_shard_grads`` says whether ``setup``
+takes ``shard_grads`` at all.
 
 Buckets are launched in index order on every rank (a bucket that is ready
 early waits for the ones before it), so that all ranks call the same
@@ -114,6 +118,12 @@ class Strategy:
     #: a backward pass after ``before_update()`` may be reduced onto its result (see :meth:`reopen`)
     reopens = False
 
+    @property
+    def needs_shard_grads(self) -> bool:
+        """Whether :meth:`setup` takes ``shard_grads``: the update runs on shards (``sharded``) at
+        some step, if not at every one (Sync-Switch over DeAR: its BSP phases only)."""
+        return self.sharded
+
     def __init__(self, cap_mb: float = DEFAULT_CAP / MiB, first_cap_mb: float = DEFAULT_FIRST_CAP / MiB,
                  tune: bool | dict[str, Any] = False, last_cap_mb: float = DEFAULT_FIRST_CAP / MiB):
         if not cap_mb > 0:
@@ -147,7 +157,7 @@ class Strategy:
         if len(params) != len(buckets) or len(grads) != len(buckets):
             raise ValueError(f"{len(buckets)} buckets but {len(params)} parameter and "
                              f"{len(grads)} gradient buffers")
-        if self.sharded and (shard_grads is None or len(shard_grads) != len(buckets)):
+        if self.needs_shard_grads and (shard_grads is None or len(shard_grads) != len(buckets)):
             raise ValueError(f"{self.name} updates shards: it needs one shard gradient buffer per bucket")
         self.comm = comm
         if self.tune and self.tuner is None:

@@ -1,7 +1,8 @@
 """``SyncSwitch``: BSP, ASP and SSP in one job, switched in place by a policy (arXiv 2104.08364).
 
-BSP steps go through an inner strategy (``bsp=AllReduce()`` by default; any
-non-sharded strategy).  Asynchronous steps go through a
+BSP steps go through an inner strategy (``bsp=AllReduce()`` by default, or
+``DeAR()``: BSP steps then update shards, ZeRO-1, and ``sharded`` is True in
+BSP only).  Asynchronous steps go through a
 :class:`~collectives.paramstore.ParamStore` (one per bucket) in MPI one-sided
 windows: after the local update, a rank pushes its change (``params - params
 before the update``) atomically into the store and pulls the store back into
@@ -11,7 +12,8 @@ its parameters; SSP also ticks its clock and waits while it is more than
 Switching, inside the running job, with nothing lost or applied twice:
 
 * BSP -> ASP/SSP (all ranks at the same step: BSP is lockstep and every
-  policy decides the same on every rank): the inner strategy is flushed, the
+  policy decides the same on every rank): the inner strategy is flushed (DeAR's
+  all-gathers land: the parameters are whole and identical), the
   store is loaded from the replicas (identical; each rank writes its own
   shard locally, between barriers, no data travels), clocks start at 0, the
   progress thread (if any) starts.
@@ -23,10 +25,15 @@ Switching, inside the running job, with nothing lost or applied twice:
   drifts apart while asynchronous) are averaged over ranks so that the
   replicas' optimizers agree too.
 
-What a binding calls (the usual strategy lifecycle; ``sharded`` is False):
+What a binding calls (the usual strategy lifecycle; ``sharded`` is the BSP
+strategy's in BSP phases and False in asynchronous ones, so that over DeAR
+the binding's ``on_switch`` callback moves the optimizer's state between this
+rank's pieces and whole tensors, gathered leaving BSP and averaged then split
+on the way back):
 
-1. ``setup(comm, buckets, params, grads, broadcast=True)`` once (collective:
-   makes the windows);
+1. ``setup(comm, buckets, params, grads, shard_grads=None, broadcast=True)``
+   once (collective: makes the windows; ``shard_grads`` as DeAR's, when
+   ``needs_shard_grads``);
 2. per step: ``bucket_ready(b)`` from backward; ``before_update()``; the
    optimizer's update of ``params`` (scale its learning rate by
    :attr:`lr_scale` and its momentum coefficient by :attr:`momentum_scale`);
@@ -40,7 +47,8 @@ What a binding calls (the usual strategy lifecycle; ``sharded`` is False):
    that is not flat (torch optimizers' per-parameter momentum).
 
 Without an optimizer (flat numpy buffers, plain SGD): fill ``grads`` and call
-``step(lr)``: BSP averages the gradients and applies ``-lr * grad``; ASP
+``step(lr)``: BSP averages the gradients and applies ``-lr * grad`` (over
+DeAR: to this rank's shard, then all-gathered); ASP
 pushes ``-lr * lr_scale * grad`` and pulls; SSP also waits on the clocks.
 
 State (``state_dict()``): steps, phase, this rank's clock, the learning-rate
@@ -77,7 +85,8 @@ from .strategy import Strategy, checked_strategy
 class SyncSwitch(Strategy):
     """Hybrid BSP / ASP / SSP training, switched in place by ``policy``.
 
-    ``bsp``: the strategy of BSP steps (non-sharded).  ``policy``: an
+    ``bsp``: the strategy of BSP steps (``AllReduce``, or ``DeAR``: sharded updates in
+    BSP, whole ones in ASP).  ``policy``: an
     :class:`~collectives.policies.OfflinePolicy`,
     :class:`~collectives.policies.StragglerPolicy` or
     :class:`~collectives.policies.SchedulePolicy` (default: BSP throughout).
@@ -93,16 +102,14 @@ class SyncSwitch(Strategy):
     """
 
     name = "syncswitch"
-    sharded = False
     updates_parameters = True      # ASP pushes parameter deltas and pulls parameters
 
     def __init__(self, bsp: Strategy | None = None, policy: Policy | None = None, staleness: int = 0,
                  layout: str = "sharded", progress: str = "auto", progress_interval_s: float = 1e-3,
                  ssp_timeout: float | None = None):
         inner = checked_strategy(bsp, "SyncSwitch(bsp=...)") if bsp is not None else AllReduce()
-        if inner.sharded:
-            raise ValueError(f"SyncSwitch(bsp={inner.name}): asynchronous steps update whole "
-                             "parameters on every rank; use a non-sharded BSP strategy")
+        if isinstance(inner, SyncSwitch):
+            raise ValueError("SyncSwitch cannot wrap another SyncSwitch")
         if staleness < 0:
             raise ValueError(f"staleness {staleness!r}: expected >= 0")
         super().__init__(cap_mb=inner.cap_bytes / (1 << 20),
@@ -126,13 +133,23 @@ class SyncSwitch(Strategy):
         self.stats.update({"asp_steps": 0, "ssp_steps": 0, "bsp_steps": 0, "switch_s": 0.0,
                            "ssp_wait_s": 0.0, "store_s": 0.0, "compute_s": 0.0})
 
+    @property
+    def sharded(self) -> bool:      # type: ignore[override]
+        """The update about to run is on shards: in BSP phases over a sharded ``bsp`` (DeAR)."""
+        return self.phase == "bsp" and self.bsp.sharded
+
+    @property
+    def needs_shard_grads(self) -> bool:
+        return self.bsp.sharded
+
     # ------------------------------------------------------------------ lifecycle
     def setup(self, comm: Communicator, buckets: Sequence[Bucket], params: Sequence[Any],
               grads: Sequence[Any], shard_grads: Sequence[Any] | None = None,
               broadcast: bool = True) -> None:
         self.close_stores()
-        super().setup(comm, buckets, params, grads, None, broadcast)
-        self.bsp.setup(comm, buckets, params, grads, None, broadcast=False)
+        shards = shard_grads if self.bsp.sharded else None
+        super().setup(comm, buckets, params, grads, shards, broadcast)
+        self.bsp.setup(comm, buckets, params, grads, shards, broadcast=False)
         self._np_params = [np.asarray(p).reshape(-1) for p in self.params]
         self._np_grads = [np.asarray(g).reshape(-1) for g in self.grads]
         self.stores = [ParamStore(comm, p.size, p.dtype, init=p, timeout=self.ssp_timeout,
@@ -199,8 +216,13 @@ class SyncSwitch(Strategy):
                 if not self._ready[b]:
                     self.bucket_ready(b)
             self.before_update()
-            for p, g in zip(self._np_params, self._np_grads):
-                p -= p.dtype.type(eff) * g
+            if self.bsp.sharded:        # this rank's shard, from the averaged shard (all-gathered after)
+                rank = self.comm.rank
+                for b, (p, sg) in enumerate(zip(self._np_params, self.shard_grads)):
+                    p[self.buckets[b].shard(rank)] -= p.dtype.type(eff) * np.asarray(sg)
+            else:
+                for p, g in zip(self._np_params, self._np_grads):
+                    p -= p.dtype.type(eff) * g
             self.after_update()
             return
         now = time.perf_counter()
@@ -297,13 +319,13 @@ class SyncSwitch(Strategy):
         if "lr_scale" in changes:
             self.lr_scale = float(changes["lr_scale"])
         self.momentum_scale = float(changes.get("momentum_scale", self.momentum_scale))
+        for fn in self._switch_callbacks:     # on every rank, at the same step out of BSP
+            fn(old, new, changes)             # (the binding's optimizer state: timed with the switch)
         dt = time.perf_counter() - t0
         self.stats["switch_s"] += dt
         rec = {"step": self.steps, "from": old, "to": new, "seconds": dt, **changes}
         self.switches.append(rec)
         self.comm.tracer.instant("syncswitch.switch", **rec)
-        for fn in self._switch_callbacks:     # on every rank, at the same step out of BSP
-            fn(old, new, changes)
 
     def switch_to(self, phase: str) -> None:
         """Switch now (collective when leaving BSP or returning to it), regardless of the policy."""

@@ -44,6 +44,7 @@ def _strategies() -> dict:
         "dear": lambda: DeAR(**SMALL),
         "selsync0": lambda: SelSync(inner=AllReduce(**SMALL), delta=0.0, mode="grads"),
         "syncswitch-bsp": lambda: SyncSwitch(bsp=AllReduce(**SMALL)),
+        "syncswitch-dear": lambda: SyncSwitch(bsp=DeAR(**SMALL)),
         "sparse-dense": lambda: SparseAllReduce(selector=Dense()),
     }
 

@@ -33,7 +33,7 @@ if HAVE_TORCH:
     import torch
 
     from commlib.bindings.torch import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
-    from commlib.collectives import AllReduce, DeAR
+    from commlib.collectives import DeAR
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
@@ -145,102 +145,6 @@ def test_ddp_comm_hook_routes_buckets_through_commlib(comm):
             np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=2e-5, atol=2e-6)
     finally:
         dist.destroy_process_group()
-
-
-@pytest.mark.mpi
-def test_syncswitch_through_distributed_optimizer_keeps_replicas_identical_at_bsp(comm):
-    """BSP -> ASP -> BSP inside one job, driven by the binding: replicas (and momentum) agree at BSP."""
-    from commlib.collectives import SchedulePolicy, SyncSwitch
-
-    model = make_model(comm.rank)
-    ss = SyncSwitch(bsp=AllReduce(cap_mb=0.0003), policy=SchedulePolicy([(0, "bsp"), (2, "asp"), (5, "bsp")],
-                                                                       lr_scale=0.5))
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
-                               strategy=ss, comm=comm, find_unused_parameters=True)
-    phases = []
-    for step in range(7):
-        x, y = batch(step + 17 * comm.rank, comm.size)    # ranks see different data
-        opt.zero_grad()
-        loss_fn(model, x[:LOCAL], y[:LOCAL]).backward()
-        opt.step()
-        phases.append(ss.phase)
-        if ss.phase == "bsp":
-            opt.flush()
-            same_on_all_ranks(comm, model)
-            bufs = comm.allgather(torch.cat([opt.state[p]["momentum_buffer"].reshape(-1)
-                                             for p in (model.fc1.weight, model.fc2.weight)]).numpy())
-            assert all(np.array_equal(bufs[r], bufs[0]) for r in range(comm.size))
-    assert "asp" in phases and phases[-1] == "bsp", phases
-    assert [s["to"] for s in ss.switches] == ["asp", "bsp"]
-    ss.close()
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("agree", [False, True])
-def test_grad_scalers_that_drifted_in_asp_agree_again_by_the_readme_recipe(comm, agree):
-    """Under ASP one rank's GradScaler skips an overflowed step and halves its scale alone; back at BSP
-    the ranks' scaled gradients are averaged, so unequal scales make the replicas drift apart (without
-    the README's recipe), and the recipe (the smallest scale everywhere when BSP resumes) keeps them
-    identical at every BSP step."""
-    from commlib.collectives import SchedulePolicy, SyncSwitch
-
-    model = make_model(comm.rank)
-    ss = SyncSwitch(bsp=AllReduce(cap_mb=0.0003), policy=SchedulePolicy([(0, "bsp"), (2, "asp"), (5, "bsp")]))
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, strategy=ss, comm=comm,
-                               find_unused_parameters=True)       # the model's head "unused"
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    same = []
-    for step in range(8):
-        x, y = batch(step + 17 * comm.rank, comm.size)
-        opt.zero_grad()
-        loss = loss_fn(model, x[:LOCAL], y[:LOCAL])
-        if step == 3 and comm.rank == 0:            # ASP: this rank alone overflows
-            loss = loss + model.fc1.bias[0] * float("inf")
-        scaler.scale(loss).backward()
-        before = opt.strategy.phase
-        scaler.step(opt)
-        scaler.update()
-        if agree and before != "bsp" and opt.strategy.phase == "bsp":     # README, mixed precision
-            scaler.update(new_scale=comm.allreduce(torch.tensor([scaler.get_scale()]), "min").item())
-        if ss.phase == "bsp" and step >= 5:
-            opt.flush()
-            vec = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
-            table = comm.allgather(vec)
-            same.append(all(np.array_equal(table[r], table[0]) for r in range(comm.size)))
-    assert [s["to"] for s in ss.switches] == ["asp", "bsp"]
-    assert same == [agree] * 3, same
-    ss.close()
-
-
-@pytest.mark.mpi(min_size=2)
-def test_asp_steps_leave_out_this_ranks_unused_parameters_without_meeting(comm):
-    """Sync-Switch's ASP with a parameter no rank uses: each rank leaves out what it gave no gradient
-    on its own, so the ranks do not meet at every step (an agreement there held ASP in lockstep:
-    the slow rank's sleep set every rank's pace)."""
-    import time
-
-    from commlib.collectives import SchedulePolicy, SyncSwitch
-
-    model = make_model(comm.rank)
-    ss = SyncSwitch(bsp=AllReduce(), policy=SchedulePolicy([(0, "bsp"), (1, "asp")]))
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
-                               strategy=ss, comm=comm, find_unused_parameters=True)
-    unused = model.unused.detach().clone()
-    slow, steps = comm.size - 1, 0
-    try:
-        while ss.progress() < 6 * comm.size:
-            x, y = batch(steps + 17 * comm.rank, comm.size)
-            opt.zero_grad()
-            loss_fn(model, x[:LOCAL], y[:LOCAL]).backward()
-            opt.step()
-            steps += 1
-            if comm.rank == slow:
-                time.sleep(0.05)
-    finally:
-        ss.close()
-    counts = comm.allgather(np.array([steps]))[:, 0]
-    assert counts[slow] < counts[0], counts
-    assert torch.equal(model.unused.detach(), unused)
 
 
 @pytest.mark.mpi

@@ -293,5 +293,9 @@ def test_bad_arguments():
         SyncSwitch(bsp=ExDyna(density=0.1))
     with pytest.raises(ValueError):
         SelSync(inner=SelSync())
+    with pytest.raises(ValueError, match=r"SelSync\(inner=syncswitch\): .* writes the parameters itself"):
+        SelSync(inner=SyncSwitch(bsp=DeAR()))   # its update changes with its phase: not a gradient average
+    with pytest.raises(ValueError, match="SyncSwitch cannot wrap another SyncSwitch"):
+        SyncSwitch(bsp=SyncSwitch())
     with pytest.raises(RuntimeError):
         SelSync().decide(want=True)

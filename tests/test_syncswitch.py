@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 
+from commlib.collectives import AllReduce, DeAR
 from commlib.collectives.buckets import TensorSpec, plan_buckets
 from commlib.collectives.policies import (
     OfflinePolicy,
@@ -40,13 +41,16 @@ def _same_everywhere(comm, arrays) -> bool:
 
 
 @pytest.mark.mpi(min_size=1)
-def test_switches_keep_replicas_identical_and_lose_nothing(comm):
+@pytest.mark.parametrize("bsp", ["allreduce", "dear"])
+def test_switches_keep_replicas_identical_and_lose_nothing(comm, bsp):
+    """BSP steps apply the average gradient (over DeAR: to this rank's shard, then all-gathered), the
+    asynchronous phases every rank's pushes, and the replicas are identical again at every BSP step."""
     buckets, params, grads = _flat(comm)
     for b, p in enumerate(params):
         p[:] = 0.5 * (b + 1)
     sched = SchedulePolicy([(0, "bsp"), (3, "asp"), (7, "bsp"), (10, "ssp"), (14, "bsp")])
-    ss = SyncSwitch(policy=sched, staleness=1)
-    ss.setup(comm, buckets, params, grads)
+    ss = SyncSwitch(bsp=AllReduce() if bsp == "allreduce" else DeAR(), policy=sched, staleness=1)
+    ss.setup(comm, buckets, params, grads, [np.zeros(b.shard_numel, b.dtype) for b in buckets])
     lr = 0.25                                  # powers of two: float sums stay exact
     pushed = [np.zeros(p.size) for p in params]
     at_switch = None
@@ -61,7 +65,15 @@ def test_switches_keep_replicas_identical_and_lose_nothing(comm):
             if phase != "bsp":
                 for b, g in enumerate(grads):
                     pushed[b] += -lr * g
+            else:
+                expect = [p - lr * np.mean(comm.allgather(g.astype(np.float64)), axis=0)
+                          for p, g in zip(params, grads)]
             ss.step(lr)
+            if phase == "bsp":
+                if ss.phase == "bsp":       # (a switch flushed them: a flush now pulls others' pushes)
+                    ss.flush()
+                for b, p in enumerate(params):
+                    np.testing.assert_array_equal(p, expect[b].astype(p.dtype), err_msg=f"step {step}")
             if ss.phase == "bsp":
                 assert _same_everywhere(comm, params), f"replicas differ after step {step}"
                 if at_switch is not None:      # just back from an asynchronous phase

@@ -1,0 +1,176 @@
+"""bindings.torch with Sync-Switch: BSP, ASP and SSP in one job through DistributedOptimizer.
+
+The BSP phase trains as one process (the training-loop tests run ``SyncSwitch(bsp=AllReduce())`` and
+``SyncSwitch(bsp=DeAR())`` with the rest: test_train_loops.py); here, the switches: replicas and
+optimizers that agree again at BSP, GradScalers that drifted apart in ASP, ASP's ranks that do not
+meet, and DeAR's sharded optimizer moved between pieces and whole tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from conftest import HAVE_TORCH
+from torch_reference import LOCAL, batch, loss_fn, make_model, same_on_all_ranks
+
+pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+
+if HAVE_TORCH:
+    import torch
+
+    from commlib.bindings.torch import DistributedOptimizer
+    from commlib.collectives import AllReduce, DeAR, SchedulePolicy, SyncSwitch
+
+
+@pytest.mark.mpi
+def test_syncswitch_through_distributed_optimizer_keeps_replicas_identical_at_bsp(comm):
+    """BSP -> ASP -> BSP inside one job, driven by the binding: replicas (and momentum) agree at BSP."""
+
+    model = make_model(comm.rank)
+    ss = SyncSwitch(bsp=AllReduce(cap_mb=0.0003), policy=SchedulePolicy([(0, "bsp"), (2, "asp"), (5, "bsp")],
+                                                                       lr_scale=0.5))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                               strategy=ss, comm=comm, find_unused_parameters=True)
+    phases = []
+    for step in range(7):
+        x, y = batch(step + 17 * comm.rank, comm.size)    # ranks see different data
+        opt.zero_grad()
+        loss_fn(model, x[:LOCAL], y[:LOCAL]).backward()
+        opt.step()
+        phases.append(ss.phase)
+        if ss.phase == "bsp":
+            opt.flush()
+            same_on_all_ranks(comm, model)
+            bufs = comm.allgather(torch.cat([opt.state[p]["momentum_buffer"].reshape(-1)
+                                             for p in (model.fc1.weight, model.fc2.weight)]).numpy())
+            assert all(np.array_equal(bufs[r], bufs[0]) for r in range(comm.size))
+    assert "asp" in phases and phases[-1] == "bsp", phases
+    assert [s["to"] for s in ss.switches] == ["asp", "bsp"]
+    ss.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("agree", [False, True])
+def test_grad_scalers_that_drifted_in_asp_agree_again_by_the_readme_recipe(comm, agree):
+    """Under ASP one rank's GradScaler skips an overflowed step and halves its scale alone; back at BSP
+    the ranks' scaled gradients are averaged, so unequal scales make the replicas drift apart (without
+    the README's recipe), and the recipe (the smallest scale everywhere when BSP resumes) keeps them
+    identical at every BSP step."""
+
+    model = make_model(comm.rank)
+    ss = SyncSwitch(bsp=AllReduce(cap_mb=0.0003), policy=SchedulePolicy([(0, "bsp"), (2, "asp"), (5, "bsp")]))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, strategy=ss, comm=comm,
+                               find_unused_parameters=True)       # the model's head "unused"
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    same = []
+    for step in range(8):
+        x, y = batch(step + 17 * comm.rank, comm.size)
+        opt.zero_grad()
+        loss = loss_fn(model, x[:LOCAL], y[:LOCAL])
+        if step == 3 and comm.rank == 0:            # ASP: this rank alone overflows
+            loss = loss + model.fc1.bias[0] * float("inf")
+        scaler.scale(loss).backward()
+        before = opt.strategy.phase
+        scaler.step(opt)
+        scaler.update()
+        if agree and before != "bsp" and opt.strategy.phase == "bsp":     # README, mixed precision
+            scaler.update(new_scale=comm.allreduce(torch.tensor([scaler.get_scale()]), "min").item())
+        if ss.phase == "bsp" and step >= 5:
+            opt.flush()
+            vec = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+            table = comm.allgather(vec)
+            same.append(all(np.array_equal(table[r], table[0]) for r in range(comm.size)))
+    assert [s["to"] for s in ss.switches] == ["asp", "bsp"]
+    assert same == [agree] * 3, same
+    ss.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_asp_steps_leave_out_this_ranks_unused_parameters_without_meeting(comm):
+    """Sync-Switch's ASP with a parameter no rank uses: each rank leaves out what it gave no gradient
+    on its own, so the ranks do not meet at every step (an agreement there held ASP in lockstep:
+    the slow rank's sleep set every rank's pace)."""
+    import time
+
+
+    model = make_model(comm.rank)
+    ss = SyncSwitch(bsp=AllReduce(), policy=SchedulePolicy([(0, "bsp"), (1, "asp")]))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                               strategy=ss, comm=comm, find_unused_parameters=True)
+    unused = model.unused.detach().clone()
+    slow, steps = comm.size - 1, 0
+    try:
+        while ss.progress() < 6 * comm.size:
+            x, y = batch(steps + 17 * comm.rank, comm.size)
+            opt.zero_grad()
+            loss_fn(model, x[:LOCAL], y[:LOCAL]).backward()
+            opt.step()
+            steps += 1
+            if comm.rank == slow:
+                time.sleep(0.05)
+    finally:
+        ss.close()
+    counts = comm.allgather(np.array([steps]))[:, 0]
+    assert counts[slow] < counts[0], counts
+    assert torch.equal(model.unused.detach(), unused)
+
+
+@pytest.mark.mpi
+def test_syncswitch_over_dear_trains_as_over_allreduce_through_its_switches(comm):
+    """``SyncSwitch(bsp=DeAR())``: BSP steps update AdamW over 1/size pieces (ZeRO-1), ASP steps update
+    whole parameters from the moments gathered whole at the switch, which are averaged and split again
+    on the way back.  The training is ``SyncSwitch(bsp=AllReduce())``'s (ASP's ranks take turns, so that
+    the asynchronous steps are deterministic), the replicas and the checkpoint identical at BSP, and
+    ``close()`` in ASP comes back to BSP alike.  It was refused ("use a non-sharded BSP strategy")."""
+    from commlib.bindings.torch_state import ShardedParamState
+
+    schedule = [(0, "bsp"), (2, "asp"), (5, "bsp"), (7, "asp")]
+
+    def run(bsp):
+        model = make_model(comm.rank)
+        ss = SyncSwitch(bsp=bsp, policy=SchedulePolicy(schedule, lr_scale=0.5))
+        opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, strategy=ss,
+                                   comm=comm, find_unused_parameters=True)
+        pieces, trace = [], []
+        for step in range(9):
+            # ASP steps take turns, but for step 4's: its switch back to BSP meets every rank at a barrier
+            turns = range(comm.size) if ss.phase == "asp" and step != 4 else [comm.rank]
+            for r in turns:
+                if r == comm.rank:
+                    x, y = batch(step + 17 * comm.rank, comm.size)
+                    opt.zero_grad()
+                    loss_fn(model, x[:LOCAL], y[:LOCAL]).backward()
+                    opt.step()
+                if len(turns) > 1:
+                    comm.barrier()
+            pieces.append(isinstance(opt.state[model.fc1.weight], ShardedParamState))
+            if ss.phase == "bsp":
+                opt.flush()
+                same_on_all_ranks(comm, model)
+            trace.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy())
+            if step == 5:
+                mid = copy.deepcopy(opt.state_dict())   # BSP: consolidated from the pieces (a plain
+                #                                           optimizer's holds its live tensors)
+        ss.close()                      # in ASP (step 8's): back to BSP, the optimizers averaged and split
+        same_on_all_ranks(comm, model)
+        end = opt.state_dict()
+        return trace, pieces, [s["to"] for s in ss.switches], end, mid
+
+    dear, ref = run(DeAR(cap_mb=0.0003)), run(AllReduce(cap_mb=0.0003))
+    assert dear[2] == ref[2] == ["asp", "bsp", "asp", "bsp"], dear[2]
+    assert dear[1] == [True, False, False, False, True, True, False, False, False], dear[1]
+    assert not any(ref[1])
+    for step, (a, b) in enumerate(zip(dear[0], ref[0])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
+    for sd, ref_sd in ((dear[3], ref[3]), (dear[4], ref[4])):
+        assert sd["state"].keys() == ref_sd["state"].keys()
+        for i, st in ref_sd["state"].items():
+            for k, v in st.items():
+                np.testing.assert_allclose(np.asarray(sd["state"][i][k]), np.asarray(v), rtol=1e-5, atol=1e-7,
+                                           err_msg=f"parameter {i} {k}")
+    table = comm.allgather(torch.cat([v.reshape(-1) for st in dear[3]["state"].values()
+                                      for v in st.values() if v.dim()]).numpy())
+    assert all(np.array_equal(t, table[0]) for t in table), "the optimizers differ after close()"

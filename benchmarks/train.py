@@ -103,7 +103,10 @@ class Trainer:
         self.tracer = comm.tracer if comm.tracer.recording else None
 
     def wait_s(self) -> float:
-        return self.dopt.strategy.stats["wait_s"] if self.dopt is not None else 0.0
+        if self.dopt is None:
+            return 0.0
+        s = self.dopt.strategy
+        return (s.bsp if isinstance(s, SyncSwitch) else s).stats["wait_s"]     # BSP's waits are its inner's
 
     def step(self) -> None:
         self.seed += 1

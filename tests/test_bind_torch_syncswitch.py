@@ -174,3 +174,50 @@ def test_syncswitch_over_dear_trains_as_over_allreduce_through_its_switches(comm
     table = comm.allgather(torch.cat([v.reshape(-1) for st in dear[3]["state"].values()
                                       for v in st.values() if v.dim()]).numpy())
     assert all(np.array_equal(t, table[0]) for t in table), "the optimizers differ after close()"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("bsp", ["allreduce", "dear"])
+def test_a_checkpoint_taken_in_asp_resumes_in_asp_with_its_state(comm, bsp):
+    """Rank 0's checkpoint taken in ASP (Horovod's habit), loaded on every rank of a fresh job that starts
+    in BSP: the job goes on in ASP from that model and optimizer state, nothing lost (over DeAR the state
+    passes through the pieces of the BSP start, then whole again at the switch the load makes)."""
+    def make():
+        model = make_model(comm.rank)
+        ss = SyncSwitch(bsp=AllReduce(cap_mb=0.0003) if bsp == "allreduce" else DeAR(cap_mb=0.0003),
+                        policy=SchedulePolicy([(0, "bsp"), (1, "asp")]))
+        return model, ss, DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model,
+                                               strategy=ss, comm=comm, find_unused_parameters=True)
+
+    def train(model, ss, opt, steps):
+        for step in steps:      # ASP's ranks take turns: rank 0's checkpoint is then the same every run
+            turns = range(comm.size) if ss.phase == "asp" else [comm.rank]
+            for r in turns:
+                if r == comm.rank:
+                    x, y = batch(step + 17 * comm.rank, comm.size)
+                    opt.zero_grad()
+                    loss_fn(model, x[:LOCAL], y[:LOCAL]).backward()
+                    opt.step()
+                if len(turns) > 1:
+                    comm.barrier()
+
+    model, ss, opt = make()
+    train(model, ss, opt, range(3))
+    mine = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())) if comm.rank == 0 else None
+    saved_model, saved_opt = comm.allgather_object(mine)[0]
+    ss.close()
+
+    model, ss, opt = make()             # the job started again: BSP (over DeAR, the state in pieces)
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    assert ss.phase == "asp" and "exp_avg" in opt.state[model.fc1.weight]     # whole again
+    state = opt.state_dict()["state"]
+    assert state.keys() == saved_opt["state"].keys()
+    for i, st in saved_opt["state"].items():
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(state[i][k]), torch.as_tensor(v)), (i, k)
+    for k, v in saved_model.items():
+        assert torch.equal(model.state_dict()[k], v), k
+    train(model, ss, opt, range(3, 5))
+    ss.close()
+    same_on_all_ranks(comm, model)

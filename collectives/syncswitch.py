@@ -374,14 +374,25 @@ class SyncSwitch(Strategy):
         return sd
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore (collective after ``setup``: the phase is re-entered with the current parameters)."""
+        """Restore (collective after ``setup``: the phase is re-entered with the current parameters,
+        loaded before it, as a checkpoint's model is: in an asynchronous phase the parameter store
+        takes them, whatever it held).
+
+        Example:
+            >>> model.load_state_dict(ckpt["model"]); ss.load_state_dict(ckpt["syncswitch"])
+        """
         super().load_state_dict(state)
         if state["phase"] not in PHASES:
             raise ValidationError(f"phase {state['phase']!r}: expected one of {PHASES}")
         self.bsp.load_state_dict(state["bsp"])
         self.staleness = int(state["staleness"])
+        if self.stores and self.phase != "bsp":     # a roll-back while asynchronous: every rank's pushes
+            loaded = [p.copy() for p in self._np_params]     # land, then the loaded parameters stay
+            self._switch("bsp")
+            for p, mine in zip(self._np_params, loaded):
+                np.copyto(p, mine)
         if self.stores and state["phase"] != self.phase:
-            self._switch(state["phase"])
+            self._switch(state["phase"])            # an asynchronous phase: the stores take the parameters
         self.policy.load_state_dict(state["policy"])      # after the switch, which tells the policy
         self._progress_base = float(state["progress_base"])
         self.switches = [dict(s) for s in state["switches"]]

@@ -181,7 +181,9 @@ def test_syncswitch_over_dear_trains_as_over_allreduce_through_its_switches(comm
 def test_a_checkpoint_taken_in_asp_resumes_in_asp_with_its_state(comm, bsp):
     """Rank 0's checkpoint taken in ASP (Horovod's habit), loaded on every rank of a fresh job that starts
     in BSP: the job goes on in ASP from that model and optimizer state, nothing lost (over DeAR the state
-    passes through the pieces of the BSP start, then whole again at the switch the load makes)."""
+    passes through the pieces of the BSP start, then whole again at the switch the load makes).  Loaded
+    into the job still in ASP (a roll-back), it trains on alike: the parameter store takes the loaded
+    parameters (it kept its own, and the next pull put them back)."""
     def make():
         model = make_model(comm.rank)
         ss = SyncSwitch(bsp=AllReduce(cap_mb=0.0003) if bsp == "allreduce" else DeAR(cap_mb=0.0003),
@@ -190,7 +192,8 @@ def test_a_checkpoint_taken_in_asp_resumes_in_asp_with_its_state(comm, bsp):
                                                strategy=ss, comm=comm, find_unused_parameters=True)
 
     def train(model, ss, opt, steps):
-        for step in steps:      # ASP's ranks take turns: rank 0's checkpoint is then the same every run
+        trace = []
+        for step in steps:      # ASP's ranks take turns: the same steps give the same parameters
             turns = range(comm.size) if ss.phase == "asp" else [comm.rank]
             for r in turns:
                 if r == comm.rank:
@@ -200,24 +203,34 @@ def test_a_checkpoint_taken_in_asp_resumes_in_asp_with_its_state(comm, bsp):
                     opt.step()
                 if len(turns) > 1:
                     comm.barrier()
+            trace.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy())
+        return trace
+
+    def load(model, opt, saved):        # a copy: torch's optimizer keeps the tensors it loads
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(copy.deepcopy(saved[1]))
 
     model, ss, opt = make()
     train(model, ss, opt, range(3))
     mine = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())) if comm.rank == 0 else None
-    saved_model, saved_opt = comm.allgather_object(mine)[0]
+    saved = comm.allgather_object(mine)[0]
+    train(model, ss, opt, range(10, 12))
+    load(model, opt, saved)             # roll back, in ASP
+    rolled = train(model, ss, opt, range(3, 5))
     ss.close()
 
     model, ss, opt = make()             # the job started again: BSP (over DeAR, the state in pieces)
-    model.load_state_dict(saved_model)
-    opt.load_state_dict(saved_opt)
+    load(model, opt, saved)
     assert ss.phase == "asp" and "exp_avg" in opt.state[model.fc1.weight]     # whole again
     state = opt.state_dict()["state"]
-    assert state.keys() == saved_opt["state"].keys()
-    for i, st in saved_opt["state"].items():
+    assert state.keys() == saved[1]["state"].keys()
+    for i, st in saved[1]["state"].items():
         for k, v in st.items():
             assert torch.equal(torch.as_tensor(state[i][k]), torch.as_tensor(v)), (i, k)
-    for k, v in saved_model.items():
+    for k, v in saved[0].items():
         assert torch.equal(model.state_dict()[k], v), k
-    train(model, ss, opt, range(3, 5))
+    resumed = train(model, ss, opt, range(3, 5))
     ss.close()
     same_on_all_ranks(comm, model)
+    for step, (a, b) in enumerate(zip(rolled, resumed)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=f"step {step}")

@@ -177,17 +177,19 @@ def test_syncswitch_over_dear_trains_as_over_allreduce_through_its_switches(comm
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("taken", ["asp", "bsp"])
 @pytest.mark.parametrize("bsp", ["allreduce", "dear"])
-def test_a_checkpoint_taken_in_asp_resumes_in_asp_with_its_state(comm, bsp):
-    """Rank 0's checkpoint taken in ASP (Horovod's habit), loaded on every rank of a fresh job that starts
-    in BSP: the job goes on in ASP from that model and optimizer state, nothing lost (over DeAR the state
-    passes through the pieces of the BSP start, then whole again at the switch the load makes).  Loaded
-    into the job still in ASP (a roll-back), it trains on alike: the parameter store takes the loaded
-    parameters (it kept its own, and the next pull put them back)."""
+def test_a_checkpoint_resumes_in_its_phase_with_its_state(comm, bsp, taken):
+    """Rank 0's checkpoint (Horovod's habit), taken in ASP or BSP and loaded on every rank of a fresh job
+    that starts in BSP: the job goes on in the checkpoint's phase from its model and optimizer state,
+    nothing lost (over DeAR an ASP state passes through the pieces of the BSP start, then whole again at
+    the switch the load makes).  Loaded into the job while it is in ASP (a roll-back), it trains on
+    alike: the parameter store takes the loaded parameters (it kept its own, and the next pull put them
+    back), and over DeAR a BSP checkpoint's state goes to the pieces."""
     def make():
         model = make_model(comm.rank)
         ss = SyncSwitch(bsp=AllReduce(cap_mb=0.0003) if bsp == "allreduce" else DeAR(cap_mb=0.0003),
-                        policy=SchedulePolicy([(0, "bsp"), (1, "asp")]))
+                        policy=SchedulePolicy([(0, "bsp"), (2, "asp")]))
         return model, ss, DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model,
                                                strategy=ss, comm=comm, find_unused_parameters=True)
 
@@ -211,17 +213,21 @@ def test_a_checkpoint_taken_in_asp_resumes_in_asp_with_its_state(comm, bsp):
         opt.load_state_dict(copy.deepcopy(saved[1]))
 
     model, ss, opt = make()
-    train(model, ss, opt, range(3))
-    mine = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())) if comm.rank == 0 else None
+    done = 3 if taken == "asp" else 1
+    train(model, ss, opt, range(done))
+    assert ss.phase == taken
+    sd = copy.deepcopy(opt.state_dict())      # on every rank: over DeAR in BSP, gathered from the pieces
+    mine = (copy.deepcopy(model.state_dict()), sd) if comm.rank == 0 else None
     saved = comm.allgather_object(mine)[0]
     train(model, ss, opt, range(10, 12))
+    assert ss.phase == "asp"
     load(model, opt, saved)             # roll back, in ASP
-    rolled = train(model, ss, opt, range(3, 5))
+    rolled = train(model, ss, opt, range(done, done + 2))
     ss.close()
 
     model, ss, opt = make()             # the job started again: BSP (over DeAR, the state in pieces)
     load(model, opt, saved)
-    assert ss.phase == "asp" and "exp_avg" in opt.state[model.fc1.weight]     # whole again
+    assert ss.phase == taken
     state = opt.state_dict()["state"]
     assert state.keys() == saved[1]["state"].keys()
     for i, st in saved[1]["state"].items():
@@ -229,7 +235,7 @@ def test_a_checkpoint_taken_in_asp_resumes_in_asp_with_its_state(comm, bsp):
             assert torch.equal(torch.as_tensor(state[i][k]), torch.as_tensor(v)), (i, k)
     for k, v in saved[0].items():
         assert torch.equal(model.state_dict()[k], v), k
-    resumed = train(model, ss, opt, range(3, 5))
+    resumed = train(model, ss, opt, range(done, done + 2))
     ss.close()
     same_on_all_ranks(comm, model)
     for step, (a, b) in enumerate(zip(rolled, resumed)):

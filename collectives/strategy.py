@@ -34,8 +34,8 @@ answers for a strategy that needs nothing from the optimizer):
   reads this rank's own gradient (False; SelSync's local steps, Sync-Switch's
   ASP), so that the binding agrees with no other rank on what it leaves out;
 - ``tuner``: the cap search the binding feeds step times (``tune=True``);
-- ``reopens``: the reduction is linear in the gradient (False; AllReduce
-  and DeAR), so that a backward pass after ``before_update()`` and before the
+- ``reopens``: the reduction is linear in the gradient (False; AllReduce,
+  DeAR, and Sync-Switch over either), so that a backward pass after ``before_update()`` and before the
   update (a second loss's backward, as DDP allows: DCGAN's discriminator) can
   be reduced onto the gradients already averaged: the binding calls
   ``reopen()``, makes every rank's gradient buffers hold the whole average

@@ -129,6 +129,7 @@ class SyncSwitch(Strategy):
         self._before: list[np.ndarray] = []
         self._delta: list[np.ndarray] = []
         self._compute_start: float | None = None
+        self._compute = 0.0
         self._progress_base = 0.0
         self.stats.update({"asp_steps": 0, "ssp_steps": 0, "bsp_steps": 0, "switch_s": 0.0,
                            "ssp_wait_s": 0.0, "store_s": 0.0, "compute_s": 0.0})
@@ -175,14 +176,26 @@ class SyncSwitch(Strategy):
     def launch(self, b: int) -> None:  # pragma: no cover - bucket_ready is overridden
         self.bsp.launch(b)
 
+    @property
+    def reopens(self) -> bool:      # type: ignore[override]
+        """A pass after ``before_update()`` adds to the gradients: the BSP strategy's (AllReduce and
+        DeAR can), and asynchronous steps', whose gradients are this rank's own."""
+        return self.bsp.reopens
+
+    def reopen(self) -> None:
+        if not self.reopens:
+            raise RuntimeError(f"{self.name} cannot reduce another backward pass onto a reduced gradient")
+        if self.phase == "bsp":
+            self.bsp.reopen()
+        self._reset_step()
+
     def launch_remaining(self) -> None:
         if self.phase == "bsp":
             self.bsp.launch_remaining()
 
     def before_update(self) -> None:
         now = time.perf_counter()
-        self._compute = now - (self._compute_start or now)
-        self.stats["compute_s"] += self._compute
+        self._compute = now - (self._compute_start or now)     # (again after a reopen: the whole pass)
         if self.phase == "bsp":
             self.bsp.before_update()
         else:
@@ -227,7 +240,6 @@ class SyncSwitch(Strategy):
             return
         now = time.perf_counter()
         self._compute = now - (self._compute_start or now)
-        self.stats["compute_s"] += self._compute
         for d, g in zip(self._delta, self._np_grads):
             np.multiply(g, d.dtype.type(-eff), out=d)
         self._exchange(self._delta)
@@ -271,6 +283,7 @@ class SyncSwitch(Strategy):
         step = self.steps
         self.steps += 1
         self._reset_step()
+        self.stats["compute_s"] += self._compute
         new = self.policy.observe(step, self._compute, self.phase)
         if new is None:
             new = self.policy.phase(self.steps)

@@ -42,7 +42,7 @@ def local_slice(comm, dist: bool, *tensors: torch.Tensor) -> list[torch.Tensor]:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
+@pytest.mark.parametrize("strategy", ["allreduce", "dear", "syncswitch-bsp", "syncswitch-dear"])
 def test_dcgan_loop_trains_as_one_process(comm, strategy):
     """PyTorch's DCGAN example as it is written: the discriminator's step takes two backward
     passes (real, then fake), the generator's backward runs through the discriminator, whose
@@ -82,7 +82,7 @@ def test_dcgan_loop_trains_as_one_process(comm, strategy):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
+@pytest.mark.parametrize("strategy", ["allreduce", "dear", "syncswitch-bsp", "syncswitch-dear"])
 @pytest.mark.parametrize("pattern", ["retain_graph", "after-no_sync", "three-passes-of-two"])
 def test_passes_after_the_average_add_up_as_one_process(comm, strategy, pattern):
     """``retain_graph``: two losses of one forward, no forward between the passes (DeAR must

@@ -240,3 +240,35 @@ def test_a_checkpoint_resumes_in_its_phase_with_its_state(comm, bsp, taken):
     same_on_all_ranks(comm, model)
     for step, (a, b) in enumerate(zip(rolled, resumed)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=f"step {step}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("bsp", ["allreduce", "dear"])
+def test_a_second_pass_before_the_step_adds_up_in_both_phases(comm, bsp):
+    """A second backward pass before ``step()`` (DCGAN's discriminator: real, then fake) adds to the
+    gradients in BSP (reduced onto their average, as the BSP strategy does) and in ASP (this rank's own
+    gradients): two passes then ``step()`` train as one pass of their summed loss (ASP's ranks take
+    turns, so that it is deterministic).  It raised "cannot add another pass" in both phases."""
+    def run(split: bool) -> np.ndarray:
+        model = make_model(comm.rank)
+        ss = SyncSwitch(bsp=AllReduce(cap_mb=0.0003) if bsp == "allreduce" else DeAR(cap_mb=0.0003),
+                        policy=SchedulePolicy([(0, "bsp"), (2, "asp")]))
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                                   strategy=ss, comm=comm, find_unused_parameters=True)
+        for step in range(5):
+            turns = range(comm.size) if ss.phase == "asp" else [comm.rank]
+            for r in turns:
+                if r == comm.rank:
+                    x, y = batch(step + 17 * comm.rank, comm.size)
+                    opt.zero_grad()
+                    losses = [loss_fn(model, x[:LOCAL] * k, y[:LOCAL]) for k in (1.0, 0.5)]
+                    for loss in losses if split else [losses[0] + losses[1]]:
+                        loss.backward()
+                    opt.step()
+                if len(turns) > 1:
+                    comm.barrier()
+        assert [s["to"] for s in ss.switches] == ["asp"]
+        ss.close()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+
+    np.testing.assert_allclose(run(True), run(False), rtol=1e-5, atol=1e-6)

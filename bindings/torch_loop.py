@@ -130,6 +130,7 @@ class TrainingLoop:
             >>> torch.jit.script(model).save("model.pt")
         """
         if not self._retired_by:
+            self.strategy.close()       # Sync-Switch: back to BSP (replicas alike), its windows freed
             self._retire("closed by close(); wrap the model in a new one to train on")
             remove_inert_twins(self._copies)      # copies made meanwhile (an EMA) are plain too
             for p in self._params:     # read as a plain model's: the whole average, in a plain tensor
@@ -228,8 +229,8 @@ class TrainingLoop:
             else:
                 raise RuntimeError(f"DistributedOptimizer: backward() ran again after this step's gradients "
                                    f"were averaged, before step() or zero_grad(), and {self.strategy.name} "
-                                   "cannot add another pass to them (AllReduce and DeAR can); accumulate "
-                                   "with opt.no_sync() or backward_passes_per_step")
+                                   "cannot add another pass to them (AllReduce, DeAR and SyncSwitch can); "
+                                   "accumulate with opt.no_sync() or backward_passes_per_step")
         self._got[i] = True
         if not self._callback_queued:       # a pass begins: .grad is this rank's own until reduced
             self._shards_settled(False)

@@ -41,6 +41,7 @@ class PhaseSwitches:
     _sharded: bool | None
     _pieces: list[Any]
     _shard_opt: torch.optim.Optimizer
+    _retired_by: str
 
     @contextmanager
     def _scaled_hyperparameters(self) -> Iterator[None]:
@@ -69,7 +70,10 @@ class PhaseSwitches:
         """Sync-Switch's callback, on every rank: the state whole while it is reset or averaged, and
         in pieces again where the new phase's update runs on shards.  (While the strategy's
         ``setup`` switches, before the update's side is made, ``_sharded`` is None: that side is
-        then made for the phase the setup ends in.)"""
+        then made for the phase the setup ends in.  After ``close()``, a switch leaves the state as
+        it is: whole, or in pieces that ``state_dict()`` gathers.)"""
+        if self._retired_by:
+            return
         if self._sharded and not self.strategy.sharded:
             self._state_whole()
         if changes.get("momentum") == "reset":

@@ -14,6 +14,7 @@ moment                 called by the binding                               e.g.
 ``before_forward(b)``  before the first module of bucket ``b`` runs        wait for bucket ``b``
 ``flush()``            evaluation, checkpoint, end of training             parameters current
 ``state_dict()``       checkpoint                                          tuner, meters, phase
+``close()``            end of training (after ``flush()``; collective)     Sync-Switch back to BSP
 =====================  ==================================================  ==========================
 
 What a strategy tells the binding (every strategy has these; the base
@@ -214,6 +215,10 @@ class Strategy:
 
     def flush(self) -> None:
         """Make parameters current on every rank (evaluation, checkpoint, end of training)."""
+
+    def close(self) -> None:
+        """End of training: free what the strategy holds beyond its buffers (a collective: Sync-Switch
+        returns to BSP and frees its windows); nothing for most.  Closing twice is harmless."""
 
     def complete(self) -> None:
         """Wait for the communication in flight and start none (safe from a module hook).

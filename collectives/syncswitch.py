@@ -39,8 +39,9 @@ on the way back):
    :attr:`lr_scale` and its momentum coefficient by :attr:`momentum_scale`);
    ``after_update()`` (asynchronous exchange, policy decision, switches);
 3. ``flush()`` before evaluation / checkpoint; ``close()`` at the end
-   (collective: replicas identical again; without it the windows are still
-   freed when the communicator closes, at interpreter exit too);
+   (collective: replicas identical again; ``DistributedOptimizer.close()``
+   calls it; without it the windows are still freed when the communicator
+   closes, at interpreter exit too);
 4. optional: :meth:`register_state_buffers` (flat optimizer-state arrays:
    zeroed when the policy asks for a momentum reset, averaged when returning
    to BSP) or :meth:`on_switch` callbacks ``fn(old, new, changes)`` for state

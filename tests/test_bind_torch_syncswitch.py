@@ -272,3 +272,35 @@ def test_a_second_pass_before_the_step_adds_up_in_both_phases(comm, bsp):
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
 
     np.testing.assert_allclose(run(True), run(False), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("bsp", ["allreduce", "dear"])
+def test_close_in_asp_ends_in_bsp_with_a_plain_model(comm, bsp):
+    """``opt.close()`` in ASP ends training as in BSP: the replicas and their optimizers alike, the
+    windows freed, the model plain (no hook, ``.grad`` plain tensors; ``torch.jit.script`` compiles it)
+    and ``state_dict()`` whole.  It left the replicas apart until the user's ``ss.close()``, which then
+    put DeAR's sharded ``.grad`` views and hooks back on the closed optimizer's model."""
+    from commlib.bindings.torch_grads import ShardedGrad
+
+    model = make_model(comm.rank)
+    ss = SyncSwitch(bsp=AllReduce(cap_mb=0.0003) if bsp == "allreduce" else DeAR(cap_mb=0.0003),
+                    policy=SchedulePolicy([(0, "bsp"), (1, "asp")]))
+    opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, strategy=ss,
+                               comm=comm, find_unused_parameters=True)
+    for step in range(3):
+        x, y = batch(step + 17 * comm.rank, comm.size)
+        opt.zero_grad()
+        loss_fn(model, x[:LOCAL], y[:LOCAL]).backward()
+        opt.step()
+    assert ss.phase == "asp"
+    opt.close()
+    assert ss.phase == "bsp" and not ss.stores
+    same_on_all_ranks(comm, model)
+    ss.close()                          # the user's own close, as before: nothing left to do
+    assert not any(isinstance(p.grad, ShardedGrad) for p in model.parameters())
+    assert all(not m._forward_pre_hooks and not m._state_dict_pre_hooks for m in model.modules())
+    torch.jit.script(model)
+    state = opt.state_dict()["state"]
+    table = comm.allgather(torch.cat([v.reshape(-1) for st in state.values() for v in st.values()]).numpy())
+    assert all(np.array_equal(t, table[0]) for t in table), "the optimizers differ after close()"

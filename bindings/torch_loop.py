@@ -11,9 +11,8 @@ between ``backward()`` and ``step()`` meet:
   the gradient the update uses (sharded strategies: one scalar per rank gathered);
 * ``torch.amp.GradScaler``: a non-finite gradient on any rank is non-finite
   on every rank, so every rank skips the same steps and scales alike;
-* ``with opt.no_sync():`` accumulates locally (DDP's name); another
-  ``backward()`` after the average, before ``step()``, adds its own average
-  (AllReduce, DeAR), as DDP's does;
+* ``with opt.no_sync():`` accumulates locally (DDP's name); a ``backward()`` after the average,
+  before ``step()``, adds its own average (AllReduce, DeAR, Sync-Switch), as DDP's does;
 * ``model.state_dict()``, ``model.load_state_dict()``, ``opt.state_dict()``
   and evaluation forwards (``model.eval()`` or ``torch.no_grad()``) wait
   for the communication in flight (DeAR's all-gathers) first, and any other

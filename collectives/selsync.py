@@ -147,6 +147,10 @@ class SelSync(Strategy):
                              f"synchronized steps, but {inner.name} writes the parameters itself")
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+        if mode == "params" and inner.sparse:
+            raise ValueError(f"SelSync(inner={inner.name}, mode='params'): the parameters are averaged "
+                             "whole on synchronized steps, so the sparse exchange would never run: use "
+                             "mode='grads' (the inner strategy sends the gradients of synchronized steps)")
         delta = float(delta)
         if not delta >= 0:
             raise ValueError(f"delta {delta!r}: expected >= 0 (0 is BSP, inf is local SGD)")

@@ -116,6 +116,8 @@ class Strategy:
     momentum_scale = 1.0
     #: the strategy reads and writes ``params`` too (not only ``grads``)
     updates_parameters = False
+    #: the strategy sends a selection of the gradient (error feedback keeps the rest), not its average
+    sparse = False
     #: a backward pass after ``before_update()`` may be reduced onto its result (see :meth:`reopen`)
     reopens = False
 

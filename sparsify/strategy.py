@@ -66,6 +66,7 @@ class SparseAllReduce(Strategy):
     """
 
     name = "sparse"
+    sparse = True
 
     def __init__(self, selector: Selector | None = None, cap_mb: float = WHOLE_MODEL_MB,
                  first_cap_mb: float = 0.0, history: bool = False):

@@ -16,7 +16,7 @@ import pytest
 import commlib
 from commlib.collectives import AllReduce, DeAR, SyncSwitch, TensorSpec, plan_buckets
 from commlib.collectives.selsync import SelSync, SignificanceMeter, l2_norm
-from commlib.sparsify import ExDyna
+from commlib.sparsify import ExDyna, SparseAllReduce
 
 from conftest import HAVE_TORCH
 
@@ -297,5 +297,8 @@ def test_bad_arguments():
         SelSync(inner=SyncSwitch(bsp=DeAR()))   # its update changes with its phase: not a gradient average
     with pytest.raises(ValueError, match="SyncSwitch cannot wrap another SyncSwitch"):
         SyncSwitch(bsp=SyncSwitch())
+    with pytest.raises(ValueError, match=r"mode='params'\): the parameters are averaged whole"):
+        SelSync(inner=SparseAllReduce(selector=ExDyna(0.1)))     # params mode would never run it
+    SelSync(inner=SparseAllReduce(selector=ExDyna(0.1)), mode="grads")
     with pytest.raises(RuntimeError):
         SelSync().decide(want=True)

@@ -5,6 +5,7 @@ Selectors and error feedback alone: test_sparsify.py.
 
 from __future__ import annotations
 
+import math
 import pickle
 
 import numpy as np
@@ -208,6 +209,43 @@ def test_drops_into_the_torch_binding(comm):
     assert strategy.steps == 4 and strategy.last_stats[0].union == strategy.last_stats[0].k
     state = opt.state_dict()["commlib"]["strategy"]
     assert state["name"] == "sparse" and len(state["buckets"]) == 1
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+def test_selsync_gates_the_sparse_exchange(comm):
+    """``SelSync(inner=SparseAllReduce(selector=ExDyna()), mode="grads")``, DESIGN's composition, through
+    the torch binding: at ``delta=0`` every step is the sparse exchange's own (the same parameters and
+    residuals as ``SparseAllReduce`` alone); with local steps after the warm-up, the exchange runs on
+    the synchronized steps only and its residuals wait for them."""
+    import torch
+
+    from commlib.bindings.torch import DistributedOptimizer
+    from commlib.collectives import SelSync
+
+    def run(gate: bool, delta: float = 0.0):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        sparse = SparseAllReduce(selector=ExDyna(0.05))
+        strategy = SelSync(inner=sparse, delta=delta, window=2, mode="grads") if gate else sparse
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
+                                   strategy=strategy, comm=comm)
+        g = torch.Generator().manual_seed(comm.rank)
+        for _ in range(6):
+            x, y = torch.randn(16, 20, generator=g), torch.randint(0, 4, (16,), generator=g)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        opt.flush()
+        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+        return params, sparse, strategy
+
+    (gated, inner, _), (alone, sparse, _) = run(True), run(False)
+    np.testing.assert_array_equal(gated, alone)
+    np.testing.assert_array_equal(inner.feedback[0].residual, sparse.feedback[0].residual)
+    _, inner, gate = run(True, delta=math.inf)
+    assert gate.stats["syncs"] == 2 and gate.stats["local_steps"] == 4      # the warm-up's, then local
+    assert inner.steps == 2
 
 
 @pytest.mark.mpi(min_size=1)

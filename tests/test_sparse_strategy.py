@@ -187,24 +187,33 @@ def test_strategy_on_torch_tensors(comm, dtype):
     assert np.all(allg == allg[0])
 
 
-@pytest.mark.mpi(min_size=1)
-@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
-def test_drops_into_the_torch_binding(comm):
-    torch = pytest.importorskip("torch")
-    binding = pytest.importorskip("commlib.bindings.torch")
+def _train_mlp(comm, strategy, steps: int, momentum: float = 0.0):
+    """A small MLP trained ``steps`` steps through the torch binding, each rank on its own data;
+    returns the flat parameters (flushed) and the optimizer."""
+    import torch
+
+    from commlib.bindings.torch import DistributedOptimizer
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    strategy = SparseAllReduce(selector=ExDyna(0.05))
-    opt = binding.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, strategy=strategy,
-                                       comm=comm)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum), model,
+                               strategy=strategy, comm=comm)
     g = torch.Generator().manual_seed(comm.rank)
-    for _ in range(4):
+    for _ in range(steps):
         x, y = torch.randn(16, 20, generator=g), torch.randint(0, 4, (16,), generator=g)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().astype(np.float64)
-    allp = comm.allgatherv(flat).reshape(comm.size, -1)
+    opt.flush()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy(), opt
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+def test_drops_into_the_torch_binding(comm):
+    strategy = SparseAllReduce(selector=ExDyna(0.05))
+    flat, opt = _train_mlp(comm, strategy, 4)
+    allp = comm.allgatherv(flat.astype(np.float64)).reshape(comm.size, -1)
     assert np.all(allp == allp[0])                          # replicas stay identical
     assert strategy.steps == 4 and strategy.last_stats[0].union == strategy.last_stats[0].k
     state = opt.state_dict()["commlib"]["strategy"]
@@ -218,27 +227,12 @@ def test_selsync_gates_the_sparse_exchange(comm):
     the torch binding: at ``delta=0`` every step is the sparse exchange's own (the same parameters and
     residuals as ``SparseAllReduce`` alone); with local steps after the warm-up, the exchange runs on
     the synchronized steps only and its residuals wait for them."""
-    import torch
-
-    from commlib.bindings.torch import DistributedOptimizer
     from commlib.collectives import SelSync
 
     def run(gate: bool, delta: float = 0.0):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
         sparse = SparseAllReduce(selector=ExDyna(0.05))
         strategy = SelSync(inner=sparse, delta=delta, window=2, mode="grads") if gate else sparse
-        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
-                                   strategy=strategy, comm=comm)
-        g = torch.Generator().manual_seed(comm.rank)
-        for _ in range(6):
-            x, y = torch.randn(16, 20, generator=g), torch.randint(0, 4, (16,), generator=g)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-        opt.flush()
-        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
-        return params, sparse, strategy
+        return _train_mlp(comm, strategy, 6, momentum=0.9)[0], sparse, strategy
 
     (gated, inner, _), (alone, sparse, _) = run(True), run(False)
     np.testing.assert_array_equal(gated, alone)

@@ -304,3 +304,29 @@ def test_close_in_asp_ends_in_bsp_with_a_plain_model(comm, bsp):
     state = opt.state_dict()["state"]
     table = comm.allgather(torch.cat([v.reshape(-1) for st in state.values() for v in st.values()]).numpy())
     assert all(np.array_equal(t, table[0]) for t in table), "the optimizers differ after close()"
+
+
+@pytest.mark.mpi
+def test_a_retired_optimizers_switch_callback_leaves_the_model_alone(comm):
+    """A new ``DistributedOptimizer`` over the same model and the same ``SyncSwitch`` retires the old
+    one, whose callback stays registered on the strategy: at the next switch it neither gathers its
+    old pieces nor puts its hooks back on the parameters (they would take the new optimizer's
+    gradients into the old buckets)."""
+    model = make_model(comm.rank)
+    ss = SyncSwitch(bsp=DeAR(cap_mb=0.0003), policy=SchedulePolicy([(0, "bsp"), (2, "asp")]))
+    old = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, strategy=ss,
+                               comm=comm, find_unused_parameters=True)
+    new = None
+    for step in range(4):
+        if step == 1:
+            new = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, strategy=ss,
+                                       comm=comm, find_unused_parameters=True)
+        opt = new or old
+        x, y = batch(step + 17 * comm.rank, comm.size)
+        opt.zero_grad()
+        loss_fn(model, x[:LOCAL], y[:LOCAL]).backward()
+        opt.step()
+    assert ss.phase == "asp" and "exp_avg" in new.state[model.fc1.weight]
+    assert all(len(p._post_accumulate_grad_hooks or {}) == 1 for p in model.parameters() if p.requires_grad)
+    new.close()
+    same_on_all_ranks(comm, model)

@@ -105,12 +105,13 @@ def test_sparse_gradients(comm):
 
 @pytest.mark.mpi
 def test_gates():
-    """The three strategies are made as written, with the settings the text gives them."""
+    """The four strategies are made as written, with the settings the text gives them."""
     ns = run("Gates: SelSync and Sync-Switch")
     gate = ns["gate"]
     assert (gate.delta, gate.mode, type(gate.inner).__name__) == (0.3, "params", "AllReduce")
     assert isinstance(ns["offline"].policy, ns["OfflinePolicy"])
     assert isinstance(ns["online"].policy, ns["StragglerPolicy"])
+    assert ns["sharded"].sharded and type(ns["sharded"].bsp).__name__ == "DeAR"    # BSP first, on shards
 
 
 @pytest.mark.mpi

@@ -25,6 +25,25 @@ if HAVE_TORCH:
     from commlib.collectives import AllReduce, DeAR, SchedulePolicy, SyncSwitch
 
 
+def local_step(comm, model, opt, step: int) -> None:
+    """One training step on this rank's own batch (ranks see different data)."""
+    x, y = batch(step + 17 * comm.rank, comm.size)
+    opt.zero_grad()
+    loss_fn(model, x[:LOCAL], y[:LOCAL]).backward()
+    opt.step()
+
+
+def in_turns(comm, turns: bool, body, *args) -> None:
+    """``body(*args)`` on every rank; with ``turns`` (ASP steps) one rank after another, so that the
+    asynchronous steps are deterministic (not for a step whose switch back to BSP meets every rank at
+    its barrier)."""
+    for r in range(comm.size) if turns else [comm.rank]:
+        if r == comm.rank:
+            body(*args)
+        if turns:
+            comm.barrier()
+
+
 @pytest.mark.mpi
 def test_syncswitch_through_distributed_optimizer_keeps_replicas_identical_at_bsp(comm):
     """BSP -> ASP -> BSP inside one job, driven by the binding: replicas (and momentum) agree at BSP."""
@@ -137,15 +156,7 @@ def test_syncswitch_over_dear_trains_as_over_allreduce_through_its_switches(comm
         pieces, trace = [], []
         for step in range(9):
             # ASP steps take turns, but for step 4's: its switch back to BSP meets every rank at a barrier
-            turns = range(comm.size) if ss.phase == "asp" and step != 4 else [comm.rank]
-            for r in turns:
-                if r == comm.rank:
-                    x, y = batch(step + 17 * comm.rank, comm.size)
-                    opt.zero_grad()
-                    loss_fn(model, x[:LOCAL], y[:LOCAL]).backward()
-                    opt.step()
-                if len(turns) > 1:
-                    comm.barrier()
+            in_turns(comm, ss.phase == "asp" and step != 4, local_step, comm, model, opt, step)
             pieces.append(isinstance(opt.state[model.fc1.weight], ShardedParamState))
             if ss.phase == "bsp":
                 opt.flush()
@@ -196,15 +207,7 @@ def test_a_checkpoint_resumes_in_its_phase_with_its_state(comm, bsp, taken):
     def train(model, ss, opt, steps):
         trace = []
         for step in steps:      # ASP's ranks take turns: the same steps give the same parameters
-            turns = range(comm.size) if ss.phase == "asp" else [comm.rank]
-            for r in turns:
-                if r == comm.rank:
-                    x, y = batch(step + 17 * comm.rank, comm.size)
-                    opt.zero_grad()
-                    loss_fn(model, x[:LOCAL], y[:LOCAL]).backward()
-                    opt.step()
-                if len(turns) > 1:
-                    comm.barrier()
+            in_turns(comm, ss.phase == "asp", local_step, comm, model, opt, step)
             trace.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy())
         return trace
 
@@ -255,18 +258,16 @@ def test_a_second_pass_before_the_step_adds_up_in_both_phases(comm, bsp):
                         policy=SchedulePolicy([(0, "bsp"), (2, "asp")]))
         opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
                                    strategy=ss, comm=comm, find_unused_parameters=True)
+        def two_passes(step: int) -> None:
+            x, y = batch(step + 17 * comm.rank, comm.size)
+            opt.zero_grad()
+            losses = [loss_fn(model, x[:LOCAL] * k, y[:LOCAL]) for k in (1.0, 0.5)]
+            for loss in losses if split else [losses[0] + losses[1]]:
+                loss.backward()
+            opt.step()
+
         for step in range(5):
-            turns = range(comm.size) if ss.phase == "asp" else [comm.rank]
-            for r in turns:
-                if r == comm.rank:
-                    x, y = batch(step + 17 * comm.rank, comm.size)
-                    opt.zero_grad()
-                    losses = [loss_fn(model, x[:LOCAL] * k, y[:LOCAL]) for k in (1.0, 0.5)]
-                    for loss in losses if split else [losses[0] + losses[1]]:
-                        loss.backward()
-                    opt.step()
-                if len(turns) > 1:
-                    comm.barrier()
+            in_turns(comm, ss.phase == "asp", two_passes, step)
         assert [s["to"] for s in ss.switches] == ["asp"]
         ss.close()
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
@@ -289,10 +290,7 @@ def test_close_in_asp_ends_in_bsp_with_a_plain_model(comm, bsp):
     opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, strategy=ss,
                                comm=comm, find_unused_parameters=True)
     for step in range(3):
-        x, y = batch(step + 17 * comm.rank, comm.size)
-        opt.zero_grad()
-        loss_fn(model, x[:LOCAL], y[:LOCAL]).backward()
-        opt.step()
+        local_step(comm, model, opt, step)
     assert ss.phase == "asp"
     opt.close()
     assert ss.phase == "bsp" and not ss.stores
@@ -321,11 +319,7 @@ def test_a_retired_optimizers_switch_callback_leaves_the_model_alone(comm):
         if step == 1:
             new = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, strategy=ss,
                                        comm=comm, find_unused_parameters=True)
-        opt = new or old
-        x, y = batch(step + 17 * comm.rank, comm.size)
-        opt.zero_grad()
-        loss_fn(model, x[:LOCAL], y[:LOCAL]).backward()
-        opt.step()
+        local_step(comm, model, new or old, step)
     assert ss.phase == "asp" and "exp_avg" in new.state[model.fc1.weight]
     assert all(len(p._post_accumulate_grad_hooks or {}) == 1 for p in model.parameters() if p.requires_grad)
     new.close()

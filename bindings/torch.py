@@ -266,11 +266,8 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, PhaseSwitches, Repli
                 data = in_layout(fp, sl.offset, layout(p))      # p's own (channels_last stays so)
                 data.copy_(p.detach())
                 p.data = data
-                view = in_layout(fg, sl.offset, layout(p))
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                p.grad = view
-                self._grad_views[sl.index] = view
+                if p.grad is not None:      # .grad becomes a view of fg below (_make_update_side)
+                    in_layout(fg, sl.offset, layout(p)).copy_(p.grad)
             self._flat_params.append(fp)
             self._flat_grads.append(fg)
             if s.needs_shard_grads:

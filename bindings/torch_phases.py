@@ -26,8 +26,6 @@ from typing import Any
 
 import torch
 
-from .torch_state import ShardedParamState
-
 __all__ = ["PhaseSwitches"]
 
 
@@ -92,9 +90,7 @@ class PhaseSwitches:
         gathered whole into the wrapped optimizer, which updates whole parameters from now on."""
         full = self._full_state()
         self._make_update_side(False)
-        st = self._inner.state
-        for p in [p for p, v in st.items() if isinstance(v, ShardedParamState)]:
-            del st[p]
+        self._drop_sharded_marks()
         self._set_full_state(full)
         self._shard_opt.state.clear()       # the pieces' state is whole now: 1/size of it freed
         self._pieces = []

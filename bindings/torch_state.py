@@ -221,12 +221,17 @@ class ConsolidatedState:
     def _mark_sharded_state(self) -> None:
         """Each trained parameter's entry in ``opt.state`` a fresh :class:`ShardedParamState` (and no
         entry left for a parameter that stopped training)."""
+        self._drop_sharded_marks()
         st = self._inner.state
-        for p in [p for p, v in st.items() if isinstance(v, ShardedParamState)]:
-            del st[p]
         self._state_marks = [ShardedParamState() for _ in self._params]
         for p, mark in zip(self._params, self._state_marks):
             st[p] = mark
+
+    def _drop_sharded_marks(self) -> None:
+        """No :class:`ShardedParamState` left in ``opt.state`` (the state whole, or marked afresh)."""
+        st = self._inner.state
+        for p in [p for p, v in st.items() if isinstance(v, ShardedParamState)]:
+            del st[p]
 
     def _adopt_state_edits(self) -> None:
         """Sharded strategies: entries of ``opt.state`` that code cleared, deleted or replaced since

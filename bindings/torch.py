@@ -424,7 +424,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, PhaseSwitches, Repli
         self._running_stats.sync()      # before DeAR's all-gathers: nothing in flight to queue behind
         self._after_update()
         if self.strategy.syncs_optimizer_state():
-            self._average_optimizer_state()     # SelSync in parameter mode: momentum agrees too
+            self._average_optimizer_state()     # SelSync: momentum agrees with the averaged parameters
         self._post_step_hooks(args, kwargs)
         self._end_step()
         now = time.perf_counter()

@@ -29,8 +29,11 @@ Two aggregation modes:
 * ``mode="grads"``: on a sync step the inner strategy averages the
   gradients before the update; a local step communicates nothing.  If local
   steps ran since the last sync (replicas drifted), the parameters are
-  averaged after the update as well, so replicas are identical after every
-  sync step here too.
+  averaged after the update as well, and so is the optimizer's state
+  (:meth:`syncs_optimizer_state`; the registered state buffers): momentum
+  drifted with the replicas, and synchronized steps taken with differing
+  momentum would take them apart again.  So replicas are identical after
+  every sync step here too.
 
 The inner strategy: the gate forwards the lifecycle to ``inner`` on sync
 steps in grads mode (``AllReduce``, a sparse strategy, ``DeAR``).  Because
@@ -176,6 +179,8 @@ class SelSync(Strategy):
         self._want: bool | None = None        # this step's local vote, once observed
         self._decided: bool | None = None     # this step's consensus, once decided
         self._drift = False                   # local steps since the replicas were last averaged
+        self._state_drift = False             # local steps since the optimizers were last averaged
+        self._realigned = False               # grads mode: this sync step averaged both after drift
         self._avg_works: list[list[Work]] = []    # per bucket: its parameter average in flight
         self._avg_other: list[Work] = []
         self._inner_shards: list[Any] = []
@@ -204,8 +209,9 @@ class SelSync(Strategy):
 
     def syncs_optimizer_state(self) -> bool:
         """With ``sync_optimizer_state``, the step that just synchronized asks the
-        binding to average the optimizer's state too (momentum agrees with the parameters)."""
-        return self.sync_optimizer_state and self.synced
+        binding to average the optimizer's state too (momentum agrees with the parameters);
+        in grads mode, so does the synchronized step that re-aligns drifted replicas."""
+        return self.synced and (self.sync_optimizer_state or self._realigned)
 
     def register_state_buffers(self, buffers: Sequence[Any]) -> None:
         """Flat optimizer-state buffers (e.g. momentum, laid out as the buckets) to
@@ -253,7 +259,10 @@ class SelSync(Strategy):
                 Strategy.after_update(self.inner)   # its bookkeeping, not its all-gather of parameters
             else:
                 self.inner.after_update()
-        if sync and (self.mode == "params" or self._drift):
+        self._realigned = sync and self.mode == "grads" and (self._drift or self._state_drift)
+        if self._realigned:
+            self._state_drift = False
+        if sync and (self.mode == "params" or self._realigned):
             self._count_bytes(self._start_average())
             if not self.overlap:
                 self._wait_average()
@@ -364,7 +373,7 @@ class SelSync(Strategy):
         if sync:
             self.stats["syncs"] += 1
         else:
-            self._drift = True
+            self._drift = self._state_drift = True
             self.stats["local_steps"] += 1
             self.stats["bytes_saved"] += self._sync_cost()
         total = self.stats["syncs"] + self.stats["local_steps"]
@@ -406,7 +415,7 @@ class SelSync(Strategy):
             return 0.0
         own = params is None
         bufs = list(self.params if own else params)
-        if self.sync_optimizer_state:
+        if self.sync_optimizer_state or self._realigned:
             bufs += self.state_buffers
         nbytes = 0.0
         # forward needs the last bucket first (buckets are numbered in backward order)
@@ -448,7 +457,7 @@ class SelSync(Strategy):
     def state_dict(self) -> dict[str, Any]:
         st = super().state_dict()
         st.update({"delta": self.delta, "mode": self.mode, "warmup": self.warmup,
-                   "meter": self.meter.state_dict(), "drift": self._drift,
+                   "meter": self.meter.state_dict(), "drift": self._drift, "state_drift": self._state_drift,
                    "stats": dict(self.stats), "trace": [list(t) for t in self.trace[-self.trace_len:]],
                    "inner": self.inner.state_dict()})
         return st
@@ -461,6 +470,7 @@ class SelSync(Strategy):
         self.warmup = int(state["warmup"])
         self.meter.load_state_dict(state["meter"])
         self._drift = bool(state["drift"])
+        self._state_drift = bool(state.get("state_drift", self._drift))
         self.stats.update(state["stats"])
         self.trace = [(int(s), float(n), float(e), float(g), bool(y)) for s, n, e, g, y in state["trace"]]
         self.inner.load_state_dict(state["inner"])

@@ -67,10 +67,14 @@ class Model:
 
 
 def _train(comm, gate: SelSync, X, y, steps: int, votes=None, check_identical: bool = False,
-           data_rank: int | None = None):
-    """Run ``steps`` steps; return per-step (synced, collectives made, w after the step)."""
+           data_rank: int | None = None, momentum: float = 0.0):
+    """Run ``steps`` steps; return per-step (synced, collectives made, w after the step).
+    ``momentum``: SGD with momentum, its buffers registered with the gate."""
     rank = comm.rank if data_rank is None else data_rank
     m = Model(comm.size, np.zeros(sum(DIM)))
+    velocity = [np.zeros_like(p) for p in m.params]
+    if momentum:
+        gate.register_state_buffers(velocity)
     gate.setup(comm, m.buckets, m.params, m.grads)
     out = []
     for s in range(steps):
@@ -85,8 +89,10 @@ def _train(comm, gate: SelSync, X, y, steps: int, votes=None, check_identical: b
             gate.observe()
             gate.decide(want=bool(votes[s]))
         gate.before_update()
-        for p, g in zip(m.params, m.grads):
-            p -= LR * g
+        for p, g, v in zip(m.params, m.grads, velocity):
+            v *= momentum
+            v += g
+            p -= LR * v
         gate.after_update()
         synced = gate.synced
         for b in reversed(range(len(m.buckets))):
@@ -170,6 +176,20 @@ def test_any_rank_that_wants_sync_makes_all_sync_and_replicas_match(comm, mode, 
     last_local = max(s for s in range(steps) if not expected[s])
     everyone = comm.allgather(out[last_local][2])
     assert not all(np.array_equal(everyone[0], e) for e in everyone)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_grads_mode_realigns_the_momentum_with_the_replicas(comm):
+    """Grads mode: the synchronized step after local steps averages the parameters and the optimizer
+    state, which drifted with them; the synchronized steps after it keep the replicas identical
+    (with only the parameters averaged, each rank's own momentum took them apart again)."""
+    steps = 10
+    X, y = _problem(steps, comm.size, seed=3)
+    votes = [True, True, False, False, False, True, True, True, True, True]
+    gate = SelSync(delta=math.inf, window=3, warmup=2, mode="grads", average_on_flush=False)
+    out, _ = _train(comm, gate, X, y, steps, votes=votes, check_identical=True, momentum=0.9)
+    assert [o[0] for o in out] == votes
+    assert [gate.trace[s][4] for s in range(steps)] == votes
 
 
 @pytest.mark.mpi(min_size=1)

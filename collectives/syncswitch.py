@@ -144,6 +144,11 @@ class SyncSwitch(Strategy):
     def needs_shard_grads(self) -> bool:
         return self.bsp.sharded
 
+    @property
+    def changes_momentum(self) -> bool:      # type: ignore[override]
+        """The policy resets or ramps the momentum at a switch (``OfflinePolicy(momentum=...)``)."""
+        return self.policy.changes_momentum
+
     # ------------------------------------------------------------------ lifecycle
     def setup(self, comm: Communicator, buckets: Sequence[Bucket], params: Sequence[Any],
               grads: Sequence[Any], shard_grads: Sequence[Any] | None = None,
@@ -384,13 +389,16 @@ class SyncSwitch(Strategy):
                    "lr_scale": self.lr_scale, "momentum_scale": self.momentum_scale,
                    "staleness": self.staleness, "policy": self.policy.state_dict(),
                    "progress_base": self._progress_base,
-                   "bsp": self.bsp.state_dict(), "switches": [dict(s) for s in self.switches]})
+                   "bsp": self.bsp.state_dict(), "switches": [dict(s) for s in self.switches],
+                   # asynchronous: the store as this rank reads it now (a rank's replica may lag it)
+                   "store": [s.pull() for s in self.stores] if self.stores and self.phase != "bsp" else None})
         return sd
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore (collective after ``setup``: the phase is re-entered with the current parameters,
         loaded before it, as a checkpoint's model is: in an asynchronous phase the parameter store
-        takes them, whatever it held).
+        takes them, whatever it held, then the store saved with the state, each rank writing its own
+        piece of the store from the state it loads: its own checkpoint's, or one file's everywhere).
 
         Example:
             >>> model.load_state_dict(ckpt["model"]); ss.load_state_dict(ckpt["syncswitch"])
@@ -407,6 +415,9 @@ class SyncSwitch(Strategy):
                 np.copyto(p, mine)
         if self.stores and state["phase"] != self.phase:
             self._switch(state["phase"])            # an asynchronous phase: the stores take the parameters
+            if state.get("store") is not None:      # then the store as saved: each rank's piece of its own
+                for store, values in zip(self.stores, state["store"]):
+                    store.load(values)
         self.policy.load_state_dict(state["policy"])      # after the switch, which tells the policy
         self._progress_base = float(state["progress_base"])
         self.switches = [dict(s) for s in state["switches"]]

@@ -132,7 +132,10 @@ def test_state_round_trip(comm):
         try:
             other.load_state_dict(state)
             assert other.phase == "ssp"
-            assert other.state_dict() == state
+            again = other.state_dict()
+            for saved, now in zip(state.pop("store"), again.pop("store")):     # the store as saved
+                np.testing.assert_array_equal(now, saved)
+            assert again == state
         finally:
             other.close()
     finally:

@@ -14,6 +14,8 @@ with the original shapes, dtypes and devices.
                                    updates over ranks (eager or inside ``jax.jit``)
 :func:`sharded_optimizer`          DeAR's ZeRO-1 update: reduce-scatter, an elementwise
                                    optax optimizer on this rank's shard, all-gather
+:class:`DistributedOptimizer`      the whole optax optimizer under SelSync or Sync-Switch
+                                   (their parameter averages and pushes): ``jax_params``
 :func:`allreduce_gradients`        one-shot average of a gradient pytree
 :func:`broadcast_params`           every rank gets ``root``'s pytree (parameters, optimizer state)
 :func:`allreduce`                  one array reduced over the ranks, eagerly, inside ``jax.jit``
@@ -92,9 +94,10 @@ from commlib.errors import ValidationError
 
 from .jax_fusion import Plan, agree_plan, make_plan, shard_problem
 from .jax_ops import allgather, allreduce, broadcast
+from .jax_params import DistributedOptimizer
 
 __all__ = ["GradientSync", "average_gradients", "sharded_optimizer", "allreduce_gradients",
-           "broadcast_params", "ShardedState", "allreduce", "allgather", "broadcast"]
+           "broadcast_params", "ShardedState", "allreduce", "allgather", "broadcast", "DistributedOptimizer"]
 
 _MAX_PLANS = 16            # bucket plans kept per GradientSync (least recently used dropped)
 
@@ -134,8 +137,8 @@ class GradientSync:
         checked_strategy(strategy, "GradientSync")
         if strategy.updates_parameters:
             raise ValueError(f"{strategy.name} reads and writes the parameters, but GradientSync only "
-                             "sees gradients: use AllReduce, DeAR or SparseAllReduce here (the torch "
-                             "binding, DistributedOptimizer, drives SelSync and SyncSwitch)")
+                             "sees gradients: use AllReduce, DeAR or SparseAllReduce here, or wrap the "
+                             "whole optimizer: DistributedOptimizer(inner, strategy=...)")
         self.comm = comm if comm is not None else commlib.world()
         self.strategy = strategy
         self.check = check
@@ -284,11 +287,7 @@ class GradientSync:
         plan, _ = self._plan(like)
         if len(buffers) != len(plan.buckets):
             raise ValidationError(f"{len(buffers)} buffers for {len(plan.buckets)} buckets")
-        saved, plan.buffers = plan.buffers, [np.asarray(b) for b in buffers]
-        try:
-            arrays = plan.unpack()
-        finally:
-            plan.buffers = saved
+        arrays = plan.unpack([np.asarray(b) for b in buffers])
         return jax.tree_util.tree_unflatten(plan.treedef, plan.to_jax(arrays))
 
     def __repr__(self) -> str:

@@ -56,6 +56,8 @@ class Policy:
     """
 
     name = "policy"
+    #: a switch may reset or scale the momentum (``changes`` and ``momentum_scale`` say how)
+    changes_momentum = False
 
     def __init__(self) -> None:
         self.log: list[dict[str, Any]] = []
@@ -142,6 +144,10 @@ class OfflinePolicy(Policy):
         self.momentum = momentum
         self.ramp_steps = int(ramp_steps)
         self.async_phase = async_phase
+
+    @property
+    def changes_momentum(self) -> bool:      # type: ignore[override]
+        return self.momentum != "keep"
 
     @property
     def switch_step(self) -> int:

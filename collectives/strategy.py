@@ -22,7 +22,9 @@ answers for a strategy that needs nothing from the optimizer):
 
 - ``lr_scale``, ``momentum_scale``: factors on the learning rate and the
   momentum coefficient for the update about to run (1.0; Sync-Switch's ASP
-  phase sets them);
+  phase sets them); ``changes_momentum``: whether the strategy may ever ask
+  for a momentum change (False; Sync-Switch under an ``OfflinePolicy`` that
+  resets or ramps momentum);
 - ``on_switch(fn)``: ``fn(old, new, changes)`` after a phase switch (never,
   for a strategy with one phase), e.g. to reset momentum;
 - ``writes_in_flight()``: whether communication in flight will still write
@@ -120,6 +122,9 @@ class Strategy:
     sparse = False
     #: a backward pass after ``before_update()`` may be reduced onto its result (see :meth:`reopen`)
     reopens = False
+    #: at some step the strategy may ask for a momentum change (``momentum_scale`` other than 1, or a
+    #: reset at a switch): a binding that cannot change its optimizer's momentum refuses the strategy
+    changes_momentum = False
 
     @property
     def needs_shard_grads(self) -> bool:

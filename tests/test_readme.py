@@ -72,6 +72,36 @@ def test_jax(comm):
 
 
 @pytest.mark.mpi
+@pytest.mark.skipif(not HAVE_JAX, reason="jax is not installed")
+def test_jax_selsync(comm):
+    """Four steps of SelSync in grads mode: all inside its warm-up (25 steps), so synchronized, and
+    the result is one process's SGD with momentum on the concatenated batches."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    def loss(p, x, y):
+        return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+    grad_fn = jax.jit(jax.grad(loss))
+    rng = np.random.default_rng(5)
+    data = [(rng.standard_normal((2 * comm.size, 4)).astype(np.float32),
+             rng.standard_normal((2 * comm.size, 2)).astype(np.float32)) for _ in range(4)]
+    mine = slice(2 * comm.rank, 2 * comm.rank + 2)
+    start = {"w": jnp.full((4, 2), 0.1 * (comm.rank + 1)), "b": jnp.zeros(2)}
+    ns = run("SelSync and Sync-Switch under optax", params=start, grad_fn=grad_fn,
+             batches=[(x[mine], y[mine]) for x, y in data])
+    assert ns["tx"].strategy.stats["syncs"] == 4
+    ref, ref_tx = {"w": jnp.full((4, 2), 0.1), "b": jnp.zeros(2)}, optax.sgd(0.05, momentum=0.9)
+    ref_state = ref_tx.init(ref)
+    for x, y in data:
+        updates, ref_state = ref_tx.update(grad_fn(ref, x, y), ref_state, ref)
+        ref = optax.apply_updates(ref, updates)
+    for k in ref:
+        np.testing.assert_allclose(np.asarray(ns["params"][k]), np.asarray(ref[k]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 def test_sparse_gradients(comm):
     """ExDyna's first step: the gradient written back is the ranks' mean on the selected

@@ -1,0 +1,317 @@
+"""JAX binding for strategies that read and write the parameters: SelSync and Sync-Switch under optax.
+
+:func:`~bindings.jax.average_gradients` sees gradients only, which is all
+``AllReduce``, ``DeAR`` and ``SparseAllReduce`` need.  :class:`SelSync`
+averages the *parameters* after local steps and :class:`SyncSwitch`'s
+asynchronous phases push parameter changes and pull the parameter store, so
+they need the parameters before and after the local update.
+:class:`DistributedOptimizer` is an optax transformation (``init`` /
+``update``) that wraps the whole optimizer and drives the strategy's
+lifecycle around it, eagerly, once per step:
+
+1. the parameters and the gradients are packed into fused host buckets
+   (the plan :func:`~bindings.jax.average_gradients` uses);
+2. ``bucket_ready`` for every bucket, then ``before_update()`` (SelSync
+   measures the gradient and the ranks agree whether to synchronize; in
+   grads mode, or in Sync-Switch's BSP, the gradients are averaged);
+3. ``inner.update`` runs on the (averaged or local) gradients, its updates
+   times the strategy's ``lr_scale`` (Sync-Switch's asynchronous phases: for
+   optax's optimizers, whose updates are proportional to the learning rate,
+   that is the learning rate scaled) are added to the parameter buckets;
+4. ``after_update()`` (SelSync's parameter average on a synchronized step,
+   Sync-Switch's push and pull, the policy's switch), and the optimizer
+   state's floating leaves are averaged when the strategy asks for it
+   (``SelSync(sync_optimizer_state=True)`` on a synchronized step, every return
+   of Sync-Switch to BSP);
+5. the returned updates are what takes each rank's parameters to the
+   buckets' new contents.
+
+Example (under ``mpiexec -n 4``):
+
+    >>> from commlib.bindings.jax import DistributedOptimizer, broadcast_params
+    >>> from commlib.collectives import SelSync
+    >>> params = broadcast_params(params)                      # the same start everywhere
+    >>> tx = DistributedOptimizer(optax.sgd(0.1, 0.9), strategy=SelSync(delta=0.3))
+    >>> state = tx.init(params)                                # collective
+    >>> for x, y in my_slice_of_each_batch:
+    ...     grads = jax.grad(loss)(params, x, y)               # this rank's gradient
+    ...     updates, state = tx.update(grads, state, params)   # collective on synchronized steps
+    ...     params = optax.apply_updates(params, updates)
+    >>> params = tx.flush(params)                              # replicas averaged: evaluate, save
+    >>> params, state = tx.close(params, state)                # end of training
+
+Sharp bits: ``update`` runs eagerly (outside ``jax.jit``; jit the gradient);
+``init`` and ``update`` are collective (every rank, in the same order); the
+parameters given to ``init`` must be the same on every rank
+(:func:`~bindings.jax.broadcast_params`), or ``init`` raises on every rank.
+After a synchronized step every rank's bucket holds the same average; the
+updates returned carry each rank there up to one rounding of
+``params + (average - params)`` (exact wherever both lie within a factor of
+two of each other, as after a few local steps).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+import commlib
+from commlib.arrays import INEXACT_DTYPES, is_tracer, numpy_dtype
+from commlib.collectives import AllReduce, Strategy, checked_strategy
+from commlib.errors import MismatchError, ValidationError
+from commlib.ops import agree
+
+from .jax_fusion import Plan, agree_plan, make_plan
+
+__all__ = ["DistributedOptimizer"]
+
+
+class DistributedOptimizer:
+    """An optax ``GradientTransformation`` (``init``, ``update``) that runs ``inner`` under ``strategy``.
+
+    ``inner``: the whole optax optimizer (``optax.sgd``, ``optax.adamw``, a
+    chain).  ``strategy``: any strategy whose update runs on whole leaves:
+    :class:`~collectives.SelSync` (both modes, over AllReduce, DeAR or a
+    sparse strategy), :class:`~collectives.SyncSwitch` over ``AllReduce``
+    (not ``bsp=DeAR()``, whose BSP update runs on shards: use it from torch),
+    ``AllReduce`` or ``SparseAllReduce`` (the same as
+    ``optax.chain(average_gradients(strategy=...), inner)``, eagerly).  A policy
+    that resets or ramps momentum at a switch is refused (an optax optimizer's
+    momentum cannot be changed from outside), as is ``tune`` (give a fixed
+    ``cap_mb``).  ``comm``: default :func:`commlib.world`.
+
+    Beyond optax's pair: :meth:`flush` (parameters current on every rank:
+    SelSync averages drifted replicas, Sync-Switch's asynchronous phases pull
+    the store), :meth:`close` (end of training: Sync-Switch returns to BSP),
+    :meth:`state_dict` / :meth:`load_state_dict` (the strategy's state: the
+    gate's meter, the phase, the policy; each rank its own, beside optax's
+    state).
+
+    Example:
+        >>> tx = DistributedOptimizer(optax.adamw(1e-3), strategy=SelSync(delta=0.3, mode="grads"))
+        >>> state = tx.init(params)
+        >>> updates, state = tx.update(grads, state, params)
+        >>> tx.strategy.stats["lssr"]                 # the share of local steps
+    """
+
+    def __init__(self, inner: Any, strategy: Strategy | None = None,
+                 comm: commlib.Communicator | None = None):
+        strategy = checked_strategy(strategy, "DistributedOptimizer") if strategy is not None else AllReduce()
+        if strategy.needs_shard_grads:
+            raise ValueError(f"DistributedOptimizer: {strategy!r} runs the update on shards of the buckets; "
+                             "here optax updates whole leaves: use bsp=AllReduce() for Sync-Switch, "
+                             "sharded_optimizer(inner) for DeAR's ZeRO-1 update, or "
+                             "optax.chain(average_gradients(strategy=DeAR()), inner)")
+        if strategy.changes_momentum:
+            raise ValueError(f"DistributedOptimizer: {strategy!r} resets or ramps momentum at a switch, "
+                             "which an optax optimizer cannot be told: use momentum='keep' in the policy")
+        if strategy.tune:
+            raise ValueError("DistributedOptimizer: tuning the cap re-plans the buckets, which this "
+                             "transformation does not do; give the strategy a fixed cap_mb")
+        if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+            raise TypeError(f"DistributedOptimizer: inner must be an optax GradientTransformation, "
+                            f"got {type(inner).__name__}")
+        self.inner = inner
+        self.strategy = strategy
+        self.comm = comm if comm is not None else commlib.world()
+        self._inner_update = jax.jit(inner.update)
+        self._plan: Plan | None = None
+        self._params: list[np.ndarray] = []      # the parameter buckets the strategy reads and writes
+        self._updates: list[np.ndarray] = []     # the local update, packed
+        self._state_plans: dict[Any, Plan] = {}
+        self._average_state = False              # a switch back to BSP asked for it
+        self._closed = False
+        strategy.on_switch(self._on_switch)
+
+    # ------------------------------------------------------------------ optax's pair
+    def init(self, params: Any, same_start: bool = True) -> Any:
+        """``inner.init(params)``, after setting the strategy up on the buckets of ``params``
+        (collective: the tree is compared over the ranks, and with ``same_start`` the values too;
+        either differing raises on every rank).  ``same_start=False``: each rank resumes its own
+        checkpoint, whose replicas may have drifted apart (SelSync's local steps, Sync-Switch's ASP).
+
+        Example:
+            >>> state = tx.init(params)              # params = broadcast_params(...) before
+        """
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        self._eager(leaves, "init")
+        self._plan = None
+        s, comm = self.strategy, self.comm
+        plan = make_plan(params, leaves, treedef, INEXACT_DTYPES, comm.size, s.cap_bytes, s.first_cap_bytes)
+        agree_plan(comm, plan, "DistributedOptimizer")
+        plan.allocate(False)
+        self._params = [np.zeros(b.padded, numpy_dtype(b.dtype)) for b in plan.buckets]
+        self._updates = [np.zeros(b.padded, numpy_dtype(b.dtype)) for b in plan.buckets]
+        for b in range(len(plan.buckets)):
+            plan.pack(b, leaves, into=self._params)
+        if same_start:
+            self._agree_values(self._params)
+        s.setup(comm, plan.buckets, self._params, plan.buffers, None, broadcast=False)
+        self._plan, self._closed, self._average_state = plan, False, False
+        return self.inner.init(params)
+
+    def update(self, updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        """One step: ``updates`` are this rank's gradients; returns the updates that take
+        ``params`` to the step's result (``optax.apply_updates``) and the new optimizer state."""
+        plan = self._ready("update")
+        if params is None:
+            raise ValueError(f"DistributedOptimizer.update: {self.strategy.name} reads and writes the "
+                             "parameters: call update(grads, state, params)")
+        gleaves = self._leaves(updates, "gradients")
+        pleaves = self._leaves(params, "parameters")
+        s = self.strategy
+        for b in range(len(plan.buckets)):
+            plan.pack(b, pleaves, into=self._params)
+        for b in range(len(plan.buckets)):
+            plan.pack(b, gleaves)
+            s.bucket_ready(b)
+        s.before_update()
+        grads = jax.tree_util.tree_unflatten(plan.treedef, plan.to_jax(plan.unpack()))
+        local, state = self._inner_update(grads, state, params)
+        uleaves = self._leaves(local, "inner's updates")
+        scale = float(s.lr_scale)
+        for b in range(len(plan.buckets)):
+            u, p = self._updates[b], self._params[b]
+            plan.pack(b, uleaves, into=self._updates)
+            if scale != 1.0:
+                np.multiply(u, u.dtype.type(scale), out=u)
+            np.add(p, u, out=p)
+        s.after_update()
+        s.complete()
+        if s.syncs_optimizer_state() or self._average_state:
+            state = self._averaged(state)
+        moved = [np.subtract(new, np.asarray(old)) for new, old in zip(plan.unpack(self._params), pleaves)]
+        return jax.tree_util.tree_unflatten(plan.treedef, plan.to_jax(moved)), state
+
+    # ------------------------------------------------------------------ beyond optax
+    def flush(self, params: Any) -> Any:
+        """``params`` made current on every rank (collective): SelSync's drifted replicas
+        averaged (``average_on_flush``), Sync-Switch's store pulled in an asynchronous phase.
+        Call before evaluating or saving.
+
+        Example:
+            >>> params = tx.flush(params)
+        """
+        self._ready("flush")
+        self._take(params)
+        self.strategy.flush()
+        return self._result()
+
+    def close(self, params: Any, state: Any) -> tuple[Any, Any]:
+        """End of training (collective): the parameters flushed, Sync-Switch back to BSP with
+        the optimizer state averaged, the strategy's windows freed.  Returns ``(params, state)``.
+
+        Example:
+            >>> params, state = tx.close(params, state)
+        """
+        self._ready("close")
+        self._take(params)
+        self.strategy.flush()
+        self.strategy.close()
+        self._closed = True
+        if self._average_state:
+            state, self._average_state = self._averaged(state), False
+        return self._result(), state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The strategy's state (this rank's; save it beside optax's state).
+
+        Example:
+            >>> ckpt = {"params": params, "opt": state, "strategy": tx.state_dict()}
+        """
+        return self.strategy.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any], params: Any) -> None:
+        """Restore the strategy's state after :meth:`init`, with the parameters being resumed
+        (collective for Sync-Switch, which re-enters the checkpoint's phase from them).
+
+        Example:
+            >>> opt_state = tx.init(ckpt["params"]); tx.load_state_dict(ckpt["strategy"], ckpt["params"])
+        """
+        self._ready("load_state_dict")
+        self._take(params)
+        self.strategy.load_state_dict(state)
+        self._average_state = False         # a roll-back's switch: the checkpoint's optimizer state stands
+
+    # ------------------------------------------------------------------ helpers
+    def _on_switch(self, old: str, new: str, changes: dict[str, Any]) -> None:
+        if new == "bsp" and not self._closed:
+            self._average_state = True
+
+    def _ready(self, what: str) -> Plan:
+        if self._plan is None:
+            raise RuntimeError(f"DistributedOptimizer.{what} before init(params) (call init on every rank)")
+        if self._closed:
+            raise RuntimeError(f"DistributedOptimizer.{what} after close()")
+        return self._plan
+
+    @staticmethod
+    def _eager(leaves: Sequence[Any], what: str) -> None:
+        if any(is_tracer(x) for x in leaves):
+            raise TypeError(f"DistributedOptimizer.{what} runs eagerly: call it outside jax.jit "
+                            "(jit the gradient; or use average_gradients, which works inside jit)")
+
+    def _leaves(self, tree: Any, what: str) -> list[Any]:
+        """``tree``'s leaves, which must match the tree given to ``init`` (checked on this rank)."""
+        plan = self._plan
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        self._eager(leaves, "update")
+        if treedef != plan.treedef or [tuple(np.shape(x)) for x in leaves] != plan.shapes:
+            raise ValidationError(f"DistributedOptimizer: the {what} differ from the parameters given to "
+                                  f"init in structure or shapes ({treedef} against {plan.treedef})")
+        return leaves
+
+    def _take(self, params: Any) -> None:
+        leaves = self._leaves(params, "parameters")
+        for b in range(len(self._plan.buckets)):
+            self._plan.pack(b, leaves, into=self._params)
+
+    def _result(self) -> Any:
+        plan = self._plan
+        return jax.tree_util.tree_unflatten(plan.treedef, plan.to_jax(plan.unpack(self._params)))
+
+    def _agree_values(self, buffers: Sequence[np.ndarray]) -> None:
+        digest = hashlib.sha256()
+        for buf in buffers:
+            digest.update(np.ascontiguousarray(buf).view(np.uint8))
+        try:
+            agree(self.comm, "DistributedOptimizer.init", digest.hexdigest(), noun="parameters")
+        except MismatchError as e:
+            raise ValidationError(f"DistributedOptimizer.init: the parameters differ across ranks (ranks "
+                                  f"{e.ranks} against rank 0): start every rank from the same ones, "
+                                  "params = broadcast_params(params)") from None
+
+    def _averaged(self, state: Any) -> Any:
+        """``state`` with its floating leaves averaged over the ranks (fused, collective)."""
+        comm = self.comm
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        which = [i for i, x in enumerate(leaves)
+                 if hasattr(x, "dtype") and np.dtype(x.dtype).name in INEXACT_DTYPES and np.size(x)]
+        if comm.size == 1 or not which:
+            return state
+        chosen = [leaves[i] for i in which]
+        key = (treedef, tuple((np.shape(x), np.dtype(x.dtype).name) for x in chosen))
+        plan = self._state_plans.get(key)
+        if plan is None:
+            s = self.strategy
+            plan = make_plan(chosen, chosen, jax.tree_util.tree_structure(chosen), INEXACT_DTYPES,
+                             comm.size, s.cap_bytes, s.first_cap_bytes)
+            agree_plan(comm, plan, "DistributedOptimizer: optimizer state")
+            plan.allocate(False)
+            self._state_plans[key] = plan
+        works = []
+        for b, buf in enumerate(plan.buffers):
+            plan.pack(b, chosen)
+            works.append(comm.iallreduce(buf, "avg", out=buf, tag=f"jax.state{b}"))
+        for w in works:
+            w.wait()
+        for i, x in zip(which, plan.to_jax(plan.unpack())):
+            leaves[i] = x
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.strategy!r}, {self.comm!r})"

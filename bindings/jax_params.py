@@ -9,8 +9,11 @@ they need the parameters before and after the local update.
 ``update``) that wraps the whole optimizer and drives the strategy's
 lifecycle around it, eagerly, once per step:
 
-1. the parameters and the gradients are packed into fused host buckets
-   (the plan :func:`~bindings.jax.average_gradients` uses);
+1. the gradients are packed into fused host buckets (the plan
+   :func:`~bindings.jax.average_gradients` uses), and the parameters too on
+   the steps whose parameters the strategy reads (``step_reads_parameters()``:
+   every Sync-Switch step, SelSync's averaging steps; on the others, local
+   steps among them, the inner updates come back as they are);
 2. ``bucket_ready`` for every bucket, then ``before_update()`` (SelSync
    measures the gradient and the ranks agree whether to synchronize; in
    grads mode, or in Sync-Switch's BSP, the gradients are averaged);
@@ -164,16 +167,26 @@ class DistributedOptimizer:
         gleaves = self._leaves(updates, "gradients")
         pleaves = self._leaves(params, "parameters")
         s = self.strategy
-        for b in range(len(plan.buckets)):
-            plan.pack(b, pleaves, into=self._params)
+        packed = s.step_reads_parameters()        # known before the step: Sync-Switch's
+        if packed:
+            self._take(params)
         for b in range(len(plan.buckets)):
             plan.pack(b, gleaves)
             s.bucket_ready(b)
         s.before_update()
-        grads = jax.tree_util.tree_unflatten(plan.treedef, plan.to_jax(plan.unpack()))
-        local, state = self._inner_update(grads, state, params)
-        uleaves = self._leaves(local, "inner's updates")
+        if not s.gradients_are_local():           # averaged: this rank's own are what it gave
+            updates = jax.tree_util.tree_unflatten(plan.treedef, plan.to_jax(plan.unpack()))
+        local, state = self._inner_update(updates, state, params)
         scale = float(s.lr_scale)
+        if not (packed or s.step_reads_parameters()):     # the update alone makes the step (a local one)
+            s.after_update()
+            s.complete()
+            if scale != 1.0:
+                local = jax.tree_util.tree_map(lambda u: u * np.asarray(scale, u.dtype), local)
+            return local, self._state_after_step(state)
+        if not packed:
+            self._take(params)
+        uleaves = self._leaves(local, "inner's updates")
         for b in range(len(plan.buckets)):
             u, p = self._updates[b], self._params[b]
             plan.pack(b, uleaves, into=self._updates)
@@ -182,8 +195,7 @@ class DistributedOptimizer:
             np.add(p, u, out=p)
         s.after_update()
         s.complete()
-        if s.syncs_optimizer_state() or self._average_state:
-            state = self._averaged(state)
+        state = self._state_after_step(state)
         moved = [np.subtract(new, np.asarray(old)) for new, old in zip(plan.unpack(self._params), pleaves)]
         return jax.tree_util.tree_unflatten(plan.treedef, plan.to_jax(moved)), state
 
@@ -238,6 +250,11 @@ class DistributedOptimizer:
         self._average_state = False         # a roll-back's switch: the checkpoint's optimizer state stands
 
     # ------------------------------------------------------------------ helpers
+    def _state_after_step(self, state: Any) -> Any:
+        if self.strategy.syncs_optimizer_state() or self._average_state:
+            state, self._average_state = self._averaged(state), False
+        return state
+
     def _on_switch(self, old: str, new: str, changes: dict[str, Any]) -> None:
         if new == "bsp" and not self._closed:
             self._average_state = True

@@ -294,6 +294,10 @@ class SelSync(Strategy):
         if self.mode == "grads":
             self.inner.complete()
 
+    def step_reads_parameters(self) -> bool:
+        """Only a synchronized step that averages the parameters (params mode; grads mode after drift)."""
+        return bool(self._decided) and (self.mode == "params" or self._drift or self._state_drift)
+
     def gradients_are_local(self) -> bool:
         return not self.synced or self.mode == "params"
 

@@ -35,7 +35,13 @@ answers for a strategy that needs nothing from the optimizer):
   the optimizer's state over the ranks now (False; SelSync's synced steps);
 - ``gradients_are_local()``: after ``before_update()``, whether the update
   reads this rank's own gradient (False; SelSync's local steps, Sync-Switch's
-  ASP), so that the binding agrees with no other rank on what it leaves out;
+  ASP), so that the binding agrees with no other rank on what it leaves out
+  (the gradient buffers then hold what the binding put there);
+- ``step_reads_parameters()``: after ``before_update()``, whether
+  ``after_update()`` reads or writes ``params`` on this step
+  (``updates_parameters``; SelSync only on the steps whose parameters it
+  averages), so that a binding whose parameters live outside the buckets
+  (JAX's) packs them only then;
 - ``tuner``: the cap search the binding feeds step times (``tune=True``);
 - ``reopens``: the reduction is linear in the gradient (False; AllReduce,
   DeAR, and Sync-Switch over either), so that a backward pass after ``before_update()`` and before the
@@ -261,6 +267,11 @@ class Strategy:
         steps).  The binding then decides on its own what this rank's update leaves out (a
         parameter it gave no gradient), with no collective that asynchronous ranks never meet."""
         return False
+
+    def step_reads_parameters(self) -> bool:
+        """After :meth:`before_update`: whether :meth:`after_update` reads or writes ``params`` on
+        this step (a strategy that updates parameters: at every step unless it says otherwise)."""
+        return self.updates_parameters
 
     # ------------------------------------------------------------------ helpers
     def _wait(self, works: list[Work | None], b: int | None = None) -> None:

@@ -1,0 +1,166 @@
+"""What the JAX binding's training steps cost: each way of stepping an optax optimizer, side by side.
+
+A JAX MLP (``--hidden`` wide, two hidden layers, about 1.9M float32
+parameters at the default) trains on random data, batch ``--batch`` per rank,
+plain SGD with momentum. Contenders, one step each (the gradient jitted, the
+update called as the contender needs):
+
+* ``local``: no communication (the jitted optax update): the floor;
+* ``average``: ``optax.chain(average_gradients(), sgd)``, called eagerly (one
+  fused all-reduce of the gradients);
+* ``raw``: ``local`` plus one mpi4py ``Allreduce`` of the gradients packed by
+  numpy into one buffer: what an all-reduce step costs without commlib;
+* ``dopt-allreduce``: ``DistributedOptimizer(sgd, AllReduce())``: the
+  parameter path (parameters and updates packed each step) with the same
+  all-reduce as ``average``;
+* ``selsync-bsp``: ``SelSync(delta=0, mode="grads")``, synchronized every step;
+* ``selsync-local``: ``SelSync(delta=inf, warmup=0)``: local steps (the gate's
+  norm and its one-element flag all-reduce each step; the model never travels);
+* ``syncswitch-asp``: ``SyncSwitch`` in ASP from the first step: each step
+  pushes its change into the parameter store and pulls it back.
+
+Ratios: each contender's step over ``average``'s and over ``local``'s; ``dopt-allreduce /
+average`` is what the parameter path adds to an all-reduce step.
+
+Example:
+    timeout 600 mpiexec -n 2 python -m benchmarks.jax_steps --json out.json
+    timeout 120 mpiexec -n 2 python -m benchmarks.jax_steps --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import commlib  # noqa: E402
+from benchmarks import _common as bc  # noqa: E402
+from commlib.bindings.jax import DistributedOptimizer, average_gradients  # noqa: E402
+from commlib.collectives import AllReduce, SelSync, SyncSwitch  # noqa: E402
+from commlib.collectives.policies import SchedulePolicy  # noqa: E402
+
+CONTENDERS = ("local", "average", "raw", "dopt-allreduce", "selsync-bsp", "selsync-local", "syncswitch-asp")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = bc.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=1024, help="hidden width (1024: about 1.9M parameters)")
+    p.add_argument("--batch", type=int, default=32, help="samples per rank (32)")
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds per contender (5)")
+    p.add_argument("--steps", type=int, default=10, help="training steps per round (10)")
+    p.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
+    return p.parse_args(argv)
+
+
+def init_params(hidden: int) -> dict:
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    return {"l1": {"w": jax.random.normal(k[0], (784, hidden)) * 0.03, "b": jnp.zeros(hidden)},
+            "l2": {"w": jax.random.normal(k[1], (hidden, hidden)) * 0.03, "b": jnp.zeros(hidden)},
+            "out": {"w": jax.random.normal(k[2], (hidden, 10)) * 0.03, "b": jnp.zeros(10)}}
+
+
+def loss(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
+    h = jax.nn.relu(x @ params["l1"]["w"] + params["l1"]["b"])
+    h = jax.nn.relu(h @ params["l2"]["w"] + params["l2"]["b"])
+    logits = h @ params["out"]["w"] + params["out"]["b"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def make_step(name: str, comm: commlib.Communicator, params: dict, grad_fn: Callable) -> Callable[[Any], Any]:
+    """A function ``carry -> carry`` (carry: ``(params, state, x, y)``) taking one training step."""
+    inner = optax.sgd(0.01, momentum=0.9)
+    apply = jax.jit(optax.apply_updates)
+    if name in ("local", "raw"):
+        update = jax.jit(inner.update)
+        mc = comm.mpi_comm
+
+        def local(carry: Any) -> Any:
+            p, s, x, y = carry
+            g = grad_fn(p, x, y)
+            if name == "raw":
+                leaves, treedef = jax.tree_util.tree_flatten(g)
+                flat = np.concatenate([np.asarray(v).reshape(-1) for v in leaves])
+                mc.Allreduce(MPI.IN_PLACE, flat)
+                flat /= comm.size
+                offsets = np.cumsum([0] + [v.size for v in leaves])
+                g = jax.tree_util.tree_unflatten(treedef, [jnp.asarray(flat[a:b].reshape(v.shape)) for a, b, v
+                                                           in zip(offsets[:-1], offsets[1:], leaves)])
+            u, s = update(g, s, p)
+            return jax.block_until_ready(apply(p, u)), s, x, y      # the others' steps end on the host
+        return local, inner.init(params)
+    if name == "average":
+        tx = optax.chain(average_gradients(comm=comm, strategy=AllReduce()), inner)
+    else:
+        strategy = {"dopt-allreduce": lambda: AllReduce(),
+                    "selsync-bsp": lambda: SelSync(delta=0.0, mode="grads"),
+                    "selsync-local": lambda: SelSync(delta=math.inf, warmup=0),
+                    "syncswitch-asp": lambda: SyncSwitch(policy=SchedulePolicy("asp"))}[name]()
+        tx = DistributedOptimizer(inner, strategy=strategy, comm=comm)
+
+    def step(carry: Any) -> Any:
+        p, s, x, y = carry
+        u, s = tx.update(grad_fn(p, x, y), s, p)
+        return apply(p, u), s, x, y
+    return step, tx.init(params)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.hidden = 2, 3, 64
+    comm = commlib.init()
+    mc = comm.mpi_comm
+    params = init_params(args.hidden)
+    numel = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    rng = np.random.default_rng(comm.rank)
+    x = jnp.asarray(rng.standard_normal((args.batch, 784)).astype(np.float32))
+    y = jnp.asarray(rng.integers(0, 10, args.batch).astype(np.int32))
+    grad_fn = jax.jit(jax.grad(loss))
+    steps, carries = {}, {}
+    for name in args.contenders:
+        steps[name], state = make_step(name, comm, params, grad_fn)
+        carries[name] = (params, state, x, y)
+        for _ in range(2):          # compile, warm the buffers
+            carries[name] = steps[name](carries[name])
+
+    def run(name: str) -> None:
+        carries[name] = steps[name](carries[name])
+
+    times: dict[str, list[float]] = {k: [] for k in args.contenders}
+    for _ in range(args.rounds):
+        for name in args.contenders:
+            times[name].append(bc.timed(mc, lambda n=name: run(n), args.steps))
+    med = {k: bc.median(v) for k, v in times.items()}
+    doc = {"benchmark": "jax_steps", "ranks": comm.size, "args": vars(args), "parameters": int(numel),
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "environment": bc.environment(mc), "step_s": med, "rounds": times,
+           "over_average": {k: v / med["average"] for k, v in med.items()} if "average" in med else {},
+           "over_local": {k: v / med["local"] for k, v in med.items()} if "local" in med else {}}
+    return bc.publish(args, doc, report)
+
+
+def report(doc: dict[str, Any]) -> str:
+    rows = [[k, v * 1e3, doc["over_average"].get(k, "-"), doc["over_local"].get(k, "-")]
+            for k, v in doc["step_s"].items()]
+    a = doc["args"]
+    return "\n".join([
+        f"JAX training steps, {doc['ranks']} ranks ({doc['date']}): MLP of {doc['parameters']} float32 "
+        f"parameters, batch {a['batch']} per rank, SGD momentum; median of {a['rounds']} rounds of "
+        f"{a['steps']} steps (slowest rank)",
+        bc.markdown_table(["contender", "step ms", "/ average", "/ local"], rows),
+    ])
+
+
+if __name__ == "__main__":
+    main()

@@ -44,6 +44,7 @@ bench-local: $(STAMP)
 	timeout -k 10 1800 $(MPIEXEC) -n $(RANKS) $(PY) -m benchmarks.collectives \
 		--json $(RESULTS)/collectives-local.json --plot $(RESULTS)/collectives-local.png
 	timeout -k 10 600 $(MPIEXEC) -n 2 $(PY) -m benchmarks.syncbn --json $(RESULTS)/syncbn-2ranks.json
+	timeout -k 10 600 $(MPIEXEC) -n 2 $(PY) -m benchmarks.jax_steps --json $(RESULTS)/jax-steps-2ranks.json
 
 bench-cluster: $(STAMP)
 	mkdir -p $(RESULTS)

@@ -46,18 +46,24 @@ def test_collectives_benchmark_quick_run(tmp_path_factory):
     assert collectives.ring_bound_s(1 << 20, 4, 1e9) == pytest.approx(2 * 3 / 4 * 8 * (1 << 20) / 1e9)
 
 
+def quick_run(tmp_path_factory, main, *args: str) -> dict:
+    """``main(["--quick", *args, "--json", PATH])`` on every rank; the JSON rank 0 wrote."""
+    world = MPI.COMM_WORLD
+    base = world.bcast(str(tmp_path_factory.mktemp("bench")) if world.rank == 0 else None)
+    path = os.path.join(base, "out.json")
+    main(["--quick", *args, "--json", path])
+    world.Barrier()
+    doc = json.load(open(path))
+    assert doc["ranks"] == world.size
+    return doc
+
+
 @pytest.mark.mpi(min_size=2)
 def test_syncbn_benchmark_quick_run(tmp_path_factory):
     pytest.importorskip("torch")
     from benchmarks import syncbn
 
-    world = MPI.COMM_WORLD
-    base = world.bcast(str(tmp_path_factory.mktemp("bench")) if world.rank == 0 else None)
-    path = os.path.join(base, "s.json")
-    syncbn.main(["--quick", "--width", "4", "--image", "8", "--batch", "4", "--json", path])
-    world.Barrier()
-    doc = json.load(open(path))
-    assert doc["ranks"] == world.size
+    doc = quick_run(tmp_path_factory, syncbn.main, "--width", "4", "--image", "8", "--batch", "4")
     assert [r["shape"][1] for r in doc["layer"]] == [16, 32, 64, 128]
     for r in doc["layer"]:
         assert min(r["bn_us"], r["mpi_us"], r["syncbn_us"]) > 0
@@ -65,3 +71,13 @@ def test_syncbn_benchmark_quick_run(tmp_path_factory):
     step = doc["step"]
     assert step["layers"] == 20      # ResNet-18's BatchNorm layers, every one converted
     assert step["syncbn_over_rendezvous"] == pytest.approx(step["syncbn_s"] / step["rendezvous_s"])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_jax_steps_benchmark_quick_run(tmp_path_factory):
+    pytest.importorskip("jax")
+    from benchmarks import jax_steps
+
+    doc = quick_run(tmp_path_factory, jax_steps.main)
+    assert set(doc["step_s"]) == set(jax_steps.CONTENDERS) and all(t > 0 for t in doc["step_s"].values())
+    assert doc["over_average"]["average"] == 1.0

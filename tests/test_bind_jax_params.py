@@ -92,12 +92,15 @@ def train(comm, tx, params, state, steps: range, turns=lambda step: False) -> tu
     return params, state
 
 
-@pytest.mark.parametrize("kind,mode,sync_state", [("sgd", "params", False), ("sgd", "params", True),
-                                                  ("adamw", "grads", False), ("sgd", "grads", True)])
-def test_selsync_trains_as_the_ranks_simulated_with_its_decisions(comm, kind, mode, sync_state):
+@pytest.mark.parametrize("kind,mode,sync_state,inner", [
+    ("sgd", "params", False, AllReduce), ("sgd", "params", True, AllReduce),
+    ("adamw", "grads", False, AllReduce), ("sgd", "grads", True, AllReduce),
+    ("sgd", "params", False, DeAR), ("adamw", "grads", False, DeAR)])
+def test_selsync_trains_as_the_ranks_simulated_with_its_decisions(comm, kind, mode, sync_state, inner):
     """Local steps and synchronized ones, as the gate decided them: every rank's parameters equal the
-    simulation's for that rank; replicas are equal after a synchronized step and apart after a local one."""
-    gate = SelSync(AllReduce(cap_mb=200 / 2**20), delta=0.5, window=2, warmup=2, mode=mode,
+    simulation's for that rank; replicas are equal after a synchronized step and apart after a local one.
+    Over DeAR the averages travel as reduce-scatter + all-gather."""
+    gate = SelSync(inner(cap_mb=200 / 2**20), delta=0.5, window=2, warmup=2, mode=mode,
                    sync_optimizer_state=sync_state)
     tx = DistributedOptimizer(optimizer(kind), strategy=gate, comm=comm)
     params = init_params(0)

@@ -374,7 +374,11 @@ class ConsolidatedState:
             self._set_full_state(full)
         if extra is not None:       # a tuned cap re-plans at the next training forward, on every rank
             # (rank 0 may load alone); a phase switch here (Sync-Switch) moves the state with it
+            was_sharded = self._sharded
             self.strategy.load_state_dict(_as_numpy(extra["strategy"]))
+            if was_sharded and not self._sharded:   # whole again: this rank's own state as loaded, not
+                self._inner.load_state_dict(sd)     # the gather of every rank's piece of its own file
+                self.param_groups = self._inner.param_groups
 
     def broadcast_state(self, root_rank: int = 0) -> None:
         """Every rank's optimizer state and hyperparameters become ``root_rank``'s (a collective:

@@ -247,6 +247,44 @@ def test_a_checkpoint_resumes_in_its_phase_with_its_state(comm, bsp, taken):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("bsp", ["allreduce", "dear"])
+def test_each_rank_resumes_its_own_asp_checkpoint_as_the_run_continued(comm, bsp):
+    """Each rank saves its own checkpoint in ASP (replicas, AdamW moments and the store's view apart,
+    ranks in turns) and a fresh job, each rank loading its own, trains on as the run did: the store as
+    it was (not filled from replicas that lag it), each rank its own optimizer state (over DeAR not a
+    gather of every rank's pieces of theirs, which the BSP start's pieces made of it)."""
+    def make():
+        model = make_model(comm.rank)
+        ss = SyncSwitch(bsp=AllReduce(cap_mb=0.0003) if bsp == "allreduce" else DeAR(cap_mb=0.0003),
+                        policy=SchedulePolicy([(0, "bsp"), (2, "asp")]))
+        return model, ss, DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model,
+                                               strategy=ss, comm=comm, find_unused_parameters=True)
+
+    def train(model, ss, opt, steps):
+        for step in steps:
+            in_turns(comm, ss.phase == "asp", local_step, comm, model, opt, step)
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+
+    model, ss, opt = make()
+    train(model, ss, opt, range(4))
+    assert ss.phase == "asp"
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    done = train(model, ss, opt, range(4, 7))
+    ss.close()
+
+    model, ss, opt = make()
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(copy.deepcopy(saved[1]))
+    assert ss.phase == "asp"
+    for i, st in saved[1]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(opt.state_dict()["state"][i][k]), torch.as_tensor(v)), (i, k)
+    resumed = train(model, ss, opt, range(4, 7))
+    ss.close()
+    np.testing.assert_array_equal(resumed, done)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("bsp", ["allreduce", "dear"])
 def test_a_second_pass_before_the_step_adds_up_in_both_phases(comm, bsp):
     """A second backward pass before ``step()`` (DCGAN's discriminator: real, then fake) adds to the
     gradients in BSP (reduced onto their average, as the BSP strategy does) and in ASP (this rank's own

@@ -187,6 +187,15 @@ def test_syncswitch_over_dear_trains_as_over_allreduce_through_its_switches(comm
     assert all(np.array_equal(t, table[0]) for t in table), "the optimizers differ after close()"
 
 
+def adamw_job(comm, bsp: str) -> tuple:
+    """A fresh job: model, ``SyncSwitch`` (BSP for 2 steps, then ASP) over ``bsp``, AdamW wrapped."""
+    model = make_model(comm.rank)
+    ss = SyncSwitch(bsp=AllReduce(cap_mb=0.0003) if bsp == "allreduce" else DeAR(cap_mb=0.0003),
+                    policy=SchedulePolicy([(0, "bsp"), (2, "asp")]))
+    return model, ss, DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model,
+                                           strategy=ss, comm=comm, find_unused_parameters=True)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("taken", ["asp", "bsp"])
 @pytest.mark.parametrize("bsp", ["allreduce", "dear"])
@@ -197,13 +206,6 @@ def test_a_checkpoint_resumes_in_its_phase_with_its_state(comm, bsp, taken):
     the switch the load makes).  Loaded into the job while it is in ASP (a roll-back), it trains on
     alike: the parameter store takes the loaded parameters (it kept its own, and the next pull put them
     back), and over DeAR a BSP checkpoint's state goes to the pieces."""
-    def make():
-        model = make_model(comm.rank)
-        ss = SyncSwitch(bsp=AllReduce(cap_mb=0.0003) if bsp == "allreduce" else DeAR(cap_mb=0.0003),
-                        policy=SchedulePolicy([(0, "bsp"), (2, "asp")]))
-        return model, ss, DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model,
-                                               strategy=ss, comm=comm, find_unused_parameters=True)
-
     def train(model, ss, opt, steps):
         trace = []
         for step in steps:      # ASP's ranks take turns: the same steps give the same parameters
@@ -215,7 +217,7 @@ def test_a_checkpoint_resumes_in_its_phase_with_its_state(comm, bsp, taken):
         model.load_state_dict(saved[0])
         opt.load_state_dict(copy.deepcopy(saved[1]))
 
-    model, ss, opt = make()
+    model, ss, opt = adamw_job(comm, bsp)
     done = 3 if taken == "asp" else 1
     train(model, ss, opt, range(done))
     assert ss.phase == taken
@@ -228,7 +230,7 @@ def test_a_checkpoint_resumes_in_its_phase_with_its_state(comm, bsp, taken):
     rolled = train(model, ss, opt, range(done, done + 2))
     ss.close()
 
-    model, ss, opt = make()             # the job started again: BSP (over DeAR, the state in pieces)
+    model, ss, opt = adamw_job(comm, bsp)   # the job started again: BSP (over DeAR, the state in pieces)
     load(model, opt, saved)
     assert ss.phase == taken
     state = opt.state_dict()["state"]
@@ -252,26 +254,19 @@ def test_each_rank_resumes_its_own_asp_checkpoint_as_the_run_continued(comm, bsp
     ranks in turns) and a fresh job, each rank loading its own, trains on as the run did: the store as
     it was (not filled from replicas that lag it), each rank its own optimizer state (over DeAR not a
     gather of every rank's pieces of theirs, which the BSP start's pieces made of it)."""
-    def make():
-        model = make_model(comm.rank)
-        ss = SyncSwitch(bsp=AllReduce(cap_mb=0.0003) if bsp == "allreduce" else DeAR(cap_mb=0.0003),
-                        policy=SchedulePolicy([(0, "bsp"), (2, "asp")]))
-        return model, ss, DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model,
-                                               strategy=ss, comm=comm, find_unused_parameters=True)
-
     def train(model, ss, opt, steps):
         for step in steps:
             in_turns(comm, ss.phase == "asp", local_step, comm, model, opt, step)
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
 
-    model, ss, opt = make()
+    model, ss, opt = adamw_job(comm, bsp)
     train(model, ss, opt, range(4))
     assert ss.phase == "asp"
     saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
     done = train(model, ss, opt, range(4, 7))
     ss.close()
 
-    model, ss, opt = make()
+    model, ss, opt = adamw_job(comm, bsp)
     model.load_state_dict(saved[0])
     opt.load_state_dict(copy.deepcopy(saved[1]))
     assert ss.phase == "asp"

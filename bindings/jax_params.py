@@ -161,12 +161,12 @@ class DistributedOptimizer:
         """One step: ``updates`` are this rank's gradients; returns the updates that take
         ``params`` to the step's result (``optax.apply_updates``) and the new optimizer state."""
         plan = self._ready("update")
-        if params is None:
-            raise ValueError(f"DistributedOptimizer.update: {self.strategy.name} reads and writes the "
-                             "parameters: call update(grads, state, params)")
-        gleaves = self._leaves(updates, "gradients")
-        pleaves = self._leaves(params, "parameters")
         s = self.strategy
+        if params is None and s.updates_parameters:
+            raise ValueError(f"DistributedOptimizer.update: {s.name} reads and writes the parameters: "
+                             "call update(grads, state, params)")
+        gleaves = self._leaves(updates, "gradients")
+        pleaves = self._leaves(params, "parameters") if params is not None else []
         packed = s.step_reads_parameters()        # known before the step: Sync-Switch's
         if packed:
             self._take(params)

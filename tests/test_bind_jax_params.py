@@ -280,5 +280,8 @@ def test_bad_calls_raise_on_every_rank(comm):
     with pytest.raises(TypeError, match="outside jax.jit"):
         jax.jit(tx.update)(grads, state, params)
     params, state = train(comm, tx, params, state, range(3))      # nothing was left half done
+    plain = DistributedOptimizer(optax.sgd(0.1), strategy=AllReduce(), comm=comm)
+    averaged, _ = plain.update(grads, plain.init(init_params(0)))   # gradients only: params optional
+    np.testing.assert_allclose(flat(averaged), -0.1 * np.mean(comm.allgather(flat(grads)), axis=0), rtol=1e-5)
     table = replicas(comm, params)
     np.testing.assert_allclose(table, table[[0] * comm.size], rtol=1e-6, atol=1e-7)

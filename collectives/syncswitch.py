@@ -83,6 +83,11 @@ from .policies import PHASES, Policy, SchedulePolicy
 from .strategy import Strategy, checked_strategy
 
 
+#: what a peer sees while a rank re-enters a checkpoint's phase (a rank loading alone is named with it)
+LOADING = ("SyncSwitch.load_state_dict, re-entering the checkpoint's phase (a collective: every rank "
+           "loads, the same file or each its own; not rank 0 alone then a broadcast)")
+
+
 class SyncSwitch(Strategy):
     """Hybrid BSP / ASP / SSP training, switched in place by ``policy``.
 
@@ -408,6 +413,8 @@ class SyncSwitch(Strategy):
             raise ValidationError(f"phase {state['phase']!r}: expected one of {PHASES}")
         self.bsp.load_state_dict(state["bsp"])
         self.staleness = int(state["staleness"])
+        if self.stores and (self.phase != "bsp" or state["phase"] != self.phase):   # a collective follows:
+            self.comm.allgather_object(None, label=LOADING)     # a rank loading alone is named at once
         if self.stores and self.phase != "bsp":     # a roll-back while asynchronous: every rank's pushes
             loaded = [p.copy() for p in self._np_params]     # land, then the loaded parameters stay
             self._switch("bsp")

@@ -264,10 +264,41 @@ def call_while_ops_in_flight() -> None:
     report_and_end()
 
 
+def syncswitch_load_on_rank0() -> None:
+    """Horovod's resume (rank 0 alone loads, then broadcasts) of a Sync-Switch checkpoint taken in
+    ASP: the load re-enters the phase, a collective (barriers on the store's windows, where rank 0
+    waited for good); every rank fails at once, naming it."""
+    from commlib.collectives import SchedulePolicy, SyncSwitch, TensorSpec, plan_buckets
+
+    c = fresh(timeout=60)
+    buckets = plan_buckets([TensorSpec(0, 64, "float32", 4)], c.size, 1 << 20, None)
+
+    def job() -> SyncSwitch:
+        ss = SyncSwitch(policy=SchedulePolicy([(0, "bsp"), (1, "asp")]))
+        ss.setup(c, buckets, [np.zeros(b.padded, np.float32) for b in buckets],
+                 [np.ones(b.padded, np.float32) for b in buckets])
+        return ss
+    ss = job()
+    ss.step(0.1)
+    ss.step(0.1)
+    state = ss.state_dict()
+    assert state["phase"] == "asp"
+    ss.close()
+    again = job()
+    t0 = time.monotonic()
+    if c.rank == 0:
+        expect(commlib.CommAbortedError, lambda: again.load_state_dict(state), "SyncSwitch.load_state_dict")
+    else:           # broadcast_parameters, the next call of Horovod's resume
+        expect(commlib.MismatchError, lambda: c.broadcast(np.ones(4), 0),
+               "rank 0 is in SyncSwitch.load_state_dict, re-entering the checkpoint's phase")
+    assert time.monotonic() - t0 < 30, "must not wait for the timeout"
+    report_and_end()
+
+
 CASES = {f.__name__: f for f in (rejected, rejected_while_peers_are_late, deadlock, never_arrives,
                                   stall_made_an_error, only_rank0, unwaited, closed_early, state_on_rank0,
                                   state_on_rank0_with_syncbn, state_on_rank0_at_the_end, norm_on_rank0,
-                                  values_on_rank0, call_while_ops_in_flight)}
+                                  values_on_rank0, call_while_ops_in_flight, syncswitch_load_on_rank0)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]]()

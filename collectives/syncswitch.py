@@ -82,7 +82,6 @@ from .paramstore import ParamStore
 from .policies import PHASES, Policy, SchedulePolicy
 from .strategy import Strategy, checked_strategy
 
-
 #: what a peer sees while a rank re-enters a checkpoint's phase (a rank loading alone is named with it)
 LOADING = ("SyncSwitch.load_state_dict, re-entering the checkpoint's phase (a collective: every rank "
            "loads, the same file or each its own; not rank 0 alone then a broadcast)")

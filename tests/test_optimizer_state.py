@@ -64,6 +64,26 @@ def test_selsync_sync_optimizer_state_averages_momentum(comm, sync_state):
             assert not all(np.array_equal(t, table[0]) for t in table), name
 
 
+@pytest.mark.mpi(min_size=2)
+def test_selsync_grads_mode_keeps_replicas_identical_after_local_steps(comm):
+    """SelSync in grads mode, SGD with momentum: after local steps (each rank's momentum its own) the
+    synchronized step that re-aligns the replicas averages the momentum too, so that the synchronized
+    steps after it leave them identical (each rank's own momentum took them apart again: 0.035)."""
+    model = make_model(comm.rank)
+    gate = SelSync(delta=0.5, window=2, warmup=2, mode="grads")
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                               strategy=gate, comm=comm, find_unused_parameters=True)
+    for step in range(12):
+        x, y = rank_part(comm, LOCAL, *batch(step, comm.size))
+        opt.zero_grad()
+        loss_fn(model, x, y * {4: 8.0, 5: 0.5, 8: 0.1}.get(step, 1.0)).backward()    # jumps: the gate syncs
+        opt.step()
+        if gate.trace[-1][4]:
+            same_on_all_ranks(comm, model)
+    syncs = [t[4] for t in gate.trace]
+    assert any(not a and b and c for a, b, c in zip(syncs, syncs[1:], syncs[2:])), syncs
+
+
 def resume(comm, on, name: str, model: Net, opt, cut: int, steps: int) -> tuple[Net, DistributedOptimizer]:
     """Checkpoint ``model``/``opt`` (trained ``cut`` steps on ``comm``) without ``flush()``, rebuild
     everything fresh on ``on`` and train to ``steps``, each of its ranks taking an equal slice of the

@@ -53,7 +53,10 @@ DeAR: to this rank's shard, then all-gathered); ASP
 pushes ``-lr * lr_scale * grad`` and pulls; SSP also waits on the clocks.
 
 State (``state_dict()``): steps, phase, this rank's clock, the learning-rate
-and momentum scales, the policy's state and the inner strategy's.
+and momentum scales, the policy's state and the inner strategy's; in an
+asynchronous phase also the parameter store as this rank reads it, which the
+load writes back (each rank its piece).  A load that re-enters an
+asynchronous phase is a collective: every rank loads.
 
 Example:
     >>> from commlib.collectives import AllReduce

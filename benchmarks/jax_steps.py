@@ -11,16 +11,17 @@ update called as the contender needs):
 * ``raw``: ``local`` plus one mpi4py ``Allreduce`` of the gradients packed by
   numpy into one buffer: what an all-reduce step costs without commlib;
 * ``dopt-allreduce``: ``DistributedOptimizer(sgd, AllReduce())``: the
-  parameter path (parameters and updates packed each step) with the same
-  all-reduce as ``average``;
+  transformation of the parameter path on a strategy that reads no
+  parameters (the gradients packed, averaged, unpacked, as ``average``);
 * ``selsync-bsp``: ``SelSync(delta=0, mode="grads")``, synchronized every step;
 * ``selsync-local``: ``SelSync(delta=inf, warmup=0)``: local steps (the gate's
   norm and its one-element flag all-reduce each step; the model never travels);
 * ``syncswitch-asp``: ``SyncSwitch`` in ASP from the first step: each step
   pushes its change into the parameter store and pulls it back.
 
-Ratios: each contender's step over ``average``'s and over ``local``'s; ``dopt-allreduce /
-average`` is what the parameter path adds to an all-reduce step.
+Ratios: each contender's step over ``average``'s and over ``local``'s: ``selsync-bsp /
+average`` is what the gate adds to an all-reduce step, ``selsync-local / local`` what a
+local step of SelSync costs over a plain one.
 
 Example:
     timeout 600 mpiexec -n 2 python -m benchmarks.jax_steps --json out.json
@@ -77,8 +78,10 @@ def loss(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def make_step(name: str, comm: commlib.Communicator, params: dict, grad_fn: Callable) -> Callable[[Any], Any]:
-    """A function ``carry -> carry`` (carry: ``(params, state, x, y)``) taking one training step."""
+def make_step(name: str, comm: commlib.Communicator, params: dict,
+              grad_fn: Callable) -> tuple[Callable[[Any], Any], Any]:
+    """A function ``carry -> carry`` (carry: ``(params, state, x, y)``) taking one training step, and the
+    optimizer state it starts from."""
     inner = optax.sgd(0.01, momentum=0.9)
     apply = jax.jit(optax.apply_updates)
     if name in ("local", "raw"):

@@ -165,11 +165,11 @@ class DistributedOptimizer:
         if params is None and s.updates_parameters:
             raise ValueError(f"DistributedOptimizer.update: {s.name} reads and writes the parameters: "
                              "call update(grads, state, params)")
-        gleaves = self._leaves(updates, "gradients")
-        pleaves = self._leaves(params, "parameters") if params is not None else []
+        gleaves = self._leaves(updates, "gradients", "update")
+        pleaves = self._leaves(params, "parameters", "update") if params is not None else []
         packed = s.step_reads_parameters()        # known before the step: Sync-Switch's
         if packed:
-            self._take(params)
+            self._take(pleaves)
         for b in range(len(plan.buckets)):
             plan.pack(b, gleaves)
             s.bucket_ready(b)
@@ -185,8 +185,8 @@ class DistributedOptimizer:
                 local = jax.tree_util.tree_map(lambda u: u * np.asarray(scale, u.dtype), local)
             return local, self._state_after_step(state)
         if not packed:
-            self._take(params)
-        uleaves = self._leaves(local, "inner's updates")
+            self._take(pleaves)
+        uleaves = self._leaves(local, "inner's updates", "update")
         for b in range(len(plan.buckets)):
             u, p = self._updates[b], self._params[b]
             plan.pack(b, uleaves, into=self._updates)
@@ -209,7 +209,7 @@ class DistributedOptimizer:
             >>> params = tx.flush(params)
         """
         self._ready("flush")
-        self._take(params)
+        self._take(self._leaves(params, "parameters", "flush"))
         self.strategy.flush()
         return self._result()
 
@@ -221,7 +221,7 @@ class DistributedOptimizer:
             >>> params, state = tx.close(params, state)
         """
         self._ready("close")
-        self._take(params)
+        self._take(self._leaves(params, "parameters", "close"))
         self.strategy.flush()
         self.strategy.close()
         self._closed = True
@@ -245,7 +245,7 @@ class DistributedOptimizer:
             >>> opt_state = tx.init(ckpt["params"]); tx.load_state_dict(ckpt["strategy"], ckpt["params"])
         """
         self._ready("load_state_dict")
-        self._take(params)
+        self._take(self._leaves(params, "parameters", "load_state_dict"))
         self.strategy.load_state_dict(state)
         self._average_state = False         # a roll-back's switch: the checkpoint's optimizer state stands
 
@@ -272,18 +272,18 @@ class DistributedOptimizer:
             raise TypeError(f"DistributedOptimizer.{what} runs eagerly: call it outside jax.jit "
                             "(jit the gradient; or use average_gradients, which works inside jit)")
 
-    def _leaves(self, tree: Any, what: str) -> list[Any]:
+    def _leaves(self, tree: Any, what: str, call: str) -> list[Any]:
         """``tree``'s leaves, which must match the tree given to ``init`` (checked on this rank)."""
         plan = self._plan
         leaves, treedef = jax.tree_util.tree_flatten(tree)
-        self._eager(leaves, "update")
+        self._eager(leaves, call)
         if treedef != plan.treedef or [tuple(np.shape(x)) for x in leaves] != plan.shapes:
             raise ValidationError(f"DistributedOptimizer: the {what} differ from the parameters given to "
                                   f"init in structure or shapes ({treedef} against {plan.treedef})")
         return leaves
 
-    def _take(self, params: Any) -> None:
-        leaves = self._leaves(params, "parameters")
+    def _take(self, leaves: Sequence[Any]) -> None:
+        """The parameters' leaves into the parameter buckets."""
         for b in range(len(self._plan.buckets)):
             self._plan.pack(b, leaves, into=self._params)
 

@@ -279,6 +279,8 @@ def test_bad_calls_raise_on_every_rank(comm):
         tx.update(grads["hidden"], state, params)
     with pytest.raises(TypeError, match="outside jax.jit"):
         jax.jit(tx.update)(grads, state, params)
+    with pytest.raises(TypeError, match="DistributedOptimizer.flush runs eagerly"):
+        jax.jit(tx.flush)(params)
     params, state = train(comm, tx, params, state, range(3))      # nothing was left half done
     plain = DistributedOptimizer(optax.sgd(0.1), strategy=AllReduce(), comm=comm)
     averaged, _ = plain.update(grads, plain.init(init_params(0)))   # gradients only: params optional

@@ -65,6 +65,7 @@ import numpy as np
 import commlib
 from commlib.arrays import INEXACT_DTYPES, is_tracer, numpy_dtype
 from commlib.collectives import AllReduce, Strategy, checked_strategy
+from commlib.collectives.buckets import MiB
 from commlib.errors import MismatchError, ValidationError
 from commlib.ops import agree
 
@@ -125,7 +126,7 @@ class DistributedOptimizer:
         self._plan: Plan | None = None
         self._params: list[np.ndarray] = []      # the parameter buckets the strategy reads and writes
         self._updates: list[np.ndarray] = []     # the local update, packed
-        self._state_plans: dict[Any, Plan] = {}
+        self._state_sync: Any = None             # a GradientSync: the optimizer state's average
         self._average_state = False              # a switch back to BSP asked for it
         self._closed = False
         strategy.on_switch(self._on_switch)
@@ -310,23 +311,10 @@ class DistributedOptimizer:
                  if hasattr(x, "dtype") and np.dtype(x.dtype).name in INEXACT_DTYPES and np.size(x)]
         if comm.size == 1 or not which:
             return state
-        chosen = [leaves[i] for i in which]
-        key = (treedef, tuple((np.shape(x), np.dtype(x.dtype).name) for x in chosen))
-        plan = self._state_plans.get(key)
-        if plan is None:
-            s = self.strategy
-            plan = make_plan(chosen, chosen, jax.tree_util.tree_structure(chosen), INEXACT_DTYPES,
-                             comm.size, s.cap_bytes, s.first_cap_bytes)
-            agree_plan(comm, plan, "DistributedOptimizer: optimizer state")
-            plan.allocate(False)
-            self._state_plans[key] = plan
-        works = []
-        for b, buf in enumerate(plan.buffers):
-            plan.pack(b, chosen)
-            works.append(comm.iallreduce(buf, "avg", out=buf, tag=f"jax.state{b}"))
-        for w in works:
-            w.wait()
-        for i, x in zip(which, plan.to_jax(plan.unpack())):
+        if self._state_sync is None:     # bindings.jax re-exports this module: its GradientSync from there
+            from .jax import GradientSync
+            self._state_sync = GradientSync(comm, AllReduce(self.strategy.cap_bytes / MiB))
+        for i, x in zip(which, self._state_sync([leaves[i] for i in which])):
             leaves[i] = x
         return jax.tree_util.tree_unflatten(treedef, leaves)
 

@@ -259,10 +259,11 @@ class SelSync(Strategy):
                 Strategy.after_update(self.inner)   # its bookkeeping, not its all-gather of parameters
             else:
                 self.inner.after_update()
-        self._realigned = sync and self.mode == "grads" and (self._drift or self._state_drift)
+        averages = self.step_reads_parameters()
+        self._realigned = averages and self.mode == "grads"
         if self._realigned:
             self._state_drift = False
-        if sync and (self.mode == "params" or self._realigned):
+        if averages:
             self._count_bytes(self._start_average())
             if not self.overlap:
                 self._wait_average()

@@ -20,10 +20,10 @@ between ``backward()`` and ``step()`` meet:
 * ``opt.step(closure)``: each evaluation of the closure averaged, its loss too (LBFGS evaluates alike);
 * parameters no rank gave a gradient are left out of the update, as one process leaves them (one small
   all-reduce per step, which also carries the notes of checkpoints loaded: ``torch_replicas``);
-* a parameter that starts or stops training (``requires_grad``, gradual unfreezing), a model
-  moved or converted after wrapping (``model.to()``, ``.double()``, ``.data`` assigned) or a
-  checkpoint of another (tuned) cap loaded re-plans the buckets at the next forward with
-  gradients enabled (train or eval mode), on every rank.
+* a parameter that starts or stops training (``requires_grad``, gradual unfreezing), a model moved or
+  converted after wrapping (``model.to()``, ``.double()``, ``.data`` assigned) or a checkpoint of another
+  (tuned) cap loaded re-plans the buckets at the next forward with gradients enabled (train or eval
+  mode), on every rank; a Sync-Switch checkpoint re-enters its phase there.
 
 Example (the full loop; ``scaler`` may be ``GradScaler("cpu", enabled=False)``):
     >>> for x, y in loader:
@@ -177,13 +177,13 @@ class TrainingLoop:
 
     @torch.compiler.disable
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
-        """Evaluation sees the last update; a forward with gradients (train or eval mode) re-plans when
-        ``requires_grad`` changed, a parameter no longer lives in its bucket (the model moved or
-        converted after wrapping) or a loaded checkpoint's cap is not the plan's (it was tuned).
-
-        Like every hook that waits on communication, never traced by ``torch.compile``:
-        Dynamo would replay the Python state it saw while tracing (a wait found
-        nothing to wait for) instead of waiting."""
+        """Evaluation sees the last update; a forward with gradients (train or eval mode) takes a load
+        deferred to it (a Sync-Switch checkpoint's phase) and re-plans when ``requires_grad`` changed, a
+        parameter no longer lives in its bucket (the model moved or converted after wrapping) or a loaded
+        checkpoint's cap is not the plan's (it was tuned).  Never traced by ``torch.compile``, like every
+        hook that waits: Dynamo would replay the state it saw while tracing instead of waiting."""
+        if self._pending_load is not None and torch.is_grad_enabled():
+            self._take_pending_load()       # a collective: every rank has loaded by its next forward
         with torch._C.DisableTorchFunctionSubclass():     # parameters DeAR still gathers: metadata only
             moved = list(map(_DATA_PTR, self._params)) != self._data_ptrs
             changed = self._trainable_changed()

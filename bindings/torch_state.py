@@ -171,6 +171,10 @@ class ConsolidatedState:
     #: under a sharded strategy, the state dict loaded since the last step: this rank keeps only its
     #: pieces, so that a broadcast from it (Horovod's resume: rank 0 alone reads the checkpoint) sends it
     _loaded: dict[str, Any] | None = None
+    #: a load whose strategy part is a collective (``Strategy.load_is_collective``: Sync-Switch
+    #: re-entering a checkpoint's phase), as (optimizer state dict, strategy state): taken on every
+    #: rank together, at ``broadcast_optimizer_state`` or the next training forward
+    _pending_load: tuple[dict[str, Any], dict[str, Any]] | None = None
 
     @property
     def state(self) -> Any:
@@ -356,12 +360,20 @@ class ConsolidatedState:
         finally:
             self._inner.state.clear()
             self._inner.state.update(saved)
-        sd["commlib"] = {"strategy": _as_torch(self.strategy.state_dict()), "world_size": self.comm.size}
+        strategy = self._pending_load[1] if self._pending_load is not None else self.strategy.state_dict()
+        sd["commlib"] = {"strategy": _as_torch(strategy), "world_size": self.comm.size}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict` (from any number of ranks, or a plain optimizer's)."""
+        """Load a :meth:`state_dict` (from any number of ranks, or a plain optimizer's).
+
+        A strategy state whose load is a collective (a Sync-Switch checkpoint taken in ASP or SSP,
+        or any loaded while asynchronous: its phase is re-entered) takes effect on every rank together
+        at the next training forward, or at once in ``broadcast_optimizer_state`` (rank 0 may load
+        alone, as in Horovod's resume); ``state_dict()`` gives the loaded state until then.
+        """
         sd = dict(state_dict)
+        self._pending_load = None
         self._loaded = state_dict if self._sharded else None
         self._optimizer_loaded()        # noted for the next step's agreement (ReplicaLoads)
         extra = sd.pop("commlib", None)
@@ -372,19 +384,35 @@ class ConsolidatedState:
             for p in self._params:
                 self._inner.state.pop(p, None)
             self._set_full_state(full)
-        if extra is not None:       # a tuned cap re-plans at the next training forward, on every rank
-            # (rank 0 may load alone); a phase switch here (Sync-Switch) moves the state with it
-            was_sharded = self._sharded
-            self.strategy.load_state_dict(_as_numpy(extra["strategy"]))
-            if was_sharded and not self._sharded:   # whole again: this rank's own state as loaded, not
-                self._inner.load_state_dict(sd)     # the gather of every rank's piece of its own file
-                self.param_groups = self._inner.param_groups
+        if extra is None:
+            return
+        strategy = _as_numpy(extra["strategy"])
+        if self.strategy.load_is_collective(strategy):
+            self._pending_load = (sd, strategy)
+        else:       # a tuned cap re-plans at the next training forward, on every rank (rank 0 may load alone)
+            self._load_strategy(sd, strategy)
+
+    def _load_strategy(self, sd: dict[str, Any], strategy: dict[str, Any]) -> None:
+        """The strategy's part of a load; a phase switch it makes (Sync-Switch) moves the state with it."""
+        was_sharded = self._sharded
+        self.strategy.load_state_dict(strategy)
+        if was_sharded and not self._sharded:   # whole again: this rank's own state as loaded, not
+            self._inner.load_state_dict(sd)     # the gather of every rank's piece of its own file
+            self.param_groups = self._inner.param_groups
+
+    def _take_pending_load(self) -> None:
+        """The collective part of the last load, on every rank together (they have all loaded)."""
+        if self._pending_load is not None:
+            sd, strategy = self._pending_load
+            self._pending_load = None
+            self._load_strategy(sd, strategy)
 
     def broadcast_state(self, root_rank: int = 0) -> None:
         """Every rank's optimizer state and hyperparameters become ``root_rank``'s (a collective:
         every rank calls it); :func:`broadcast_optimizer_state` calls it.  Under a sharded strategy
         a state dict ``root_rank`` loaded since its last step is sent whole (its own pieces are all
         it keeps of it): Horovod's resume, where rank 0 alone loads the checkpoint, then broadcasts.
+        A Sync-Switch checkpoint's phase is re-entered here, on every rank together.
 
         Example:
             >>> if comm.rank == 0:
@@ -402,6 +430,7 @@ class ConsolidatedState:
             sd = self.state_dict()
             sd = comm.allgather_object(sd if comm.rank == root_rank else None, label=label)[root_rank]
         self.load_state_dict(sd)
+        self._take_pending_load()       # every rank is here
 
     # ------------------------------------------------------------------ the update
     def _pre_step_hooks(self, evaluate: Callable[[], Any] | None) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -273,6 +273,18 @@ class Strategy:
         this step (a strategy that updates parameters: at every step unless it says otherwise)."""
         return self.updates_parameters
 
+    def load_is_collective(self, state: dict[str, Any]) -> bool:
+        """Whether :meth:`load_state_dict` of ``state`` communicates now, so that every rank must call
+        it at the same point (Sync-Switch re-entering a checkpoint's asynchronous phase).  A binding
+        then defers it to a point every rank reaches (the torch binding: ``broadcast_optimizer_state``
+        or the next training forward), so that rank 0 may load alone and broadcast (Horovod's resume).
+
+        Example:
+            >>> AllReduce().load_is_collective(AllReduce().state_dict())
+            False
+        """
+        return False
+
     # ------------------------------------------------------------------ helpers
     def _wait(self, works: list[Work | None], b: int | None = None) -> None:
         """Wait for ``works[b]`` (or all), counting the time blocked."""

@@ -86,8 +86,8 @@ from .policies import PHASES, Policy, SchedulePolicy
 from .strategy import Strategy, checked_strategy
 
 #: what a peer sees while a rank re-enters a checkpoint's phase (a rank loading alone is named with it)
-LOADING = ("SyncSwitch.load_state_dict, re-entering the checkpoint's phase (a collective: every rank "
-           "loads, the same file or each its own; not rank 0 alone then a broadcast)")
+LOADING = ("SyncSwitch.load_state_dict, re-entering the checkpoint's phase: a collective (every rank "
+           "loads; or rank 0, then broadcast_optimizer_state)")
 
 
 class SyncSwitch(Strategy):
@@ -415,8 +415,8 @@ class SyncSwitch(Strategy):
             raise ValidationError(f"phase {state['phase']!r}: expected one of {PHASES}")
         self.bsp.load_state_dict(state["bsp"])
         self.staleness = int(state["staleness"])
-        if self.stores and (self.phase != "bsp" or state["phase"] != self.phase):   # a collective follows:
-            self.comm.allgather_object(None, label=LOADING)     # a rank loading alone is named at once
+        if self.load_is_collective(state):      # a collective follows: a rank loading alone is named at once
+            self.comm.allgather_object(None, label=LOADING)
         if self.stores and self.phase != "bsp":     # a roll-back while asynchronous: every rank's pushes
             loaded = [p.copy() for p in self._np_params]     # land, then the loaded parameters stay
             self._switch("bsp")
@@ -435,6 +435,11 @@ class SyncSwitch(Strategy):
         self.momentum_scale = float(state["momentum_scale"])
         if self.stores and self.phase == "ssp":
             self.stores[0].set_clocks(int(state["clock"]))
+
+    def load_is_collective(self, state: dict[str, Any]) -> bool:
+        """True where the load re-enters a phase (the checkpoint's, or BSP from an asynchronous one):
+        the store's windows are collective."""
+        return bool(self.stores) and (self.phase != "bsp" or state["phase"] != self.phase)
 
     def __repr__(self) -> str:
         return f"SyncSwitch(bsp={self.bsp!r}, policy={self.policy.name}, phase={self.phase!r})"

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 if HAVE_TORCH:
     import torch
 
-    from commlib.bindings.torch import DistributedOptimizer
+    from commlib.bindings.torch import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
     from commlib.collectives import AllReduce, DeAR, SchedulePolicy, SyncSwitch
 
 
@@ -31,6 +31,12 @@ def local_step(comm, model, opt, step: int) -> None:
     opt.zero_grad()
     loss_fn(model, x[:LOCAL], y[:LOCAL]).backward()
     opt.step()
+
+
+def training_forward(comm, model) -> None:
+    """A forward with gradients, on every rank together (no backward): where a load deferred to the
+    next training forward (a Sync-Switch checkpoint's phase) is taken, before steps taken in turns."""
+    model(batch(0, comm.size)[0][:LOCAL])
 
 
 def in_turns(comm, turns: bool, body, *args) -> None:
@@ -187,6 +193,22 @@ def test_syncswitch_over_dear_trains_as_over_allreduce_through_its_switches(comm
     assert all(np.array_equal(t, table[0]) for t in table), "the optimizers differ after close()"
 
 
+def train_in_turns(comm, model, ss, opt, steps) -> np.ndarray:
+    """``local_step`` for each of ``steps``, in turns while in ASP; the parameters after, flat."""
+    for step in steps:
+        in_turns(comm, ss.phase == "asp", local_step, comm, model, opt, step)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+
+
+def assert_state_is(opt, saved: dict) -> None:
+    """``opt.state_dict()``'s optimizer state is the one in ``saved``, exactly."""
+    state = opt.state_dict()["state"]
+    assert state.keys() == saved["state"].keys()
+    for i, st in saved["state"].items():
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(state[i][k]), torch.as_tensor(v)), (i, k)
+
+
 def adamw_job(comm, bsp: str) -> tuple:
     """A fresh job: model, ``SyncSwitch`` (BSP for 2 steps, then ASP) over ``bsp``, AdamW wrapped."""
     model = make_model(comm.rank)
@@ -216,6 +238,7 @@ def test_a_checkpoint_resumes_in_its_phase_with_its_state(comm, bsp, taken):
     def load(model, opt, saved):        # a copy: torch's optimizer keeps the tensors it loads
         model.load_state_dict(saved[0])
         opt.load_state_dict(copy.deepcopy(saved[1]))
+        training_forward(comm, model)   # the phase re-entered there, every rank together
 
     model, ss, opt = adamw_job(comm, bsp)
     done = 3 if taken == "asp" else 1
@@ -233,11 +256,7 @@ def test_a_checkpoint_resumes_in_its_phase_with_its_state(comm, bsp, taken):
     model, ss, opt = adamw_job(comm, bsp)   # the job started again: BSP (over DeAR, the state in pieces)
     load(model, opt, saved)
     assert ss.phase == taken
-    state = opt.state_dict()["state"]
-    assert state.keys() == saved[1]["state"].keys()
-    for i, st in saved[1]["state"].items():
-        for k, v in st.items():
-            assert torch.equal(torch.as_tensor(state[i][k]), torch.as_tensor(v)), (i, k)
+    assert_state_is(opt, saved[1])
     for k, v in saved[0].items():
         assert torch.equal(model.state_dict()[k], v), k
     resumed = train(model, ss, opt, range(done, done + 2))
@@ -254,28 +273,56 @@ def test_each_rank_resumes_its_own_asp_checkpoint_as_the_run_continued(comm, bsp
     ranks in turns) and a fresh job, each rank loading its own, trains on as the run did: the store as
     it was (not filled from replicas that lag it), each rank its own optimizer state (over DeAR not a
     gather of every rank's pieces of theirs, which the BSP start's pieces made of it)."""
-    def train(model, ss, opt, steps):
-        for step in steps:
-            in_turns(comm, ss.phase == "asp", local_step, comm, model, opt, step)
-        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
-
     model, ss, opt = adamw_job(comm, bsp)
-    train(model, ss, opt, range(4))
+    train_in_turns(comm, model, ss, opt, range(4))
     assert ss.phase == "asp"
     saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
-    done = train(model, ss, opt, range(4, 7))
+    done = train_in_turns(comm, model, ss, opt, range(4, 7))
     ss.close()
 
     model, ss, opt = adamw_job(comm, bsp)
     model.load_state_dict(saved[0])
     opt.load_state_dict(copy.deepcopy(saved[1]))
+    assert ss.phase == "bsp"        # until the next training forward, where every rank has loaded
+    assert opt.state_dict()["commlib"]["strategy"]["phase"] == "asp"      # the state as loaded meanwhile
+    training_forward(comm, model)
     assert ss.phase == "asp"
-    for i, st in saved[1]["state"].items():
-        for k, v in st.items():
-            assert torch.equal(torch.as_tensor(opt.state_dict()["state"][i][k]), torch.as_tensor(v)), (i, k)
-    resumed = train(model, ss, opt, range(4, 7))
+    assert_state_is(opt, saved[1])
+    resumed = train_in_turns(comm, model, ss, opt, range(4, 7))
     ss.close()
     np.testing.assert_array_equal(resumed, done)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("bsp", ["allreduce", "dear"])
+def test_horovods_resume_of_an_asp_checkpoint_trains_as_every_rank_loading_it(comm, bsp):
+    """Rank 0 saves in ASP, alone (Horovod's habit); a fresh job where rank 0 alone loads it, then
+    ``broadcast_parameters`` and ``broadcast_optimizer_state`` (Horovod's resume), trains on exactly
+    as one where every rank loads that file: the phase re-entered on every rank together (in the
+    broadcast), with rank 0's parameter store and optimizer state everywhere (over DeAR, the state
+    whole again after passing through the BSP start's pieces)."""
+    model, ss, opt = adamw_job(comm, bsp)
+    train_in_turns(comm, model, ss, opt, range(4))
+    assert ss.phase == "asp"
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict())) if comm.rank == 0 else None
+    saved = comm.allgather_object(saved)[0]       # the file, readable everywhere
+    ss.close()
+    runs = []
+    for horovod in (False, True):
+        model, ss, opt = adamw_job(comm, bsp)
+        if comm.rank == 0 or not horovod:
+            model.load_state_dict(saved[0])
+            opt.load_state_dict(copy.deepcopy(saved[1]))
+        if horovod:
+            broadcast_parameters(model.state_dict(), root_rank=0, comm=comm)
+            broadcast_optimizer_state(opt, root_rank=0, comm=comm)
+        else:
+            training_forward(comm, model)
+        assert ss.phase == "asp"
+        assert_state_is(opt, saved[1])
+        runs.append(train_in_turns(comm, model, ss, opt, range(4, 7)))
+        ss.close()
+    np.testing.assert_array_equal(runs[1], runs[0])
 
 
 @pytest.mark.mpi

@@ -36,7 +36,7 @@ def run_job(case: str, ranks: int, timeout: float, tmp_path, job: str = "broken.
     ("never_arrives", 2, 0.5), ("unwaited", 2, 1), ("stall_made_an_error", 3, 2.3), ("closed_early", 3, 60),
     ("state_on_rank0", 2, 60), ("state_on_rank0_at_the_end", 2, 60), ("state_on_rank0_with_syncbn", 2, 60),
     ("norm_on_rank0", 2, 60), ("values_on_rank0", 2, 60), ("call_while_ops_in_flight", 2, 60),
-    ("syncswitch_load_on_rank0", 2, 60),
+    ("syncswitch_load_on_rank0", 2, 60), ("syncswitch_load_on_rank0_unbroadcast", 2, 60),
 ])
 def test_broken_job_raises_everywhere_then_exits(case, ranks, timeout, tmp_path):
     proc, took, ok = run_job(case, ranks, timeout, tmp_path)

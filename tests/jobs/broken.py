@@ -295,10 +295,55 @@ def syncswitch_load_on_rank0() -> None:
     report_and_end()
 
 
+def syncswitch_load_on_rank0_unbroadcast() -> None:
+    """Through DistributedOptimizer, Horovod's resume of a Sync-Switch ASP checkpoint works (rank 0
+    loads, then broadcast_optimizer_state); with that broadcast forgotten, rank 0 re-enters the
+    phase alone at its next forward: every rank fails at once, naming the load and its mend."""
+    import torch
+
+    from commlib.bindings.torch import DistributedOptimizer, broadcast_parameters
+    from commlib.collectives import AllReduce, SchedulePolicy, SyncSwitch
+
+    c = fresh(timeout=60)
+
+    def job():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        ss = SyncSwitch(bsp=AllReduce(), policy=SchedulePolicy([(0, "bsp"), (1, "asp")]))
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, strategy=ss, comm=c)
+
+        def step() -> None:
+            opt.zero_grad()
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+        return model, ss, opt, step
+    model, ss, opt, step = job()
+    step()
+    step()
+    assert ss.phase == "asp"
+    saved = (model.state_dict(), opt.state_dict())
+    opt.close()
+    model, ss, opt, step = job()
+    if c.rank == 0:
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+    broadcast_parameters(model.state_dict(), root_rank=0, comm=c)
+    t0 = time.monotonic()
+    if c.rank == 0:
+        expect(commlib.CommAbortedError, step, "SyncSwitch.load_state_dict")
+    else:
+        expect(commlib.MismatchError, lambda: [step() for _ in range(3)],
+               "rank 0 is in SyncSwitch.load_state_dict, re-entering the checkpoint's phase: a collective "
+               "(every rank loads; or rank 0, then broadcast_optimizer_state) (after #")
+    assert time.monotonic() - t0 < 30, "must not wait for the timeout"
+    report_and_end()
+
+
 CASES = {f.__name__: f for f in (rejected, rejected_while_peers_are_late, deadlock, never_arrives,
                                   stall_made_an_error, only_rank0, unwaited, closed_early, state_on_rank0,
                                   state_on_rank0_with_syncbn, state_on_rank0_at_the_end, norm_on_rank0,
-                                  values_on_rank0, call_while_ops_in_flight, syncswitch_load_on_rank0)}
+                                  values_on_rank0, call_while_ops_in_flight, syncswitch_load_on_rank0,
+                                  syncswitch_load_on_rank0_unbroadcast)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]]()

@@ -17,11 +17,15 @@ update called as the contender needs):
 * ``selsync-local``: ``SelSync(delta=inf, warmup=0)``: local steps (the gate's
   norm and its one-element flag all-reduce each step; the model never travels);
 * ``syncswitch-asp``: ``SyncSwitch`` in ASP from the first step: each step
-  pushes its change into the parameter store and pulls it back.
+  pushes its change into the parameter store and pulls it back;
+* ``...-jit`` (``local``, ``average``, ``selsync-bsp``, ``selsync-local``,
+  ``syncswitch-asp``): the same, with the whole step (gradient, update, the
+  updates applied) one ``jax.jit`` call: ``DistributedOptimizer.update`` as
+  its ordered callbacks.
 
-Ratios: each contender's step over ``average``'s and over ``local``'s: ``selsync-bsp /
-average`` is what the gate adds to an all-reduce step, ``selsync-local / local`` what a
-local step of SelSync costs over a plain one.
+Ratios: each contender's step over ``average``'s and over ``local``'s (a jitted one's over
+``average-jit``'s and ``local-jit``'s): ``selsync-bsp / average`` is what the gate adds to an
+all-reduce step, ``selsync-local / local`` what a local step of SelSync costs over a plain one.
 
 Example:
     timeout 600 mpiexec -n 2 python -m benchmarks.jax_steps --json out.json
@@ -51,7 +55,8 @@ from commlib.bindings.jax import DistributedOptimizer, average_gradients  # noqa
 from commlib.collectives import AllReduce, SelSync, SyncSwitch  # noqa: E402
 from commlib.collectives.policies import SchedulePolicy  # noqa: E402
 
-CONTENDERS = ("local", "average", "raw", "dopt-allreduce", "selsync-bsp", "selsync-local", "syncswitch-asp")
+CONTENDERS = ("local", "average", "raw", "dopt-allreduce", "selsync-bsp", "selsync-local", "syncswitch-asp",
+              "local-jit", "average-jit", "selsync-bsp-jit", "selsync-local-jit", "syncswitch-asp-jit")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,12 +83,36 @@ def loss(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
+def make_tx(name: str, comm: commlib.Communicator, inner: Any) -> Any:
+    """The optax transformation of contender ``name`` (``average`` or a ``DistributedOptimizer``'s)."""
+    if name == "average":
+        return optax.chain(average_gradients(comm=comm, strategy=AllReduce()), inner)
+    strategy = {"dopt-allreduce": lambda: AllReduce(),
+                "selsync-bsp": lambda: SelSync(delta=0.0, mode="grads"),
+                "selsync-local": lambda: SelSync(delta=math.inf, warmup=0),
+                "syncswitch-asp": lambda: SyncSwitch(policy=SchedulePolicy("asp"))}[name]()
+    return DistributedOptimizer(inner, strategy=strategy, comm=comm)
+
+
 def make_step(name: str, comm: commlib.Communicator, params: dict,
               grad_fn: Callable) -> tuple[Callable[[Any], Any], Any]:
     """A function ``carry -> carry`` (carry: ``(params, state, x, y)``) taking one training step, and the
     optimizer state it starts from."""
     inner = optax.sgd(0.01, momentum=0.9)
     apply = jax.jit(optax.apply_updates)
+    if name.endswith("-jit"):
+        tx = inner if name == "local-jit" else make_tx(name[:-len("-jit")], comm, inner)
+
+        @jax.jit
+        def whole(p: Any, s: Any, x: Any, y: Any) -> Any:
+            u, s = tx.update(grad_fn(p, x, y), s, p)
+            return optax.apply_updates(p, u), s
+
+        def jitted(carry: Any) -> Any:
+            p, s, x, y = carry
+            p, s = whole(p, s, x, y)
+            return jax.block_until_ready(p), s, x, y
+        return jitted, tx.init(params)
     if name in ("local", "raw"):
         update = jax.jit(inner.update)
         mc = comm.mpi_comm
@@ -102,14 +131,7 @@ def make_step(name: str, comm: commlib.Communicator, params: dict,
             u, s = update(g, s, p)
             return jax.block_until_ready(apply(p, u)), s, x, y      # the others' steps end on the host
         return local, inner.init(params)
-    if name == "average":
-        tx = optax.chain(average_gradients(comm=comm, strategy=AllReduce()), inner)
-    else:
-        strategy = {"dopt-allreduce": lambda: AllReduce(),
-                    "selsync-bsp": lambda: SelSync(delta=0.0, mode="grads"),
-                    "selsync-local": lambda: SelSync(delta=math.inf, warmup=0),
-                    "syncswitch-asp": lambda: SyncSwitch(policy=SchedulePolicy("asp"))}[name]()
-        tx = DistributedOptimizer(inner, strategy=strategy, comm=comm)
+    tx = make_tx(name, comm, inner)
 
     def step(carry: Any) -> Any:
         p, s, x, y = carry
@@ -148,9 +170,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     doc = {"benchmark": "jax_steps", "ranks": comm.size, "args": vars(args), "parameters": int(numel),
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "environment": bc.environment(mc), "step_s": med, "rounds": times,
-           "over_average": {k: v / med["average"] for k, v in med.items()} if "average" in med else {},
-           "over_local": {k: v / med["local"] for k, v in med.items()} if "local" in med else {}}
+           "over_average": over(med, "average"), "over_local": over(med, "local")}
     return bc.publish(args, doc, report)
+
+
+def over(med: dict[str, float], base: str) -> dict[str, float]:
+    """Each contender's step over ``base``'s (a jitted one's over ``base-jit``'s)."""
+    out = {}
+    for k, v in med.items():
+        b = base + "-jit" if k.endswith("-jit") else base
+        if b in med:
+            out[k] = v / med[b]
+    return out
 
 
 def report(doc: dict[str, Any]) -> str:
@@ -162,6 +193,7 @@ def report(doc: dict[str, Any]) -> str:
         f"parameters, batch {a['batch']} per rank, SGD momentum; median of {a['rounds']} rounds of "
         f"{a['steps']} steps (slowest rank)",
         bc.markdown_table(["contender", "step ms", "/ average", "/ local"], rows),
+        "(a jitted contender's ratios: over average-jit and local-jit)",
     ])
 
 

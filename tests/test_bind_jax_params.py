@@ -10,6 +10,7 @@ optimizer states, and in ASP the parameter store's sum of the pushed changes.
 from __future__ import annotations
 
 import copy
+import functools
 
 import numpy as np
 import pytest
@@ -79,11 +80,25 @@ def simulate_selsync(kind: str, mode: str, sync_state: bool, syncs: list[bool], 
     return ps
 
 
-def train(comm, tx, params, state, steps: range, turns=lambda step: False) -> tuple:
-    """Steps of ``tx`` on this rank's slices; ``turns(step)``: ranks step one after another (ASP)."""
+@functools.cache
+def jitted_step(tx):
+    """The whole training step of ``tx`` (gradient, ``tx.update``, the updates applied) in one ``jax.jit``."""
+    @jax.jit
+    def step(params, state, x, y):
+        updates, state = tx.update(grad_fn(params, x, y), state, params)
+        return optax.apply_updates(params, updates), state
+    return step
+
+
+def train(comm, tx, params, state, steps: range, turns=lambda step: False, jit: bool = False) -> tuple:
+    """Steps of ``tx`` on this rank's slices; ``turns(step)``: ranks step one after another (ASP);
+    ``jit``: each step one jitted call (its callbacks done before the next rank's turn)."""
     for step in steps:
         for r in range(comm.size) if turns(step) else [comm.rank]:
-            if r == comm.rank:
+            if r == comm.rank and jit:
+                params, state = jitted_step(tx)(params, state, *local_batch(step, comm.rank, comm.size))
+                jax.block_until_ready((params, state))
+            elif r == comm.rank:
                 grads = grad_fn(params, *local_batch(step, comm.rank, comm.size))
                 updates, state = tx.update(grads, state, params)
                 params = optax.apply_updates(params, updates)
@@ -92,21 +107,23 @@ def train(comm, tx, params, state, steps: range, turns=lambda step: False) -> tu
     return params, state
 
 
-@pytest.mark.parametrize("kind,mode,sync_state,inner", [
-    ("sgd", "params", False, AllReduce), ("sgd", "params", True, AllReduce),
-    ("adamw", "grads", False, AllReduce), ("sgd", "grads", True, AllReduce),
-    ("sgd", "params", False, DeAR), ("adamw", "grads", False, DeAR)])
-def test_selsync_trains_as_the_ranks_simulated_with_its_decisions(comm, kind, mode, sync_state, inner):
+@pytest.mark.parametrize("kind,mode,sync_state,inner,jit", [
+    ("sgd", "params", False, AllReduce, False), ("sgd", "params", True, AllReduce, False),
+    ("adamw", "grads", False, AllReduce, False), ("sgd", "grads", True, AllReduce, False),
+    ("sgd", "params", False, DeAR, False), ("adamw", "grads", False, DeAR, False),
+    ("sgd", "params", True, AllReduce, True), ("adamw", "grads", False, AllReduce, True),
+    ("sgd", "grads", True, DeAR, True)])
+def test_selsync_trains_as_the_ranks_simulated_with_its_decisions(comm, kind, mode, sync_state, inner, jit):
     """Local steps and synchronized ones, as the gate decided them: every rank's parameters equal the
     simulation's for that rank; replicas are equal after a synchronized step and apart after a local one.
-    Over DeAR the averages travel as reduce-scatter + all-gather."""
+    Over DeAR the averages travel as reduce-scatter + all-gather; ``jit``: the whole step jitted."""
     gate = SelSync(inner(cap_mb=200 / 2**20), delta=0.5, window=2, warmup=2, mode=mode,
                    sync_optimizer_state=sync_state)
     tx = DistributedOptimizer(optimizer(kind), strategy=gate, comm=comm)
     params = init_params(0)
     state = tx.init(params)
     for step in range(STEPS):
-        params, state = train(comm, tx, params, state, range(step, step + 1))
+        params, state = train(comm, tx, params, state, range(step, step + 1), jit=jit)
         table = replicas(comm, params)
         if gate.trace[-1][4]:
             np.testing.assert_allclose(table, table[[0] * comm.size], rtol=1e-6, atol=1e-7)
@@ -141,6 +158,33 @@ def test_selsync_at_delta_zero_is_one_process(comm):
     close(params, one, "one process on the concatenated batch")
 
 
+def test_jitted_steps_never_meet_the_callers_collectives(comm):
+    """Jitted steps dispatched back to back, with an all-reduce of the caller's on ``comm`` right after
+    each, not waiting for the step: where dispatch is asynchronous (GPUs; on the CPU a step with
+    callbacks returns when they are done) its callbacks run on XLA's thread meanwhile, so the
+    strategy's collectives run on the optimizer's own communicator.  Both come out right; the steps,
+    their decisions and the state after them are the eager run's."""
+    runs = []
+    for jit in (False, True):
+        gate = SelSync(delta=0.5, window=2, warmup=2, mode="params")
+        tx = DistributedOptimizer(optimizer("sgd"), strategy=gate, comm=comm)
+        params = init_params(0)
+        state = tx.init(params)
+        for step in range(STEPS):
+            if jit:
+                params, state = jitted_step(tx)(params, state, *local_batch(step, comm.rank, comm.size))
+            else:
+                params, state = train(comm, tx, params, state, range(step, step + 1))
+            total = comm.allreduce(np.full(3, comm.rank + step, np.float64))
+            np.testing.assert_array_equal(total, comm.size * step + comm.size * (comm.size - 1) / 2)
+        assert gate.comm is not comm and gate.comm.size == comm.size      # a split of it
+        strategy_state = tx.state_dict()          # after the last step's callbacks
+        assert strategy_state["steps"] == STEPS
+        runs.append((flat(params), [t[4] for t in gate.trace]))
+    np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-6, atol=1e-7)
+    assert runs[1][1] == runs[0][1]
+
+
 # ---------------------------------------------------------------------- Sync-Switch
 def simulate_syncswitch(size: int, lr_scale: float) -> list:
     """BSP, then ASP (ranks in turns, the last ASP step all at once), then BSP again."""
@@ -171,14 +215,15 @@ def simulate_syncswitch(size: int, lr_scale: float) -> list:
     return ps
 
 
-def test_syncswitch_through_asp_and_back_is_the_simulated_store(comm):
+@pytest.mark.parametrize("jit", [False, True])
+def test_syncswitch_through_asp_and_back_is_the_simulated_store(comm, jit):
     """BSP (averaged gradients), ASP at half the learning rate (each rank's change pushed into the
     store, the store pulled), BSP again (replicas and momentum averaged): as simulated."""
     ss = SyncSwitch(AllReduce(cap_mb=200 / 2**20), policy=SchedulePolicy(SWITCHES, lr_scale=0.5))
     tx = DistributedOptimizer(optimizer("sgd"), strategy=ss, comm=comm)
     params = init_params(0)
     params, state = train(comm, tx, params, tx.init(params), range(STEPS),
-                          turns=lambda step: SWITCHES[1][0] <= step < LAST_ASP)
+                          turns=lambda step: SWITCHES[1][0] <= step < LAST_ASP, jit=jit)
     assert [(s["from"], s["to"], s["step"]) for s in ss.switches] == [("bsp", "asp", 2), ("asp", "bsp", 5)]
     close(params, simulate_syncswitch(comm.size, 0.5)[comm.rank], f"rank {comm.rank}")
     table = replicas(comm, params)
@@ -207,11 +252,13 @@ def test_close_in_asp_returns_every_rank_to_the_store(comm):
 
 
 # ---------------------------------------------------------------------- checkpoints
-@pytest.mark.parametrize("name", ["selsync-params", "selsync-grads", "syncswitch"])
-def test_each_rank_resumes_its_own_checkpoint_as_the_run_continued(comm, name):
+@pytest.mark.parametrize("name,jit", [("selsync-params", False), ("selsync-grads", False),
+                                      ("syncswitch", False), ("selsync-grads", True), ("syncswitch", True)])
+def test_each_rank_resumes_its_own_checkpoint_as_the_run_continued(comm, name, jit):
     """Each rank saves its parameters, optimizer state and strategy state after step 4 (SelSync
     flushed; Sync-Switch in ASP, replicas apart, the store saved with its state); a fresh job loading
-    them trains on as the uninterrupted run does."""
+    them trains on as the uninterrupted run does (``jit``: the steps jitted, the checkpoint taken
+    between them)."""
     def make():
         if name == "syncswitch":
             s = SyncSwitch(AllReduce(), policy=SchedulePolicy(SWITCHES, lr_scale=0.5))
@@ -222,17 +269,17 @@ def test_each_rank_resumes_its_own_checkpoint_as_the_run_continued(comm, name):
     turns = (lambda step: SWITCHES[1][0] <= step < LAST_ASP) if name == "syncswitch" else (lambda step: False)
     tx = make()
     params = init_params(0)
-    params, state = train(comm, tx, params, tx.init(params), range(4), turns)
+    params, state = train(comm, tx, params, tx.init(params), range(4), turns, jit)
     if name != "syncswitch":
         params = tx.flush(params)
     saved = copy.deepcopy((params, state, tx.state_dict()))
-    done, _ = train(comm, tx, params, state, range(4, STEPS), turns)
+    done, _ = train(comm, tx, params, state, range(4, STEPS), turns, jit)
 
     again = make()
     params, state, strategy_state = saved
     again.init(params, same_start=False)
     again.load_state_dict(strategy_state, params)
-    resumed, _ = train(comm, again, params, state, range(4, STEPS), turns)
+    resumed, _ = train(comm, again, params, state, range(4, STEPS), turns, jit)
     if name == "syncswitch":       # the last ASP step's pushes meet in the store in arrival order
         np.testing.assert_allclose(flat(resumed), flat(done), rtol=1e-6, atol=1e-7)
     else:
@@ -277,10 +324,10 @@ def test_bad_calls_raise_on_every_rank(comm):
         tx.update(grads, state)
     with pytest.raises(ValidationError, match="structure or shapes"):
         tx.update(grads["hidden"], state, params)
-    with pytest.raises(TypeError, match="outside jax.jit"):
-        jax.jit(tx.update)(grads, state, params)
     with pytest.raises(TypeError, match="DistributedOptimizer.flush runs eagerly"):
         jax.jit(tx.flush)(params)
+    with pytest.raises(TypeError, match="DistributedOptimizer.close runs eagerly"):
+        jax.jit(lambda p: tx.close(p, state))(params)
     params, state = train(comm, tx, params, state, range(3))      # nothing was left half done
     plain = DistributedOptimizer(optax.sgd(0.1), strategy=AllReduce(), comm=comm)
     averaged, _ = plain.update(grads, plain.init(init_params(0)))   # gradients only: params optional

@@ -72,18 +72,27 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import commlib
 from commlib.arrays import INEXACT_DTYPES, is_tracer, numpy_dtype
 from commlib.collectives import AllReduce, Strategy, checked_strategy
 from commlib.collectives.buckets import MiB
+from commlib.collectives.significance import l2_norm
 from commlib.errors import MismatchError, ValidationError
 from commlib.ops import agree
 
 from .jax_fusion import Plan, agree_plan, make_plan
 
 __all__ = ["DistributedOptimizer"]
+
+
+def _l2_norm(leaves: Sequence[Any]) -> Any:
+    """The 2-norm of a traced gradient's leaves (what :func:`collectives.significance.l2_norm` gives on
+    the host), accumulated in float32 at least."""
+    squares = [jnp.square(jnp.abs(g).astype(jnp.promote_types(g.dtype, jnp.float32))) for g in leaves]
+    return jnp.sqrt(sum(jnp.sum(x) for x in squares))
 
 
 class DistributedOptimizer:
@@ -192,23 +201,17 @@ class DistributedOptimizer:
         if any(is_tracer(x) for x in (*gleaves, *pleaves)):
             return self._traced(gleaves, state, pleaves, params)
         jax.effects_barrier()                     # a jitted step's callbacks have run
-        packed = s.step_reads_parameters()        # known before the step: Sync-Switch's
+        packed, reads = self._host_begin([l2_norm(gleaves)] if s.measures_gradients else [])
         if packed:
             self._take(pleaves)
-        for b in range(len(plan.buckets)):
-            plan.pack(b, gleaves)
-            s.bucket_ready(b)
-        s.before_update()
-        if not s.gradients_are_local():           # averaged: this rank's own are what it gave
+        after, scale, average, averaged = self._host_before(gleaves if reads else [])
+        if averaged:                              # else this rank's own are what it gave
             updates = jax.tree_util.tree_unflatten(plan.treedef, plan.to_jax(plan.unpack()))
         local, state = self._inner_update(updates, state, params)
-        scale = float(s.lr_scale)
-        if not (packed or s.step_reads_parameters()):     # the update alone makes the step (a local one)
-            s.after_update()
-            s.complete()
+        if not after:                             # the update alone makes the step (a local one)
             if scale != 1.0:
                 local = jax.tree_util.tree_map(lambda u: u * np.asarray(scale, u.dtype), local)
-            return local, self._state_after_step(state)
+            return local, self._averaged(state) if average else state
         if not packed:
             self._take(pleaves)
         moved = self._apply(self._leaves(local, "inner's updates", "update"), pleaves)
@@ -234,10 +237,12 @@ class DistributedOptimizer:
 
     # ------------------------------------------------------------------ inside jax.jit
     def _traced(self, gleaves: list[Any], state: Any, pleaves: list[Any], params: Any) -> tuple[Any, Any]:
-        """:meth:`update` inside ``jax.jit``: the host's part as ordered callbacks around the traced inner
-        update, each array crossing to the host only on the steps that need it there (a crossing
-        costs a copy: about 3 ms for 7.4 MB): the parameters on the steps that read them, the
-        averaged gradients back on the steps that averaged them."""
+        """:meth:`update` inside ``jax.jit``: its host part (:meth:`_host_begin`, :meth:`_host_before`,
+        :meth:`_host_after`) as ordered callbacks around the traced inner update, each array crossing
+        to the host only on the steps that read it there (a crossing is a copy: about 3 ms for 7.4 MB
+        here): the parameters where the strategy reads them, the gradients where it reads them (not
+        SelSync's local steps, whose 2-norm is measured here, nor Sync-Switch's asynchronous ones),
+        the averaged gradients back where they were averaged."""
         from jax.experimental import io_callback
 
         plan, flag = self._plan, jax.ShapeDtypeStruct((), np.int32)
@@ -253,9 +258,12 @@ class DistributedOptimizer:
         def skip() -> Any:
             return np.int32(0)
 
-        packed = call(self._host_reads, flag)
+        norm = [_l2_norm(gleaves)] if self.strategy.measures_gradients else []
+        packed, reads = call(self._host_begin, [flag, flag], norm)
         jax.lax.cond(packed > 0, take, skip)
-        after, scale, average, averaged = call(self._host_before, [flag, scalar, flag, flag], gleaves)
+        out, before = [flag, scalar, flag, flag], self._host_before
+        after, scale, average, averaged = jax.lax.cond(
+            reads > 0, lambda: call(before, out, gleaves), lambda: call(before, out, []))
 
         def averages() -> list[Any]:
             return [a.astype(g.dtype) for a, g in zip(call(plan.unpack, like), gleaves)]
@@ -276,30 +284,37 @@ class DistributedOptimizer:
         state = jax.lax.cond(average > 0, self._averaged, lambda st: st, state)
         return jax.tree_util.tree_unflatten(plan.treedef, moved), state
 
-    def _host_reads(self) -> np.int32:
-        """Whether this step reads the parameters before its update (Sync-Switch's)."""
-        return np.int32(self.strategy.step_reads_parameters())
+    def _host_begin(self, norm: Sequence[Any]) -> list[np.int32]:
+        """A step begins: where the strategy measures the gradients, their 2-norm handed over (``norm``:
+        ``[norm]``; SelSync's gate decides on it).  Returns whether the step reads the parameters
+        before the update and whether it reads the gradients' values."""
+        s = self.strategy
+        packed = s.step_reads_parameters()
+        if norm:
+            s.observe_norm(float(np.asarray(norm[0])))
+        return [np.int32(packed), np.int32(s.step_reads_gradients())]
 
     def _host_take(self, pleaves: list[np.ndarray]) -> np.int32:
         self._take(pleaves)
         return np.int32(0)
 
-    def _host_before(self, gleaves: list[np.ndarray]) -> list[Any]:
-        """The gradients packed, ``bucket_ready``, ``before_update()``; returns whether the step reads the
-        parameters after the update (else ``after_update()`` is done here), ``lr_scale``, whether the
-        optimizer state is averaged (on a step without the parameters) and whether the gradients were."""
+    def _host_before(self, gleaves: Sequence[Any]) -> list[Any]:
+        """The gradients packed (where given), ``bucket_ready``, ``before_update()``; returns whether
+        the step reads the parameters after the update (else ``after_update()`` is done here),
+        ``lr_scale``, whether the optimizer state is averaged (on a step without the parameters)
+        and whether the gradients were averaged."""
         plan, s = self._plan, self.strategy
-        packed = s.step_reads_parameters()
         for b in range(len(plan.buckets)):
-            plan.pack(b, gleaves)
+            if gleaves:
+                plan.pack(b, gleaves)
             s.bucket_ready(b)
         s.before_update()
-        after = packed or s.step_reads_parameters()
-        scale = np.asarray(s.lr_scale, jax.dtypes.canonicalize_dtype(np.float64))
+        after = s.step_reads_parameters()
         if not after:
             s.after_update()
             s.complete()
         average = not after and self._wants_state_average()
+        scale = np.asarray(s.lr_scale, jax.dtypes.canonicalize_dtype(np.float64))
         return [np.int32(after), scale, np.int32(average), np.int32(not s.gradients_are_local())]
 
     def _host_after(self, uleaves: list[np.ndarray]) -> list[Any]:

@@ -135,6 +135,7 @@ class SelSync(Strategy):
     name = "selsync"
     sharded = False
     updates_parameters = True      # averages the replicas after local steps, in both modes
+    measures_gradients = True      # decides on the local gradient's 2-norm (observe_norm)
 
     def __init__(self, inner: Strategy | None = None, delta: float = 0.3, window: int = 25,
                  mode: str = "params", sync_optimizer_state: bool = False, warmup: int | None = None,
@@ -316,7 +317,26 @@ class SelSync(Strategy):
         if self._want is not None:
             raise RuntimeError("observe() called twice in one step; finish the step with end_step()")
         t0 = time.perf_counter()
-        norm = l2_norm(self.grads if grads is None else grads)
+        return self._measured(l2_norm(self.grads if grads is None else grads), t0)
+
+    def observe_norm(self, norm: float) -> None:
+        """This step's local gradient 2-norm, measured by the binding where the gradient lives (JAX's,
+        inside ``jax.jit``), before ``bucket_ready``: :meth:`observe` on it, then :meth:`decide` (the
+        flag all-reduce), so that :meth:`step_reads_gradients` tells whether the buckets are needed.
+
+        Example:
+            >>> gate.observe_norm(float(jnp.sqrt(sum(jnp.vdot(g, g) for g in leaves))))
+        """
+        if self._want is not None:
+            raise RuntimeError("observe_norm() called twice in one step; finish the step with end_step()")
+        self._measured(float(norm), time.perf_counter())
+        self.decide()
+
+    def step_reads_gradients(self) -> bool:
+        """Undecided: True; decided (:meth:`observe_norm`): only a synchronized step in grads mode."""
+        return self._decided is None or (self._decided and self.mode == "grads")
+
+    def _measured(self, norm: float, t0: float) -> float:
         significance = self.meter.update(norm) if math.isfinite(norm) else math.inf
         self.stats["observe_s"] += time.perf_counter() - t0
         self._want = not significance < self.delta       # NaN or inf: sync

@@ -42,6 +42,12 @@ answers for a strategy that needs nothing from the optimizer):
   (``updates_parameters``; SelSync only on the steps whose parameters it
   averages), so that a binding whose parameters live outside the buckets
   (JAX's) packs them only then;
+- ``measures_gradients`` / ``observe_norm(norm)`` / ``step_reads_gradients()``:
+  a strategy that first decides on the local gradient's 2-norm (SelSync) takes
+  it from the binding before ``bucket_ready``, and says whether the step then
+  reads the gradients' values at all (not SelSync's local steps, nor
+  Sync-Switch's asynchronous ones), so that a binding that copies them into
+  the buckets (JAX's) does so only then;
 - ``tuner``: the cap search the binding feeds step times (``tune=True``);
 - ``reopens``: the reduction is linear in the gradient (False; AllReduce,
   DeAR, and Sync-Switch over either), so that a backward pass after ``before_update()`` and before the
@@ -131,6 +137,9 @@ class Strategy:
     #: at some step the strategy may ask for a momentum change (``momentum_scale`` other than 1, or a
     #: reset at a switch): a binding that cannot change its optimizer's momentum refuses the strategy
     changes_momentum = False
+    #: ``before_update()`` first measures the local gradient by its 2-norm alone (SelSync's gate): a
+    #: binding may measure it where the gradient lives and hand it over (:meth:`observe_norm`)
+    measures_gradients = False
 
     @property
     def needs_shard_grads(self) -> bool:
@@ -272,6 +281,20 @@ class Strategy:
         """After :meth:`before_update`: whether :meth:`after_update` reads or writes ``params`` on
         this step (a strategy that updates parameters: at every step unless it says otherwise)."""
         return self.updates_parameters
+
+    def step_reads_gradients(self) -> bool:
+        """Before this step's :meth:`bucket_ready`: whether the step reads the gradients' values from
+        the buckets (False: Sync-Switch's asynchronous steps, where only the update uses them; a
+        SelSync step that :meth:`observe_norm` decided is local, or synchronizes in params mode).  A
+        binding that copies the gradients into the buckets may skip the copy where False."""
+        return True
+
+    def observe_norm(self, norm: float) -> None:
+        """Where :attr:`measures_gradients`: this step's local gradient 2-norm, measured by the binding
+        where the gradient lives, before :meth:`bucket_ready`; the strategy decides on it (SelSync:
+        the ranks agree whether the step synchronizes, a collective), so that
+        :meth:`step_reads_gradients` can tell whether the buckets are needed."""
+        raise NotImplementedError(f"{self.name} does not measure the gradients (measures_gradients is False)")
 
     def load_is_collective(self, state: dict[str, Any]) -> bool:
         """Whether :meth:`load_state_dict` of ``state`` communicates now, so that every rank must call

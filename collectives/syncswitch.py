@@ -378,6 +378,10 @@ class SyncSwitch(Strategy):
     def gradients_are_local(self) -> bool:
         return self.phase != "bsp" or self.bsp.gradients_are_local()
 
+    def step_reads_gradients(self) -> bool:
+        """Only BSP steps read the gradient buckets (asynchronous ones push the update's change)."""
+        return self.phase == "bsp"
+
     def close_stores(self) -> None:
         for store in self.stores:
             store.close()

@@ -67,9 +67,12 @@ class Model:
 
 
 def _train(comm, gate: SelSync, X, y, steps: int, votes=None, check_identical: bool = False,
-           data_rank: int | None = None, momentum: float = 0.0):
+           data_rank: int | None = None, momentum: float = 0.0, norm_first: bool = False):
     """Run ``steps`` steps; return per-step (synced, collectives made, w after the step).
-    ``momentum``: SGD with momentum, its buffers registered with the gate."""
+    ``momentum``: SGD with momentum, its buffers registered with the gate.  ``norm_first``: as the
+    JAX binding drives it, the gradient's norm handed over first (``observe_norm``), the buckets
+    filled only where ``step_reads_gradients()`` says (else NaN, which a read would spread), the
+    local update reading the gradient where it lives."""
     rank = comm.rank if data_rank is None else data_rank
     m = Model(comm.size, np.zeros(sum(DIM)))
     velocity = [np.zeros_like(p) for p in m.params]
@@ -82,13 +85,19 @@ def _train(comm, gate: SelSync, X, y, steps: int, votes=None, check_identical: b
             gate.before_forward(b)
         rows = slice(rank * BATCH, (rank + 1) * BATCH)
         seq0 = comm.seq
-        m.set_grad(_grad(m.w(), X[s, rows], y[s, rows]))
+        g = _grad(m.w(), X[s, rows], y[s, rows])
+        if norm_first:
+            gate.observe_norm(float(np.linalg.norm(g)))
+        reads = not norm_first or gate.step_reads_gradients()
+        m.set_grad(g if reads else np.full_like(g, np.nan))
         for b in range(len(m.buckets)):
             gate.bucket_ready(b)
         if votes is not None:
             gate.observe()
             gate.decide(want=bool(votes[s]))
         gate.before_update()
+        if not reads:               # the update reads the local gradient where it lives
+            m.set_grad(g)
         for p, g, v in zip(m.params, m.grads, velocity):
             v *= momentum
             v += g
@@ -207,6 +216,30 @@ def test_metric_drives_sync_and_replicas_match(comm, mode):
         assert synced == (s < 4 or bool(want[s])), s
     assert [t[4] for t in gate.trace] == [o[0] for o in out]
     assert np.isfinite(sig).all() and sig[0] == 0.0
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("mode", ["grads", "params"])
+def test_a_norm_handed_over_first_decides_as_the_buckets_do(comm, mode):
+    """``observe_norm`` before ``bucket_ready`` (the JAX binding's order): the same decisions and
+    parameters as the gate measuring its buckets; the buckets are read only where
+    ``step_reads_gradients()`` says (a synchronized step in grads mode), never on local steps."""
+    steps = 30
+    X, y = _problem(steps, comm.size, seed=5, noise=3.0)
+    runs = []
+    for norm_first in (False, True):
+        gate = SelSync(delta=0.3, window=4, mode=mode)
+        out, _ = _train(comm, gate, X, y, steps, check_identical=True, norm_first=norm_first)
+        runs.append(out)
+        assert [t[4] for t in gate.trace] == [o[0] for o in out]
+    assert [o[0] for o in runs[1]] == [o[0] for o in runs[0]]
+    assert True in [o[0] for o in runs[0][4:]] and False in [o[0] for o in runs[0]]
+    for (_, calls_a, wa), (_, calls_b, wb) in zip(*runs):
+        np.testing.assert_allclose(wb, wa, rtol=1e-12, atol=1e-14)
+        assert calls_b == calls_a
+    gate = SelSync(delta=0.3, window=4, mode=mode)
+    with pytest.raises(RuntimeError, match="before setup"):
+        gate.observe_norm(1.0)
 
 
 @pytest.mark.mpi(min_size=1)

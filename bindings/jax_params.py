@@ -7,15 +7,19 @@ asynchronous phases push parameter changes and pull the parameter store, so
 they need the parameters before and after the local update.
 :class:`DistributedOptimizer` is an optax transformation (``init`` /
 ``update``) that wraps the whole optimizer and drives the strategy's
-lifecycle around it, eagerly, once per step:
+lifecycle around it, once per step:
 
-1. the gradients are packed into fused host buckets (the plan
-   :func:`~bindings.jax.average_gradients` uses), and the parameters too on
-   the steps whose parameters the strategy reads (``step_reads_parameters()``:
-   every Sync-Switch step, SelSync's averaging steps; on the others, local
-   steps among them, the inner updates come back as they are);
-2. ``bucket_ready`` for every bucket, then ``before_update()`` (SelSync
-   measures the gradient and the ranks agree whether to synchronize; in
+1. a strategy that decides on the local gradient's 2-norm
+   (``measures_gradients``: SelSync's gate) is handed it first
+   (``observe_norm``: the ranks agree whether to synchronize); the gradients
+   are packed into fused host buckets (the plan
+   :func:`~bindings.jax.average_gradients` uses) where the step reads them
+   (``step_reads_gradients()``: not SelSync's local steps, nor Sync-Switch's
+   asynchronous ones), and the parameters too on the steps whose parameters
+   the strategy reads (``step_reads_parameters()``: every Sync-Switch step,
+   SelSync's averaging steps; on the others, local steps among them, the
+   inner updates come back as they are);
+2. ``bucket_ready`` for every bucket, then ``before_update()`` (in SelSync's
    grads mode, or in Sync-Switch's BSP, the gradients are averaged);
 3. ``inner.update`` runs on the (averaged or local) gradients, its updates
    times the strategy's ``lr_scale`` (Sync-Switch's asynchronous phases: for
@@ -43,13 +47,13 @@ Example (under ``mpiexec -n 4``):
     >>> params = tx.flush(params)                              # replicas averaged: evaluate, save
     >>> params, state = tx.close(params, state)                # end of training
 
-Inside ``jax.jit`` (the whole training step jitted) the same lifecycle runs in
-two ordered ``io_callback`` calls around the traced ``inner.update``: the first
-packs and hands the strategy the gradients and returns the ones the update
-reads, with whether the step reads the parameters; only then (``lax.cond``)
-does the second run, with the inner updates and the parameters, and return
-the updates that take the parameters to the buckets' result; where the
-strategy asks, the optimizer state is averaged in a third.  The strategy's
+Inside ``jax.jit`` (the whole training step jitted) the same lifecycle runs as
+ordered ``io_callback`` calls around the traced ``inner.update``, each array
+crossing to the host (a copy) only under a ``lax.cond`` on what the step
+reads: the 2-norm computed in the traced code, the gradients, the parameters,
+the averaged gradients back, the inner updates and the parameters' new values
+(their difference to the parameters taken in the traced code), the optimizer
+state averaged where the strategy asks.  The strategy's
 collectives run over a communicator of the optimizer's own (``comm.split(0)``,
 made by ``init``), so that a call you make on ``comm`` right after a jitted step
 never interleaves with them on XLA's callback thread; the other methods wait

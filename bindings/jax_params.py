@@ -177,6 +177,7 @@ class DistributedOptimizer:
         self._plan = None
         if self._comm is None:      # every rank: the strategy's collectives never meet the caller's
             self._comm = self.comm.split(0)
+            self.comm.close_with(self._comm)        # at the latest with comm (its windows freed first)
         s, comm = self.strategy, self._comm
         plan = make_plan(params, leaves, treedef, INEXACT_DTYPES, comm.size, s.cap_bytes, s.first_cap_bytes)
         agree_plan(comm, plan, "DistributedOptimizer")
@@ -357,6 +358,8 @@ class DistributedOptimizer:
         self._closed = True
         if self._average_state:
             state, self._average_state = self._averaged(state), False
+        self._comm.close()          # the strategy's communicator (a later init makes another)
+        self._comm = self._state_sync = None
         return self._result(), state
 
     def state_dict(self) -> dict[str, Any]:

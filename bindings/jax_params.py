@@ -285,7 +285,10 @@ class DistributedOptimizer:
         def local_only() -> tuple[list[Any], Any]:
             return [u * scale.astype(u.dtype) for u in uleaves], average
 
-        moved, average = jax.lax.cond(after > 0, with_parameters, local_only)
+        if pleaves:
+            moved, average = jax.lax.cond(after > 0, with_parameters, local_only)
+        else:           # no parameters given: a strategy that never reads them (AllReduce, sparse)
+            moved, average = local_only()
         state = jax.lax.cond(average > 0, self._averaged, lambda st: st, state)
         return jax.tree_util.tree_unflatten(plan.treedef, moved), state
 

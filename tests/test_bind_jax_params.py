@@ -330,7 +330,10 @@ def test_bad_calls_raise_on_every_rank(comm):
         jax.jit(lambda p: tx.close(p, state))(params)
     params, state = train(comm, tx, params, state, range(3))      # nothing was left half done
     plain = DistributedOptimizer(optax.sgd(0.1), strategy=AllReduce(), comm=comm)
-    averaged, _ = plain.update(grads, plain.init(init_params(0)))   # gradients only: params optional
+    plain_state = plain.init(init_params(0))
+    averaged, _ = plain.update(grads, plain_state)   # gradients only: params optional
     np.testing.assert_allclose(flat(averaged), -0.1 * np.mean(comm.allgather(flat(grads)), axis=0), rtol=1e-5)
+    jitted, _ = jax.jit(lambda g, st: plain.update(g, st))(grads, plain_state)     # inside jit too
+    np.testing.assert_array_equal(flat(jitted), flat(averaged))
     table = replicas(comm, params)
     np.testing.assert_allclose(table, table[[0] * comm.size], rtol=1e-6, atol=1e-7)

@@ -71,6 +71,14 @@ def _cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+    except OSError:
+        return f"{pid} (gone)"
+
+
 def _alive(token: str) -> list[int]:
     """Pids whose command line carries ``token``."""
     pids = []
@@ -161,10 +169,13 @@ def test_sigterm_to_the_launcher_tears_down():
          "--no-selfcheck", "--", sys.executable, "-c", f"import time; time.sleep(600)  # {token}"],
         cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while len(_alive(token)) < 4 and time.monotonic() < deadline:  # launcher, mpiexec, 2 ranks
-            time.sleep(0.1)
-        assert len(_alive(token)) >= 4
+        deadline = time.monotonic() + 60      # the namespaces and links first: slow on a loaded machine
+        while len(_alive(token)) < 4 and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.1)                     # launcher, mpiexec, 2 ranks
+        seen = _alive(token)
+        state = "alive" if launcher.poll() is None else f"exited {launcher.returncode}"
+        assert len(seen) >= 4, (f"{len(seen)} of the 4 processes within 60 s (launcher {state}): "
+                                + " | ".join(_cmdline(pid) for pid in seen))
         launcher.send_signal(signal.SIGTERM)
         _, err = launcher.communicate(timeout=30)
     finally:

@@ -160,6 +160,7 @@ class DistributedOptimizer:
         self._average_state = False              # a switch back to BSP asked for it
         self._closed = False
         self._comm: commlib.Communicator | None = None     # the strategy's: a split of comm (init)
+        self._averages: list[np.ndarray] | None = None      # this step's averaged gradients, unpacked
         strategy.on_switch(self._on_switch)
 
     # ------------------------------------------------------------------ optax's pair
@@ -211,7 +212,7 @@ class DistributedOptimizer:
             self._take(pleaves)
         after, scale, average, averaged = self._host_before(gleaves if reads else [])
         if averaged:                              # else this rank's own are what it gave
-            updates = jax.tree_util.tree_unflatten(plan.treedef, plan.to_jax(plan.unpack()))
+            updates = jax.tree_util.tree_unflatten(plan.treedef, plan.to_jax(self._host_averages()))
         local, state = self._inner_update(updates, state, params)
         if not after:                             # the update alone makes the step (a local one)
             if scale != 1.0:
@@ -271,7 +272,7 @@ class DistributedOptimizer:
             reads > 0, lambda: call(before, out, gleaves), lambda: call(before, out, []))
 
         def averages() -> list[Any]:
-            return [a.astype(g.dtype) for a, g in zip(call(plan.unpack, like), gleaves)]
+            return [a.astype(g.dtype) for a, g in zip(call(self._host_averages, like), gleaves)]
 
         grads = jax.lax.cond(averaged > 0, averages, lambda: gleaves)
         local, state = self.inner.update(jax.tree_util.tree_unflatten(plan.treedef, grads), state, params)
@@ -317,13 +318,20 @@ class DistributedOptimizer:
                 plan.pack(b, gleaves)
             s.bucket_ready(b)
         s.before_update()
+        averaged = not s.gradients_are_local()
+        self._averages = plan.unpack() if averaged else None     # read before after_update()
         after = s.step_reads_parameters()
         if not after:
             s.after_update()
             s.complete()
         average = not after and self._wants_state_average()
         scale = np.asarray(s.lr_scale, jax.dtypes.canonicalize_dtype(np.float64))
-        return [np.int32(after), scale, np.int32(average), np.int32(not s.gradients_are_local())]
+        return [np.int32(after), scale, np.int32(average), np.int32(averaged)]
+
+    def _host_averages(self) -> list[np.ndarray]:
+        """The averaged gradients :meth:`_host_before` read (once)."""
+        averages, self._averages = self._averages, None
+        return averages
 
     def _host_after(self, uleaves: list[np.ndarray]) -> list[Any]:
         """:meth:`_apply` (the parameters taken before); returns the parameters' new values and whether

@@ -57,10 +57,10 @@ What a binding calls (the usual lifecycle; nothing extra is required):
    calls it), ``bucket_ready(b)`` from backward (recorded; launched on sync
    steps only);
 3. the optimizer step: ``before_update()`` (observes the local gradient norm
-   from ``grads``, runs the consensus, and in grads mode on a sync step
-   averages the gradients), then the optimizer's update on the full
-   ``params``, then ``after_update()`` (in params mode on a sync step:
-   launches the parameter averaging);
+   from ``grads``, or takes the one handed over by ``observe_norm``, runs the
+   consensus, and in grads mode on a sync step averages the gradients), then
+   the optimizer's update on the full ``params``, then ``after_update()`` (in
+   params mode on a sync step: launches the parameter averaging);
 4. optimizer state in params mode (``sync_optimizer_state=True``): either
    register flat buffers once with :meth:`register_state_buffers` (averaged
    together with the parameters), or, after ``after_update()``, check
@@ -70,16 +70,12 @@ What a binding calls (the usual lifecycle; nothing extra is required):
    averaging and, with ``average_on_flush=True`` (default), averages the
    parameters if replicas drifted, so that every rank holds the same model.
 
-Without a strategy lifecycle (a JAX loop, a benchmark driving flat
-vectors): ``significance = gate.observe(grads)``, ``sync = gate.decide()``,
-then either average yourself or call :meth:`average_params`; finish the
-step with :meth:`end_step`.
-
-Statistics (``gate.stats``): ``syncs``, ``local_steps``, ``lssr`` (local
-steps / all steps), ``bytes`` sent, ``bytes_saved`` (local steps times the
-bytes of a sync), ``consensus_s`` / ``consensus_calls`` (the flag's cost),
-``observe_s`` (the norm's cost); ``gate.trace``: per step ``(step, norm,
-ewma, significance, synced)``, the last ``trace_len`` steps.
+Without a strategy lifecycle (a benchmark driving flat vectors): ``gate.observe(grads)``,
+``gate.decide()``, then average yourself or call :meth:`average_params`; :meth:`end_step`.
+Statistics (``gate.stats``): ``syncs``, ``local_steps``, ``lssr`` (local steps / all steps),
+``bytes`` sent, ``bytes_saved`` (local steps times the bytes of a sync), ``consensus_s`` /
+``consensus_calls`` (the flag's cost), ``observe_s`` (the norm's cost); ``gate.trace``: per
+step ``(step, norm, ewma, significance, synced)``, the last ``trace_len`` steps.
 """
 
 from __future__ import annotations
@@ -421,9 +417,7 @@ class SelSync(Strategy):
 
     def _dense_bytes(self, buffers: Sequence[Any]) -> float:
         n = self.comm.size if self.comm is not None else 1
-        total = 0.0
-        for buf in buffers:
-            total += as_view(buf, "selsync: buffer").nbytes
+        total = sum(as_view(buf, "selsync: buffer").nbytes for buf in buffers)
         return total * (2 * (n - 1) / n if self.inner.sharded else 1.0)
 
     def _start_average(self, params: Sequence[Any] | None = None) -> float:

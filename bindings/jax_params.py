@@ -248,7 +248,8 @@ class DistributedOptimizer:
         to the host only on the steps that read it there (a crossing is a copy: about 3 ms for 7.4 MB
         here): the parameters where the strategy reads them, the gradients where it reads them (not
         SelSync's local steps, whose 2-norm is measured here, nor Sync-Switch's asynchronous ones),
-        the averaged gradients back where they were averaged."""
+        the averaged gradients back where they were averaged.  A local step (nothing averaged, nothing
+        written back) takes a branch of its own: the inner update alone."""
         from jax.experimental import io_callback
 
         plan, flag = self._plan, jax.ShapeDtypeStruct((), np.int32)
@@ -274,23 +275,33 @@ class DistributedOptimizer:
         def averages() -> list[Any]:
             return [a.astype(g.dtype) for a, g in zip(call(self._host_averages, like), gleaves)]
 
-        grads = jax.lax.cond(averaged > 0, averages, lambda: gleaves)
-        local, state = self.inner.update(jax.tree_util.tree_unflatten(plan.treedef, grads), state, params)
-        uleaves = self._leaves(local, "inner's updates", None)
+        def inner_update(grads: list[Any]) -> tuple[list[Any], Any]:
+            local, st = self.inner.update(jax.tree_util.tree_unflatten(plan.treedef, grads), state, params)
+            return self._leaves(local, "inner's updates", None), st
 
-        def with_parameters() -> tuple[list[Any], Any]:
+        def with_parameters(uleaves: list[Any]) -> tuple[list[Any], Any]:
             jax.lax.cond(packed > 0, skip, take)
             *new, average = call(self._host_after, [*like, flag], uleaves)
             return [(n - p).astype(u.dtype) for n, p, u in zip(new, pleaves, uleaves)], average
 
-        def local_only() -> tuple[list[Any], Any]:
+        def local_only(uleaves: list[Any]) -> tuple[list[Any], Any]:
             return [u * scale.astype(u.dtype) for u in uleaves], average
 
-        if pleaves:
-            moved, average = jax.lax.cond(after > 0, with_parameters, local_only)
-        else:           # no parameters given: a strategy that never reads them (AllReduce, sparse)
-            moved, average = local_only()
-        state = jax.lax.cond(average > 0, self._averaged, lambda st: st, state)
+        def local_step() -> tuple[list[Any], Any]:       # SelSync's local steps: the update alone
+            uleaves, st = inner_update(gleaves)
+            return local_only(uleaves)[0], st
+
+        def any_step() -> tuple[list[Any], Any]:
+            uleaves, st = inner_update(jax.lax.cond(averaged > 0, averages, lambda: gleaves))
+            if pleaves:
+                moved, avg = jax.lax.cond(after > 0, with_parameters, local_only, uleaves)
+            else:       # no parameters given: a strategy that never reads them (AllReduce, sparse)
+                moved, avg = local_only(uleaves)
+            return moved, jax.lax.cond(avg > 0, self._averaged, lambda x: x, st)
+
+        # one branch whose outputs are the step's: a cond carrying arrays copies them (1.3 ms per 7.4 MB)
+        plain = (averaged == 0) & (after == 0) & (average == 0)
+        moved, state = jax.lax.cond(plain, local_step, any_step)
         return jax.tree_util.tree_unflatten(plan.treedef, moved), state
 
     def _host_begin(self, norm: Sequence[Any]) -> list[np.int32]:

@@ -18,10 +18,12 @@ update called as the contender needs):
   norm and its one-element flag all-reduce each step; the model never travels);
 * ``syncswitch-asp``: ``SyncSwitch`` in ASP from the first step: each step
   pushes its change into the parameter store and pulls it back;
+* ``sharded``: ``sharded_optimizer(sgd, DeAR())``: ZeRO-1 (reduce-scatter, the
+  update on this rank's shard, all-gather of the updates);
 * ``...-jit`` (``local``, ``average``, ``selsync-bsp``, ``selsync-local``,
-  ``syncswitch-asp``): the same, with the whole step (gradient, update, the
+  ``syncswitch-asp``, ``sharded``): the same, with the whole step (gradient, update, the
   updates applied) one ``jax.jit`` call: ``DistributedOptimizer.update`` as
-  its ordered callbacks.
+  its ordered callbacks (``sharded_optimizer``'s update likewise).
 
 Ratios: each contender's step over ``average``'s and over ``local``'s (a jitted one's over
 ``average-jit``'s and ``local-jit``'s): ``selsync-bsp / average`` is what the gate adds to an
@@ -51,12 +53,13 @@ from mpi4py import MPI  # noqa: E402
 
 import commlib  # noqa: E402
 from benchmarks import _common as bc  # noqa: E402
-from commlib.bindings.jax import DistributedOptimizer, average_gradients  # noqa: E402
-from commlib.collectives import AllReduce, SelSync, SyncSwitch  # noqa: E402
+from commlib.bindings.jax import DistributedOptimizer, average_gradients, sharded_optimizer  # noqa: E402
+from commlib.collectives import AllReduce, DeAR, SelSync, SyncSwitch  # noqa: E402
 from commlib.collectives.policies import SchedulePolicy  # noqa: E402
 
 CONTENDERS = ("local", "average", "raw", "dopt-allreduce", "selsync-bsp", "selsync-local", "syncswitch-asp",
-              "local-jit", "average-jit", "selsync-bsp-jit", "selsync-local-jit", "syncswitch-asp-jit")
+              "sharded", "local-jit", "average-jit", "selsync-bsp-jit", "selsync-local-jit",
+              "syncswitch-asp-jit", "sharded-jit")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,9 +87,12 @@ def loss(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
 
 
 def make_tx(name: str, comm: commlib.Communicator, inner: Any) -> Any:
-    """The optax transformation of contender ``name`` (``average`` or a ``DistributedOptimizer``'s)."""
+    """The optax transformation of contender ``name`` (``average``, ``sharded`` or a
+    ``DistributedOptimizer``'s)."""
     if name == "average":
         return optax.chain(average_gradients(comm=comm, strategy=AllReduce()), inner)
+    if name == "sharded":
+        return sharded_optimizer(inner, comm=comm, strategy=DeAR())
     strategy = {"dopt-allreduce": lambda: AllReduce(),
                 "selsync-bsp": lambda: SelSync(delta=0.0, mode="grads"),
                 "selsync-local": lambda: SelSync(delta=math.inf, warmup=0),

@@ -88,6 +88,7 @@ from commlib.errors import MismatchError, ValidationError
 from commlib.ops import agree
 
 from .jax_fusion import Plan, agree_plan, make_plan
+from .jax_sync import GradientSync
 
 __all__ = ["DistributedOptimizer"]
 
@@ -473,8 +474,7 @@ class DistributedOptimizer:
                  if hasattr(x, "dtype") and np.dtype(x.dtype).name in INEXACT_DTYPES and np.size(x)]
         if comm.size == 1 or not which:
             return state
-        if self._state_sync is None:     # bindings.jax re-exports this module: its GradientSync from there
-            from .jax import GradientSync
+        if self._state_sync is None:
             self._state_sync = GradientSync(comm, AllReduce(self.strategy.cap_bytes / MiB))
         for i, x in zip(which, self._state_sync([leaves[i] for i in which])):
             leaves[i] = x

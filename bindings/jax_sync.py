@@ -1,0 +1,396 @@
+"""Gradient pytrees averaged through fused host buffers (:class:`GradientSync`), and DeAR's
+ZeRO-1 update driven by it (:func:`sharded_optimizer`): both run eagerly and inside ``jax.jit``
+(ordered ``io_callback`` calls over a communicator of their own).  Documented with the rest of the
+binding in :mod:`bindings.jax`, which exports them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+import commlib
+from commlib.arrays import INEXACT_DTYPES, is_tracer, numpy_dtype
+from commlib.collectives import AllReduce, DeAR, Strategy, checked_strategy
+from commlib.collectives.buckets import Bucket
+from commlib.errors import ValidationError
+
+from .jax_fusion import Plan, agree_plan, make_plan, shard_problem
+
+_MAX_PLANS = 16            # bucket plans kept per GradientSync (least recently used dropped)
+
+
+class GradientSync:
+    """Average gradient pytrees over the ranks through fused buffers and a strategy.
+
+    ``comm``: a :class:`commlib.Communicator` (default :func:`commlib.world`).
+    ``strategy``: a :class:`collectives.Strategy` (default
+    ``AllReduce(cap_mb, first_cap_mb)``; give the caps to the strategy when
+    you pass one).  A sharded strategy (``DeAR``) runs as a decoupled
+    all-reduce: reduce-scatter (``avg``) of each bucket, then all-gather of
+    the averaged shards.  ``check``: ``"first"`` compares the tree over the
+    ranks when a structure is first seen, ``"always"`` on every call.
+
+    Calls reuse the bucket plan and the host buffers of the tree structure
+    (the last ``16`` structures are kept).  Works on concrete arrays and,
+    through ``io_callback(ordered=True)``, inside ``jax.jit``.  A strategy
+    made with ``tune=...`` gets the time between calls (a step) and re-plans
+    the buckets, on every rank at the same call, when its tuner moves the cap.
+
+    Example:
+        >>> sync = GradientSync(strategy=DeAR(cap_mb=4))
+        >>> grads = sync(jax.grad(loss)(params, x, y))
+        >>> sync.describe()            # the fusion plan: one dict per bucket
+    """
+
+    def __init__(self, comm: commlib.Communicator | None = None, strategy: Strategy | None = None,
+                 cap_mb: float | None = None, first_cap_mb: float | None = None, check: str = "first"):
+        if strategy is not None and (cap_mb is not None or first_cap_mb is not None):
+            raise ValueError("give cap_mb / first_cap_mb to the strategy you pass, not to GradientSync")
+        if check not in ("first", "always"):
+            raise ValueError(f"check {check!r}: expected 'first' or 'always'")
+        if strategy is None:
+            kw = {k: v for k, v in (("cap_mb", cap_mb), ("first_cap_mb", first_cap_mb)) if v is not None}
+            strategy = AllReduce(**kw)
+        checked_strategy(strategy, "GradientSync")
+        if strategy.updates_parameters:
+            raise ValueError(f"{strategy.name} reads and writes the parameters, but GradientSync only "
+                             "sees gradients: use AllReduce, DeAR or SparseAllReduce here, or wrap the "
+                             "whole optimizer: DistributedOptimizer(inner, strategy=...)")
+        self.comm = comm if comm is not None else commlib.world()
+        self.strategy = strategy
+        self.check = check
+        self._plans: OrderedDict[Any, Plan] = OrderedDict()
+        self._active: Plan | None = None
+        self._active_comm: commlib.Communicator | None = None
+        self._jit_comm: commlib.Communicator | None = None
+        self._last: Plan | None = None
+        self._last_call: float | None = None
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ plans
+    def _plan(self, tree: Any, allowed: Sequence[str] = INEXACT_DTYPES) -> tuple[Plan, list[Any]]:
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        s = self.strategy
+        meta = tuple((None if is_tracer(x) else getattr(x, "sharding", None), np.shape(x),
+                      x.dtype if hasattr(x, "dtype") else type(x)) for x in leaves)
+        key = (treedef, meta, tuple(allowed), s.cap_bytes, s.first_cap_bytes)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = make_plan(tree, leaves, treedef, allowed, self.comm.size, s.cap_bytes,
+                              s.first_cap_bytes)
+            self._plans[key] = plan
+            while len(self._plans) > _MAX_PLANS:
+                old = self._plans.popitem(last=False)[1]
+                if old is self._active:
+                    self._active = None
+        else:
+            self._plans.move_to_end(key)
+        return plan, leaves
+
+    @property
+    def jit_comm(self) -> commlib.Communicator | None:
+        """The communicator of the jitted path (``comm.split(0)``), once a jitted call was traced."""
+        return self._jit_comm
+
+    def _comm_for_jit(self) -> commlib.Communicator:
+        """:attr:`jit_comm`, made when first needed: while tracing (every rank traces, on the thread
+        that drives ``comm``)."""
+        if self._jit_comm is None:
+            self._jit_comm = self.comm.split(0)
+        return self._jit_comm
+
+    def _checked(self, plan: Plan, comm: commlib.Communicator) -> None:
+        if not plan.agreed or self.check == "always":
+            try:
+                agree_plan(comm, plan, "GradientSync")
+            except commlib.CommlibError:
+                self._drop(plan)
+                raise
+
+    def _drop(self, plan: Plan) -> None:
+        for k, p in list(self._plans.items()):
+            if p is plan:
+                del self._plans[k]
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The buckets of the last tree averaged."""
+        return self._last.buckets if self._last is not None else []
+
+    def describe(self) -> list[dict]:
+        """The fusion plan of the last tree: one dict per bucket (tensors, bytes, dtype)."""
+        return self._last.describe() if self._last is not None else []
+
+    # ------------------------------------------------------------------ running
+    def _run(self, plan: Plan, leaves: Sequence[Any],
+             update: Callable[[list[np.ndarray]], None] | None = None,
+             comm: commlib.Communicator | None = None) -> list[np.ndarray]:
+        """Drive the strategy over ``plan``'s buckets filled from ``leaves``: :meth:`_begin`, then
+        :meth:`_finish` (``update``, ``comm``: theirs; ``comm`` default ``self.comm``; the jitted
+        path passes its own)."""
+        with self._lock:
+            self._begin(plan, leaves, comm if comm is not None else self.comm)
+            return self._finish(plan, update)
+
+    def _begin(self, plan: Plan, leaves: Sequence[Any], comm: commlib.Communicator) -> None:
+        """The first half of a step: the buckets packed from ``leaves`` and launched over ``comm``; a
+        sharded strategy's averaged shards are in ``plan.shards`` when it returns."""
+        self._checked(plan, comm)
+        s = self.strategy
+        plan.allocate(s.sharded)
+        self._last = plan
+        try:
+            if self._active is not plan or self._active_comm is not comm:
+                self._active = None
+                s.setup(comm, plan.buckets, plan.buffers, plan.buffers,
+                        plan.shards if s.sharded else None, broadcast=False)
+                self._active, self._active_comm = plan, comm
+            for b in range(len(plan.buckets)):
+                plan.pack(b, leaves)
+                s.bucket_ready(b)        # bucket b travels while later ones are packed
+            s.before_update()
+        except BaseException:
+            self._active = None          # set the strategy up afresh next time
+            raise
+
+    def _finish(self, plan: Plan,
+                update: Callable[[list[np.ndarray]], None] | None = None) -> list[np.ndarray]:
+        """The second half: ``update`` (sharded strategy: called with the averaged gradient shards,
+        it writes this rank's shard of each bucket of the result into ``plan.buffers``; default: the
+        averaged gradients themselves), the gathers, and the result's leaves."""
+        s = self.strategy
+        try:
+            if s.sharded:
+                if update is None:
+                    rank = self.comm.rank
+                    for b, bucket in enumerate(plan.buckets):
+                        plan.buffers[b][bucket.shard(rank)] = plan.shards[b]
+                else:
+                    update(plan.shards)
+            s.after_update()
+            s.flush()
+            out = plan.unpack()
+            self._tune()
+        except BaseException:
+            self._active = None
+            raise
+        return out
+
+    def _tune(self) -> None:
+        """``strategy.tune``: feed the tuner call-to-call times; a new cap re-plans the next call."""
+        now = time.perf_counter()
+        tuner = self.strategy.tuner
+        if tuner is not None and not tuner.done and self._last_call is not None:
+            new_cap = tuner.observe(now - self._last_call)    # a broadcast: the same step on every rank
+            if new_cap is not None:
+                self.strategy.cap_bytes = int(new_cap)       # part of the plan key
+                now = time.perf_counter()
+        self._last_call = now
+
+    def __call__(self, grads: Any) -> Any:
+        """The average over the ranks of ``grads`` (a pytree), as a pytree of jax arrays."""
+        plan, leaves = self._plan(grads)
+        if any(is_tracer(x) for x in leaves):
+            return self._traced(plan, leaves)
+        return jax.tree_util.tree_unflatten(plan.treedef, plan.to_jax(self._run(plan, leaves)))
+
+    def _traced(self, plan: Plan, leaves: Sequence[Any]) -> Any:
+        from jax.experimental import io_callback
+
+        shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+        jit_comm = self._comm_for_jit()
+
+        def host(*arrays: Any) -> list[np.ndarray]:
+            return self._run(plan, arrays, comm=jit_comm)
+
+        out = io_callback(host, shapes, *leaves, ordered=True)
+        return jax.tree_util.tree_unflatten(plan.treedef, list(out))
+
+    def flatten(self, tree: Any) -> list[np.ndarray]:
+        """The fused host buffers of ``tree`` (copies; no communication): for inspection."""
+        plan, leaves = self._plan(tree)
+        if plan.error:
+            raise ValidationError(f"GradientSync: {plan.error}")
+        bufs = [np.zeros(b.padded, numpy_dtype(b.dtype)) for b in plan.buckets]
+        for b in range(len(bufs)):
+            plan.pack(b, leaves, into=bufs)
+        return bufs
+
+    def unflatten(self, buffers: Sequence[np.ndarray], like: Any) -> Any:
+        """Inverse of :meth:`flatten`: a pytree shaped like ``like`` from fused buffers."""
+        plan, _ = self._plan(like)
+        if len(buffers) != len(plan.buckets):
+            raise ValidationError(f"{len(buffers)} buffers for {len(plan.buckets)} buckets")
+        arrays = plan.unpack([np.asarray(b) for b in buffers])
+        return jax.tree_util.tree_unflatten(plan.treedef, plan.to_jax(arrays))
+
+    def __repr__(self) -> str:
+        return f"GradientSync({self.strategy!r}, {self.comm!r})"
+
+
+class ShardedState(NamedTuple):
+    """State of :func:`sharded_optimizer`: the inner optimizer's state over this
+    rank's shard of each bucket (a list of 1-D arrays, one per bucket), and
+    ``owner``, an int32 array ``[rank, size, tag]``: the rank whose shard it is, of how
+    many, and a random tag of the optimizer that handed it out (in the state, so that a
+    checkpoint keeps them): each rank must restore its own."""
+
+    inner: Any
+    owner: Any
+
+
+def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
+                      strategy: Strategy | None = None) -> Any:
+    """DeAR with a sharded update: ``inner`` runs on this rank's shard of each bucket.
+
+    ``update(grads, state, params)`` reduce-scatters (``avg``) the fused gradients, applies
+    ``inner`` (any *elementwise* optax transformation: sgd with momentum or Nesterov, adam,
+    adamw, schedules; not ones that look across leaves, such as ``clip_by_global_norm``, LAMB,
+    ``apply_if_finite`` or masks keyed by the tree: tried on a small problem first, refused
+    with ``ValueError``) to the gradient and parameter shards, and all-gathers the updates,
+    which come back as a full pytree for ``optax.apply_updates``.  Optimizer
+    state costs 1/world_size (it differs per rank: checkpoint every rank's and
+    restore each its own; a state restored on another rank is refused, on
+    every rank, at the first update, before it communicates).
+    ``strategy`` must be sharded (default ``DeAR()``).  ``update`` runs eagerly or inside
+    ``jax.jit`` (the reduce-scatter and the all-gather in ordered ``io_callback`` calls around the
+    traced inner update, over a communicator of their own, as :class:`GradientSync`'s);
+    ``init`` runs eagerly.
+
+    Example:
+        >>> tx = sharded_optimizer(optax.adamw(1e-3), strategy=DeAR(cap_mb=8))
+        >>> state = tx.init(params)                  # after broadcast_params
+        >>> @jax.jit
+        ... def step(params, state, x, y):
+        ...     updates, state = tx.update(jax.grad(loss)(params, x, y), state, params)
+        ...     return optax.apply_updates(params, updates), state
+    """
+    import jax.numpy as jnp
+    import optax
+
+    problem = shard_problem(inner)
+    if problem:
+        raise ValueError(f"sharded_optimizer: the update runs on flat shards of the buckets: {problem}; "
+                         "use optax.chain(average_gradients(...), inner) instead (its state then on every "
+                         "rank), or an elementwise transformation")
+    strategy = checked_strategy(strategy, "sharded_optimizer") if strategy is not None else DeAR()
+    if not strategy.sharded:
+        raise ValueError(f"sharded_optimizer needs a sharded strategy (DeAR), got {strategy!r}")
+    if strategy.tune:
+        raise ValueError("sharded_optimizer: tuning the cap re-plans the buckets, which would re-shard "
+                         "the optimizer state; give the strategy a fixed cap_mb")
+    sync = GradientSync(comm, strategy)
+    inner_update = jax.jit(inner.update)
+    digest: list[tuple[int, int]] = []
+    tag = int(np.random.default_rng().integers(1, 2**31 - 1))    # of this optimizer's states
+
+    def owned() -> np.ndarray:
+        return np.array([sync.comm.rank, sync.comm.size, tag], np.int32)
+
+    def check_owner(owner: Any, comm: commlib.Communicator) -> np.ndarray:
+        """``owned()`` for the owner of a state given to an update.  One this optimizer handed out
+        passes; another (restored) is compared over the ranks: is each rank's its own?"""
+        owner = [int(v) for v in np.asarray(owner).reshape(-1)]
+        if owner == [comm.rank, comm.size, tag]:
+            return owned()
+        wrong = comm.allgather_object(None if owner[:2] == [comm.rank, comm.size] else owner[:2],
+                                      label="sharded_optimizer: the state's owner")
+        bad = [f"rank {r} holds rank {o[0]} of {o[1]}'s" for r, o in enumerate(wrong) if o is not None]
+        if bad:
+            raise ValidationError(f"sharded_optimizer: the optimizer state is per rank (each holds its "
+                                  f"own shard's), but {', '.join(bad)}: save every rank's state and "
+                                  "restore each its own (on as many ranks), or use optax.chain("
+                                  "average_gradients(...), inner), whose state is the same on every rank")
+        return owned()
+
+    def shard_leaves(plan: Plan, leaves: Sequence[Any]) -> list[np.ndarray]:
+        """This rank's shard of each bucket packed from ``leaves`` (copies)."""
+        rank = sync.comm.rank
+        plan.allocate(True)
+        if not plan.extra:
+            plan.extra = [np.zeros(b.padded, numpy_dtype(b.dtype)) for b in plan.buckets]
+        for b in range(len(plan.buckets)):
+            plan.pack_shard(b, leaves, rank, plan.extra)
+        return [plan.extra[b][bk.shard(rank)].copy() for b, bk in enumerate(plan.buckets)]
+
+    def write_shards(plan: Plan, shards: Sequence[Any]) -> None:
+        """The updated shards into this rank's shard of each bucket (gathered next)."""
+        rank = sync.comm.rank
+        for b, bucket in enumerate(plan.buckets):
+            plan.buffers[b][bucket.shard(rank)] = np.asarray(shards[b])
+
+    def planned(tree: Any) -> tuple[Plan, list[Any], bool]:
+        plan, leaves = sync._plan(tree)
+        return plan, leaves, any(is_tracer(x) for x in leaves)
+
+    def init_fn(params: Any) -> ShardedState:
+        plan, leaves, traced = planned(params)
+        if traced:
+            raise TypeError("sharded_optimizer.init runs eagerly: call it outside jax.jit (update "
+                            "runs inside)")
+        sync._checked(plan, sync.comm)
+        digest[:] = [plan.digest]
+        return ShardedState(inner.init([jnp.asarray(s) for s in shard_leaves(plan, leaves)]), owned())
+
+    def update_fn(updates: Any, state: ShardedState, params: Any = None) -> tuple[Any, ShardedState]:
+        plan, leaves, traced = planned(updates)
+        if digest and plan.digest != digest[0]:
+            raise ValidationError("sharded_optimizer: the gradient pytree differs from the parameters "
+                                  "given to init (structure, shapes or dtypes)")
+        pleaves = None
+        if params is not None:
+            pplan, pleaves, ptraced = planned(params)
+            traced = traced or ptraced
+            if pplan.digest != plan.digest:
+                raise ValidationError("sharded_optimizer: params and gradients differ in structure, "
+                                      "shapes or dtypes")
+        if traced:
+            return traced_update(plan, leaves, state, pleaves)
+        owner = check_owner(state.owner, sync.comm)
+        shard_params = None if pleaves is None else [jnp.asarray(s) for s in shard_leaves(plan, pleaves)]
+        new_state: list[Any] = []
+
+        def update(shards: list[np.ndarray]) -> None:
+            out, st = inner_update([jnp.asarray(s.copy()) for s in shards], state.inner, shard_params)
+            new_state.append(st)
+            write_shards(plan, out)
+
+        arrays = sync._run(plan, leaves, update)
+        return (jax.tree_util.tree_unflatten(plan.treedef, plan.to_jax(arrays)),
+                ShardedState(new_state[0], owner))
+
+    def traced_update(plan: Plan, leaves: list[Any], state: ShardedState,
+                      pleaves: list[Any] | None) -> tuple[Any, ShardedState]:
+        """Inside ``jax.jit``: the reduce-scatter in one ordered callback (with the owner's check and
+        the parameters' shards), ``inner.update`` traced on the shards, the all-gather in another."""
+        from jax.experimental import io_callback
+
+        jit_comm = sync._comm_for_jit()
+        n, nparams = len(plan.buckets), 0 if pleaves is None else len(pleaves)
+        shard_types = [jax.ShapeDtypeStruct((bk.shard_numel,), numpy_dtype(bk.dtype)) for bk in plan.buckets]
+
+        def begin(owner: np.ndarray, *arrays: np.ndarray) -> list[np.ndarray]:
+            owner = check_owner(owner, jit_comm)     # before any collective of the step
+            sync._begin(plan, arrays[:len(arrays) - nparams], jit_comm)
+            out = [owner, *(s.copy() for s in plan.shards)]
+            return out + (shard_leaves(plan, arrays[len(arrays) - nparams:]) if nparams else [])
+
+        got = io_callback(begin, [jax.ShapeDtypeStruct((3,), np.int32), *shard_types * (2 if nparams else 1)],
+                          state.owner, *leaves, *(pleaves or ()), ordered=True)
+        gshards, pshards = list(got[1:1 + n]), (list(got[1 + n:]) if nparams else None)
+        out, inner_state = inner.update(gshards, state.inner, pshards)
+
+        def finish(*shards: np.ndarray) -> list[np.ndarray]:
+            return sync._finish(plan, lambda _: write_shards(plan, shards))
+
+        leaf_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+        full = io_callback(finish, leaf_types, *out, ordered=True)
+        return jax.tree_util.tree_unflatten(plan.treedef, list(full)), ShardedState(inner_state, got[0])
+
+    return optax.GradientTransformation(init_fn, update_fn)

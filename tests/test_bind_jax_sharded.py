@@ -1,0 +1,132 @@
+"""bindings.jax_sync's sharded_optimizer (DeAR's ZeRO-1 update): eagerly and inside ``jax.jit``,
+against one process on the whole batch and against each other; its per-rank state through
+checkpoints; what it refuses."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+
+from test_bind_jax import (  # noqa: E402
+    LOCAL,
+    SMALL,
+    STEPS,
+    apply_updates,
+    batch,
+    flat,
+    grad_fn,
+    init_params,
+    loss_fn,
+    optimizer,
+    reference,
+    same_on_all_ranks,
+)
+
+from commlib.bindings.jax import broadcast_params, sharded_optimizer  # noqa: E402
+from commlib.collectives import DeAR  # noqa: E402
+from commlib.errors import ValidationError  # noqa: E402
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+def stepper(tx, jit: bool, with_params: bool = True):
+    """One training step: the whole of it jitted, or the update called eagerly between the jitted
+    gradient and apply_updates (the same arithmetic, so the two agree bit for bit)."""
+    if jit:
+        @jax.jit
+        def step_fn(params, state, x, y):
+            grads = jax.grad(loss_fn)(params, x, y)
+            updates, state = tx.update(grads, state, params if with_params else None)
+            return optax.apply_updates(params, updates), state
+        return step_fn
+
+    def eager(params, state, x, y):
+        updates, state = tx.update(grad_fn(params, x, y), state, params if with_params else None)
+        return apply_updates(params, updates), state
+    return eager
+
+
+def steps(comm, step_fn, params, state, todo):
+    mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL)
+    for step in todo:
+        x, y = batch(step, comm.size)
+        params, state = step_fn(params, state, x[mine], y[mine])
+    return params, state
+
+
+@pytest.mark.parametrize("kind,with_params", [("sgd", True), ("sgd", False), ("adamw", True)])
+def test_jitted_update_trains_as_one_process_and_as_the_eager_one(comm, kind, with_params):
+    """The whole step jitted (reduce-scatter and all-gather in callbacks around the traced inner update
+    on the shards) trains as one process on the whole batch, and bit for bit as the eager update; its
+    collectives run on a communicator of their own.  It raised TypeError ("runs eagerly")."""
+    start = broadcast_params(init_params(comm.rank), comm=comm)
+    got = {}
+    for jit in (False, True):
+        strategy = DeAR(cap_mb=SMALL, first_cap_mb=SMALL / 2)
+        tx = sharded_optimizer(optimizer(kind), comm=comm, strategy=strategy)
+        got[jit], state = steps(comm, stepper(tx, jit, with_params), start, tx.init(start), range(STEPS))
+        assert strategy.steps == STEPS
+        assert (strategy.comm is comm) == (not jit)
+        assert [int(v) for v in np.asarray(state.owner)[:2]] == [comm.rank, comm.size]
+    np.testing.assert_array_equal(flat(got[True]), flat(got[False]))
+    np.testing.assert_allclose(flat(got[True]), flat(reference(kind, comm.size)), rtol=2e-5, atol=2e-6)
+    same_on_all_ranks(comm, got[True])
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_state_is_each_ranks_own(comm, jit):
+    """sharded_optimizer's state in a checkpoint: each rank's own, restored in a fresh optimizer,
+    continues as the run that was not stopped (so does a state whose owner lacks the optimizer's tag,
+    as saved before the tag); rank 0's restored on every rank (saved on rank 0 alone, as replicated
+    states are) is refused on every rank before the update communicates (it trained on, silently
+    wrong), inside jax.jit too."""
+    def fresh(strategy=None):
+        return sharded_optimizer(optimizer("adamw"), comm=comm, strategy=strategy or DeAR(cap_mb=SMALL))
+
+    start = broadcast_params(init_params(comm.rank), comm=comm)
+    tx = fresh()
+    whole, _ = steps(comm, stepper(tx, jit), start, tx.init(start), range(STEPS))
+    tx = fresh()
+    params, state = steps(comm, stepper(tx, jit), start, tx.init(start), range(2))
+    saved = pickle.dumps((params, state))
+    params, state = pickle.loads(saved)                      # this rank's own checkpoint
+    resumed, _ = steps(comm, stepper(fresh(), jit), params, state, range(2, STEPS))
+    np.testing.assert_array_equal(flat(resumed), flat(whole))
+    untagged = state._replace(owner=np.asarray(state.owner)[:2])
+    resumed, state = steps(comm, stepper(fresh(), jit), params, untagged, range(2, STEPS))
+    np.testing.assert_array_equal(flat(resumed), flat(whole))
+    assert np.asarray(state.owner).shape == (3,)
+    if comm.size > 1:
+        params, state = pickle.loads(comm.allgather_object(saved)[0])     # rank 0's, everywhere
+        seq, strategy = comm.seq, DeAR(cap_mb=SMALL)
+        with pytest.raises(ValidationError if not jit else Exception, match="rank 1 holds rank 0 of"):
+            steps(comm, stepper(fresh(strategy), jit), params, state, range(2, 3))
+        assert comm.seq == seq and strategy.comm is None      # refused before any collective of the update
+
+
+def test_init_runs_eagerly(comm):
+    tx = sharded_optimizer(optax.sgd(0.1), comm=comm, strategy=DeAR(cap_mb=SMALL))
+    with pytest.raises(TypeError, match=r"sharded_optimizer.init runs eagerly"):
+        jax.jit(tx.init)(init_params(0))
+
+
+@pytest.mark.parametrize("name", ["lamb", "lars", "clip_by_global_norm", "adafactor", "apply_if_finite"])
+def test_sharded_optimizer_refuses_what_is_not_elementwise(name):
+    """On each rank's flat shards LAMB's trust ratio, a global-norm clip, Adafactor's factored moments
+    are not the leaves' (LAMB 0.026 off one process after 4 steps at 2 ranks, silently), nor is
+    ``apply_if_finite``'s skip (each shard skipped alone: 0.13 off after 5 steps, an inf in one leaf).
+    Tried at construction on every rank alike; elementwise ones (a schedule, ``clip``, ``zero_nans``) pass."""
+    inner = {"lamb": optax.lamb(1e-3), "lars": optax.lars(1e-3), "adafactor": optax.adafactor(1e-3),
+             "clip_by_global_norm": optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+             "apply_if_finite": optax.apply_if_finite(optax.adam(1e-3), 3)}[name]
+    with pytest.raises(ValueError, match=r"is not elementwise .*optax.chain\(average_gradients"):
+        sharded_optimizer(inner, strategy=DeAR())
+    for ok in (optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-3, 5, 50)),
+               optax.chain(optax.clip(1.0), optax.sgd(0.1, momentum=0.9, nesterov=True)),
+               optax.chain(optax.zero_nans(), optax.adam(1e-3))):
+        sharded_optimizer(ok, strategy=DeAR())

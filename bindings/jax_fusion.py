@@ -79,6 +79,23 @@ class Plan:
         for i, flat, piece in self.buckets[b].pieces(rank):
             buf[piece] = np.asarray(leaves[i]).reshape(-1)[flat]
 
+    def traced_shard(self, b: int, leaves: Sequence[Any], rank: int) -> Any:
+        """:meth:`pack_shard` inside ``jax.jit``: ``rank``'s shard of bucket ``b`` gathered from the
+        traced ``leaves`` (padding zero), so that the leaves need not cross to the host for it."""
+        import jax.numpy as jnp
+
+        bucket = self.buckets[b]
+        dtype, sh = numpy_dtype(bucket.dtype), bucket.shard(rank)
+        parts, at = [], sh.start
+        for i, flat, piece in sorted(bucket.pieces(rank), key=lambda p: p[2].start):
+            if piece.start > at:
+                parts.append(jnp.zeros(piece.start - at, dtype))
+            parts.append(jnp.ravel(leaves[i])[flat].astype(dtype))
+            at = piece.stop
+        if sh.stop > at:
+            parts.append(jnp.zeros(sh.stop - at, dtype))
+        return jnp.concatenate(parts)
+
     def unpack(self, source: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
         """Numpy leaves of their own (never views of the reused buffers), from the pool of host
         results: JAX takes them without a copy, and a bucket's memory is reused once no leaf of

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 import commlib
-from commlib.arrays import INEXACT_DTYPES, is_tracer, numpy_dtype
+from commlib.arrays import HOST_RESULTS, INEXACT_DTYPES, is_tracer, numpy_dtype
 from commlib.collectives import AllReduce, DeAR, Strategy, checked_strategy
 from commlib.collectives.buckets import Bucket
 from commlib.errors import ValidationError
@@ -325,6 +325,11 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
         for b, bucket in enumerate(plan.buckets):
             plan.buffers[b][bucket.shard(rank)] = np.asarray(shards[b])
 
+    def pooled_copy(a: np.ndarray) -> np.ndarray:
+        out = HOST_RESULTS.like(a)
+        np.copyto(out, a)
+        return out
+
     def planned(tree: Any) -> tuple[Plan, list[Any], bool]:
         plan, leaves = sync._plan(tree)
         return plan, leaves, any(is_tracer(x) for x in leaves)
@@ -367,24 +372,24 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
 
     def traced_update(plan: Plan, leaves: list[Any], state: ShardedState,
                       pleaves: list[Any] | None) -> tuple[Any, ShardedState]:
-        """Inside ``jax.jit``: the reduce-scatter in one ordered callback (with the owner's check and
-        the parameters' shards), ``inner.update`` traced on the shards, the all-gather in another."""
+        """Inside ``jax.jit``: the reduce-scatter in one ordered callback (after the owner's check),
+        ``inner.update`` traced on the shards (the parameters' taken in the traced code), the
+        all-gather in another."""
         from jax.experimental import io_callback
 
         jit_comm = sync._comm_for_jit()
-        n, nparams = len(plan.buckets), 0 if pleaves is None else len(pleaves)
         shard_types = [jax.ShapeDtypeStruct((bk.shard_numel,), numpy_dtype(bk.dtype)) for bk in plan.buckets]
 
-        def begin(owner: np.ndarray, *arrays: np.ndarray) -> list[np.ndarray]:
+        def begin(owner: np.ndarray, *gleaves: np.ndarray) -> list[np.ndarray]:
             owner = check_owner(owner, jit_comm)     # before any collective of the step
-            sync._begin(plan, arrays[:len(arrays) - nparams], jit_comm)
-            out = [owner, *(s.copy() for s in plan.shards)]
-            return out + (shard_leaves(plan, arrays[len(arrays) - nparams:]) if nparams else [])
+            sync._begin(plan, gleaves, jit_comm)
+            return [owner, *(pooled_copy(s) for s in plan.shards)]     # JAX may take them uncopied
 
-        got = io_callback(begin, [jax.ShapeDtypeStruct((3,), np.int32), *shard_types * (2 if nparams else 1)],
-                          state.owner, *leaves, *(pleaves or ()), ordered=True)
-        gshards, pshards = list(got[1:1 + n]), (list(got[1 + n:]) if nparams else None)
-        out, inner_state = inner.update(gshards, state.inner, pshards)
+        got = io_callback(begin, [jax.ShapeDtypeStruct((3,), np.int32), *shard_types], state.owner, *leaves,
+                          ordered=True)
+        pshards = None if pleaves is None else [plan.traced_shard(b, pleaves, sync.comm.rank)
+                                                for b in range(len(plan.buckets))]
+        out, inner_state = inner.update(list(got[1:]), state.inner, pshards)
 
         def finish(*shards: np.ndarray) -> list[np.ndarray]:
             return sync._finish(plan, lambda _: write_shards(plan, shards))

@@ -322,6 +322,8 @@ def engine_checks(engine: dict[str, Any]) -> list[dict[str, Any]]:
         out += [{"figure": "overhead, blocking (us)", "value": oh["blocking_overhead_us"], "limit": 5.0},
                 {"figure": "overhead, i-form + wait (us)", "value": oh["nonblocking_overhead_us"],
                  "limit": 15.0}]
+        out += [{"figure": f"overhead, {op} (us)", "value": oh[f"{op}_overhead_us"], "limit": 5.0}
+                for op in ("broadcast", "barrier") if f"{op}_overhead_us" in oh]
     if ov:
         out += [{"figure": "overlap: allreduce slowdown", "value": ov["allreduce_slowdown"], "limit": 0.15},
                 {"figure": "overlap: matmul slowdown", "value": ov["matmul_slowdown"], "limit": 0.15}]
@@ -386,7 +388,10 @@ def report(doc: dict[str, Any]) -> str:
                 bc.markdown_table(["form", "mpi4py", "commlib", "overhead"], [
                     ["blocking", oh["mpi4py_us"], oh["commlib_us"], oh["blocking_overhead_us"]],
                     ["i-form + wait()", oh["mpi4py-nb_us"], oh["commlib-nb_us"],
-                     oh["nonblocking_overhead_us"]]])]
+                     oh["nonblocking_overhead_us"]]] + [
+                    [op, oh[f"mpi4py-{key}_us"], oh[f"commlib-{key}_us"], oh[f"{op}_overhead_us"]]
+                    for op, key in (("broadcast", "bcast"), ("barrier", "barrier"))
+                    if f"{op}_overhead_us" in oh])]
     if eng.get("overlap"):
         ov = eng["overlap"]
         out += ["", f"Overlap on 2 ranks: {bc.size_label(ov['bytes'])} iallreduce while the caller runs "

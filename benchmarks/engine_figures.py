@@ -2,8 +2,9 @@
 
 * **Per-call overhead**: one rank (a communicator of its own), 16 float32, what
   a commlib call costs beyond the raw mpi4py call: blocking ``allreduce``
-  against ``Allreduce``, and ``iallreduce(...).wait()`` against
-  ``Iallreduce(...).Wait()``, in microseconds (median of batches).  Only rank 0
+  against ``Allreduce``, ``iallreduce(...).wait()`` against
+  ``Iallreduce(...).Wait()``, ``broadcast`` against ``Bcast`` and ``barrier``
+  against ``Barrier``, in microseconds (median of batches).  Only rank 0
   measures; the other ranks sleep meanwhile, so that they do not compete for
   the cores.
 * **Overlap**: two ranks, a 16 MiB ``iallreduce`` while the caller runs a torch
@@ -77,10 +78,16 @@ def overhead(world: Any, calls: int = 2000, batches: int = 9) -> dict[str, float
             figs = {"mpi4py": _per_call(lambda: raw.Allreduce(x, y), calls, batches),
                     "mpi4py-nb": _per_call(lambda: raw.Iallreduce(x, y).Wait(), calls, batches),
                     "commlib": _per_call(lambda: c.allreduce(x, out=y), calls, batches),
-                    "commlib-nb": _per_call(lambda: c.iallreduce(x, out=y).wait(), calls, batches)}
+                    "commlib-nb": _per_call(lambda: c.iallreduce(x, out=y).wait(), calls, batches),
+                    "mpi4py-bcast": _per_call(lambda: raw.Bcast(y, 0), calls, batches),
+                    "commlib-bcast": _per_call(lambda: c.broadcast(y, 0), calls, batches),
+                    "mpi4py-barrier": _per_call(raw.Barrier, calls, batches),
+                    "commlib-barrier": _per_call(c.barrier, calls, batches)}
         out = {f"{k}_us": v * 1e6 for k, v in figs.items()}
         out["blocking_overhead_us"] = (figs["commlib"] - figs["mpi4py"]) * 1e6
         out["nonblocking_overhead_us"] = (figs["commlib-nb"] - figs["mpi4py-nb"]) * 1e6
+        out["broadcast_overhead_us"] = (figs["commlib-bcast"] - figs["mpi4py-bcast"]) * 1e6
+        out["barrier_overhead_us"] = (figs["commlib-barrier"] - figs["mpi4py-barrier"]) * 1e6
         c.close()
         raw.Free()
     _idle_until_done(world, mine)

@@ -167,8 +167,9 @@ def test_split_communicators(comm):
 @pytest.mark.mpi(min_size=1)
 def test_host_path_edges_match_the_reference(comm):
     """Blocking calls on plain numpy arrays skip the Op layer (``Runner.call_host``): views,
-    0-d arrays, an ``out`` that aliases ``x`` without being ``x``, read-only inputs; input it
-    passes on (a wrong-sized ``out``, ``avg`` on integers) still gets the general path's error.
+    0-d arrays, an ``out`` that aliases ``x`` without being ``x``, read-only inputs, broadcast's
+    roots; input it passes on (a wrong-sized ``out``, ``avg`` on integers, a root out of range)
+    still gets the general path's error.
     Non-contiguous inputs: test_non_contiguous_inputs_are_read_through_a_copy; bfloat16: the dtype
     sweeps."""
     n = 12
@@ -193,8 +194,18 @@ def test_host_path_edges_match_the_reference(comm):
     gathered = comm.allgather(ro[:3])
     assert gathered.shape == (comm.size, 3)
     assert_close(gathered, all_inputs(comm.size, n, "float32")[:, :3], "float32")
+    inputs = all_inputs(comm.size, n, "float32")
+    for root in range(comm.size):                                # broadcast: a read-only x gets a new
+        got = comm.broadcast(ro, root=np.int64(root))            # array; a view is written in place
+        assert got is not ro and got.shape == ro.shape
+        assert_close(got, inputs[root], "float32")
+        view = rank_input(comm.rank, n, "float32").reshape(3, 4)[1:]
+        assert comm.broadcast(view, root=root) is view
+        assert_close(view, inputs[root].reshape(3, 4)[1:], "float32")
+    comm.barrier()
     for bad, match in [(lambda c: c.allreduce(x, out=np.empty(5, np.float32)), "out has 5 elements"),
-                       (lambda c: c.allreduce(np.ones(3, np.int32), op="avg"), "needs a floating")]:
+                       (lambda c: c.allreduce(np.ones(3, np.int32), op="avg"), "needs a floating"),
+                       (lambda c: c.broadcast(x, root=c.size), "is not a rank")]:
         spare = comm.split(0)            # a rejected input aborts the communicator it was given to
         with pytest.raises(commlib.ValidationError, match=match):
             bad(spare)

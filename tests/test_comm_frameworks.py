@@ -36,7 +36,8 @@ def test_torch_tensors_in_and_out(comm, dtype):
     ag = comm.allgather(x)
     assert isinstance(ag, torch.Tensor) and tuple(ag.shape) == (comm.size, n)
     assert_close(ag.double().numpy(), all_inputs(comm.size, n, src), dtype)
-    b = comm.broadcast(x.clone(), root=comm.size - 1)
+    b = x.clone()
+    assert comm.broadcast(b, root=comm.size - 1) is b          # in place: the tensor itself
     assert_close(b.double().numpy(), all_inputs(comm.size, n, src)[-1], dtype)
 
 

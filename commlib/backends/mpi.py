@@ -65,8 +65,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _ptr(a: Any) -> int:
-    if isinstance(a, np.ndarray):
-        return a.__array_interface__["data"][0]
+    if isinstance(a, np.ndarray):       # mpi4py's buffer: 0.2 us; __array_interface__ builds a dict: 1 us
+        return MPI.buffer(a).address
     return a.data.ptr
 
 
@@ -195,6 +195,9 @@ class MPIBackend:
         return Pending(req.Test, lambda: self._copy_back(back, recv), req)
 
     def broadcast(self, buf: Any, dtype: str, root: int, ctx: CallerStream | None = None) -> Pending:
+        if type(buf) is np.ndarray:      # host (the common case): nothing staged, nothing to finish
+            req = self.comm.Ibcast(buf, root)
+            return Pending(req.Test, None, req)
         (hbuf,), back = self._host(buf, ctx=ctx)
         req = self.comm.Ibcast(hbuf, root)
         return Pending(req.Test, lambda: self._copy_back(back), req)

@@ -109,6 +109,28 @@ def test_state_is_each_ranks_own(comm, jit):
         assert comm.seq == seq and strategy.comm is None      # refused before any collective of the update
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_gradient_accumulation_around_it_trains_as_one_process(comm, jit):
+    """``optax.MultiSteps`` around sharded_optimizer (the update every second step, on the accumulated
+    gradients) trains as one process accumulating the whole batches.  MultiSteps calls the update
+    inside ``lax.cond`` even eagerly, where it was refused ("runs eagerly")."""
+    inner = optax.adam(0.02)
+    start = broadcast_params(init_params(comm.rank), comm=comm)
+    tx = optax.MultiSteps(sharded_optimizer(inner, comm=comm, strategy=DeAR(cap_mb=SMALL)), 2)
+    got, _ = steps(comm, stepper(tx, jit), start, tx.init(start), range(STEPS + 1))
+
+    @jax.jit
+    def one_process(params, state, x, y):
+        updates, state = ref_tx.update(jax.grad(loss_fn)(params, x, y), state, params)
+        return optax.apply_updates(params, updates), state
+
+    ref_tx, params = optax.MultiSteps(inner, 2), init_params(0)
+    state = ref_tx.init(params)
+    for step in range(STEPS + 1):
+        params, state = one_process(params, state, *batch(step, comm.size))
+    np.testing.assert_allclose(flat(got), flat(params), rtol=2e-5, atol=2e-6)
+
+
 def test_init_runs_eagerly(comm):
     tx = sharded_optimizer(optax.sgd(0.1), comm=comm, strategy=DeAR(cap_mb=SMALL))
     with pytest.raises(TypeError, match=r"sharded_optimizer.init runs eagerly"):

@@ -53,6 +53,7 @@ import torch
 import commlib
 from commlib.collectives import AllReduce, Strategy, TensorSpec, checked_strategy, plan_buckets
 
+from .torch_amp import LossScale
 from .torch_comm import (
     agree_tensors,
     broadcast_optimizer_state,
@@ -109,6 +110,9 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, PhaseSwitches, Repli
     (``"all"``, DDP's rule) or none (``False``, Horovod's); see
     :class:`bindings.torch_norm.RunningStats` (not with SelSync or SyncSwitch,
     whose replicas drift between synchronizations).
+    ``grad_scaler``: the loop's ``torch.amp.GradScaler``, where the strategy keeps state in the
+    gradients' units across steps (sparse residuals and thresholds, SelSync's norm average): read at
+    each step's first backward, a changed scale rescales that state (:mod:`bindings.torch_amp`).
 
     The wrapper is a ``torch.optim.Optimizer`` sharing ``optimizer.param_groups``,
     so LR schedulers work on either.  ``state_dict()`` is the consolidated
@@ -128,12 +132,14 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, PhaseSwitches, Repli
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                  strategy: Strategy | None = None, comm: commlib.Communicator | None = None, *,
                  backward_passes_per_step: int = 1, find_unused_parameters: bool = False,
-                 broadcast: bool = True, broadcast_buffers: bool | str = True):
+                 broadcast: bool = True, broadcast_buffers: bool | str = True,
+                 grad_scaler: torch.amp.GradScaler | None = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer")
         self._checked_passes(backward_passes_per_step)
+        self._loss_scale = LossScale(grad_scaler)
         self.comm = comm or commlib.init()
         self.strategy = (AllReduce() if strategy is None
                          else checked_strategy(strategy, "DistributedOptimizer"))

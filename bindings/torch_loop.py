@@ -1,22 +1,19 @@
 """The training loop around :class:`bindings.torch.DistributedOptimizer`, written as for one process.
 
-:class:`TrainingLoop` is the part of ``DistributedOptimizer`` that the lines
-between ``backward()`` and ``step()`` meet:
+:class:`TrainingLoop`: the part of ``DistributedOptimizer`` met between ``backward()`` and ``step()``:
 
-* gradients are final when ``backward()`` returns: an autograd final
-  callback (as DDP's) launches what is left and waits for the strategy's
-  reduction; ``opt.synchronize()`` and ``with opt.skip_synchronize():
+* gradients are final when ``backward()`` returns: an autograd final callback (as DDP's) launches what is
+  left and waits for the strategy's reduction; ``opt.synchronize()`` and ``with opt.skip_synchronize():
   opt.step()`` as Horovod users write them;
 * ``opt.clip_grad_norm_(max_norm, norm_type)`` clips by the global norm of
   the gradient the update uses (sharded strategies: one scalar per rank gathered);
-* ``torch.amp.GradScaler``: a non-finite gradient on any rank is non-finite
-  on every rank, so every rank skips the same steps and scales alike;
+* ``torch.amp.GradScaler``: a non-finite gradient on any rank is non-finite on every rank, so every rank
+  skips the same steps and scales alike (given as ``grad_scaler``, its scale changes rescale the strategy);
 * ``with opt.no_sync():`` accumulates locally (DDP's name); a ``backward()`` after the average,
   before ``step()``, adds its own average (AllReduce, DeAR, Sync-Switch), as DDP's does;
-* ``model.state_dict()``, ``model.load_state_dict()``, ``opt.state_dict()``
-  and evaluation forwards (``model.eval()`` or ``torch.no_grad()``) wait
-  for the communication in flight (DeAR's all-gathers) first, and any other
-  use of a parameter waits for its own bucket (``torch_params``);
+* ``model.state_dict()``, ``model.load_state_dict()``, ``opt.state_dict()`` and evaluation forwards
+  (``model.eval()`` or ``torch.no_grad()``) wait for the communication in flight (DeAR's all-gathers)
+  first, and any other use of a parameter waits for its own bucket (``torch_params``);
 * ``opt.step(closure)``: each evaluation of the closure averaged, its loss too (LBFGS evaluates alike);
 * parameters no rank gave a gradient are left out of the update, as one process leaves them (one small
   all-reduce per step, which also carries the notes of checkpoints loaded: ``torch_replicas``);
@@ -48,6 +45,7 @@ from typing import Any
 
 import torch
 
+from .torch_amp import LossScale
 from .torch_comm import average_loss
 from .torch_grads import ShardedGrad, ShardNorms
 from .torch_hooks import InertHook, ModelHook, guard_module_hooks_under_compile, remove_inert_twins
@@ -86,6 +84,7 @@ class TrainingLoop:
     _in_flight: InFlight
     _signaled: list[bool]
     _planned_cap: int
+    _loss_scale: LossScale
 
     def _init_loop(self) -> None:
         self._no_sync_depth = 0
@@ -233,6 +232,7 @@ class TrainingLoop:
         self._got[i] = True
         if not self._callback_queued:       # a pass begins: .grad is this rank's own until reduced
             self._shards_settled(False)
+            self._loss_scale.follow(self.strategy)     # before the step's first launch
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         return self._no_sync_depth == 0

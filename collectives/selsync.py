@@ -61,14 +61,13 @@ What a binding calls (the usual lifecycle; nothing extra is required):
    consensus, and in grads mode on a sync step averages the gradients), then
    the optimizer's update on the full ``params``, then ``after_update()`` (in
    params mode on a sync step: launches the parameter averaging);
-4. optimizer state in params mode (``sync_optimizer_state=True``): either
-   register flat buffers once with :meth:`register_state_buffers` (averaged
-   together with the parameters), or, after ``after_update()``, check
-   :attr:`synced` and average the optimizer's tensors (e.g. momentum) with
-   ``comm.allreduce(t, "avg", out=t)`` in the binding;
-5. ``flush()`` before evaluation / checkpoint / end: waits for the
-   averaging and, with ``average_on_flush=True`` (default), averages the
-   parameters if replicas drifted, so that every rank holds the same model.
+4. optimizer state in params mode (``sync_optimizer_state=True``): either register flat buffers
+   once with :meth:`register_state_buffers` (averaged together with the parameters), or, after
+   ``after_update()``, check :attr:`synced` and average the optimizer's tensors (e.g. momentum)
+   with ``comm.allreduce(t, "avg", out=t)`` in the binding;
+5. ``flush()`` before evaluation / checkpoint / end: waits for the averaging and, with
+   ``average_on_flush=True`` (default), averages the parameters if replicas drifted;
+6. between steps, ``rescale_gradients(f)`` (a changed loss scale): the norm average and inner follow.
 
 Without a strategy lifecycle (a benchmark driving flat vectors): ``gate.observe(grads)``,
 ``gate.decide()``, then average yourself or call :meth:`average_params`; :meth:`end_step`.
@@ -448,11 +447,8 @@ class SelSync(Strategy):
         return nbytes
 
     def _average_one(self, p: Any, i: int) -> list[Work]:
-        """One buffer's average: an all-reduce, or (sharded inner) reduce-scatter + all-gather.
-
-        Both halves are queued at once: the progress engine runs them in order,
-        so the all-gather reads the shard after the reduce-scatter wrote it.
-        """
+        """One buffer's average: an all-reduce, or (sharded inner) reduce-scatter + all-gather, both
+        queued at once (the engine runs them in order: the all-gather reads the shard written)."""
         comm = self.comm
         v = as_view(p, "selsync: parameter buffer")
         if not self.inner.sharded or v.count % comm.size:
@@ -471,6 +467,10 @@ class SelSync(Strategy):
                 w.wait()
             works.clear()
         self.stats["wait_s"] += time.perf_counter() - t0
+
+    def rescale_gradients(self, factor: float) -> None:
+        self.meter.rescale(factor)
+        self.inner.rescale_gradients(factor)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -47,6 +47,13 @@ class SignificanceMeter:
             return 0.0 if self.value == 0.0 else math.inf
         return abs(self.value - prev) / prev
 
+    def rescale(self, factor: float) -> None:
+        """Norms come ``factor`` times larger from now on (a changed loss scale): the average follows,
+        so that the change is not read as a significant one."""
+        self.m *= factor
+        if self.value is not None:
+            self.value *= factor
+
     def state_dict(self) -> dict[str, Any]:
         return {"window": self.window, "m": self.m, "count": self.count, "value": self.value}
 

@@ -48,6 +48,9 @@ answers for a strategy that needs nothing from the optimizer):
   reads the gradients' values at all (not SelSync's local steps, nor
   Sync-Switch's asynchronous ones), so that a binding that copies them into
   the buckets (JAX's) does so only then;
+- ``rescale_gradients(factor)``: between steps, the gradients handed over
+  from now on are ``factor`` times those before (a changed loss scale), so
+  that state in their units follows (residuals, thresholds, norm averages);
 - ``tuner``: the cap search the binding feeds step times (``tune=True``);
 - ``reopens``: the reduction is linear in the gradient (False; AllReduce,
   DeAR, and Sync-Switch over either), so that a backward pass after ``before_update()`` and before the
@@ -295,6 +298,17 @@ class Strategy:
         the ranks agree whether the step synchronizes, a collective), so that
         :meth:`step_reads_gradients` can tell whether the buckets are needed."""
         raise NotImplementedError(f"{self.name} does not measure the gradients (measures_gradients is False)")
+
+    def rescale_gradients(self, factor: float) -> None:
+        """The gradients handed over from now on are ``factor`` times those before (a loss scale that
+        changed between steps: GradScaler's backoff after an overflow, its growth); state kept in the
+        gradients' units follows it (a sparse strategy's residuals and thresholds, SelSync's norm
+        average), so that a scaled run trains as the unscaled one.  Every rank, the same factor,
+        between steps.  Default: no such state.
+
+        Example:
+            >>> strategy.rescale_gradients(0.5)      # the loss scale halved after an overflow
+        """
 
     def load_is_collective(self, state: dict[str, Any]) -> bool:
         """Whether :meth:`load_state_dict` of ``state`` communicates now, so that every rank must call

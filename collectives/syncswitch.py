@@ -394,6 +394,9 @@ class SyncSwitch(Strategy):
         self.close_stores()
 
     # ------------------------------------------------------------------ state
+    def rescale_gradients(self, factor: float) -> None:
+        self.bsp.rescale_gradients(factor)
+
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         sd.update({"phase": self.phase, "clock": self.stores[0].clock if self.stores else 0,

@@ -193,6 +193,10 @@ class Selector:
             bytes=0.0, select_s=select_s, exchange_s=0.0, **kw)
 
     # ------------------------------------------------------------------ state
+    def rescale(self, factor: float) -> None:
+        """The accumulated gradients come ``factor`` times larger from now on (a changed loss scale):
+        state in their units follows (a threshold).  Default: none (the selection is scale-free)."""
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly (plain Python values and numpy arrays)."""
         return {"name": self.name, "step": self.step, "numel": self.numel, "density": self.density}

@@ -160,6 +160,10 @@ class PartitionedThreshold(Selector):
                             extra={"partition": p, "moves": moves, "next_threshold": policy.threshold})
         return Reduced(union, values, idx, stats)
 
+    def rescale(self, factor: float) -> None:
+        if self.policy is not None:
+            self.policy.rescale(factor)
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "threshold": self.policy.state_dict(),

@@ -53,6 +53,10 @@ class ErrorFeedback:
         else:
             self.residual[reduced.indices] = 0
 
+    def rescale(self, factor: float) -> None:
+        """The gradients come ``factor`` times larger from now on: the residual follows."""
+        self.residual *= factor
+
     def state_dict(self) -> dict[str, Any]:
         """The residual as a host (numpy) copy: exact."""
         return {"residual": np.array(to_host(self.residual), copy=True)}

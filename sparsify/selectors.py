@@ -133,6 +133,9 @@ class HardThreshold(Selector):
         stats = self._stats(idx.size, union.size, sum(counts), select_s, threshold=thr)
         return Reduced(union, values, idx, stats)
 
+    def rescale(self, factor: float) -> None:
+        self.policy.rescale(factor)      # a given threshold too: it is in the first step's units
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "threshold": self.policy.state_dict()}
 

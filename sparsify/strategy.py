@@ -138,6 +138,13 @@ class SparseAllReduce(Strategy):
                 self.history.append([])
             self.history[b].append(out.stats)
 
+    def rescale_gradients(self, factor: float) -> None:
+        """Residuals and selectors' thresholds follow gradients that come ``factor`` times larger
+        (a changed loss scale), so that the scaled run selects and carries what the unscaled one does."""
+        for fb, sel in zip(self.feedback, self.selectors):
+            fb.rescale(factor)
+            sel.rescale(factor)
+
     def _finite_everywhere(self, b: int, grad: Any) -> bool:
         """Whether every rank's gradient of bucket ``b`` is finite (one 4-byte all-reduce)."""
         flag = np.zeros(1, np.int32) if all_finite(self._views[b][2], grad) else np.ones(1, np.int32)

@@ -129,6 +129,11 @@ class ThresholdPolicy:
         """Prepare the next step from the global ``count`` (histogram rules: the summed histogram
         and the chosen grid point)."""
 
+    def rescale(self, factor: float) -> None:
+        """The magnitudes come ``factor`` times larger from now on: the threshold follows."""
+        if self.threshold is not None:
+            self.threshold = float(self.threshold) * factor
+
     def state_dict(self) -> dict[str, Any]:
         return {"name": self.name, "threshold": self.threshold}
 

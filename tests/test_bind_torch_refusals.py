@@ -71,6 +71,8 @@ def test_bad_arguments(comm):
                                         r"got ExDyna \(a gradient selector goes in"):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, comm=comm,
                              strategy=ExDyna(density=0.1))     # was an AttributeError from inside
+    with pytest.raises(TypeError, match="grad_scaler: expected a torch.amp.GradScaler, got str"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, comm=comm, grad_scaler="x")
 
 
 @pytest.mark.mpi(min_size=2)

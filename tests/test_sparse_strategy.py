@@ -13,7 +13,7 @@ import pytest
 
 import commlib
 from commlib.collectives import TensorSpec, plan_buckets
-from commlib.sparsify import ExDyna, SparseAllReduce, TopK
+from commlib.sparsify import ExDyna, HardThreshold, SparseAllReduce, TopK
 
 from conftest import HAVE_GPU, HAVE_TORCH, NO_GPU_REASON, heavy_tailed_grad
 
@@ -62,6 +62,36 @@ def test_strategy_writes_the_sparse_average_back(comm):
     assert s.stats["bytes"] == pytest.approx(sum(h.bytes for h in s.history[0]))
     assert (s.stats["bytes"] > 0) == (comm.size > 1)
     assert "ExDyna(density=0.01" in repr(s)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("selector", ["exdyna", "topk", "hard"])
+@pytest.mark.parametrize("follow", [True, False])
+def test_a_changing_loss_scale_is_followed(comm, selector, follow):
+    """Gradients handed over in the units of a loss scale that changes between steps (GradScaler's
+    growth and backoff, powers of two), each change told with ``rescale_gradients``: every step's
+    average is the unscaled run's times the scale, exactly (residuals and thresholds follow).  Not
+    told, the residual carried over a change counts old/new times, and the runs part.  (MiCRO's
+    threshold starts from an absolute value, the prototype's rule: in the scaled units from step 1.)"""
+    scales = [2.0**10, 2.0**11, 2.0**11, 2.0**9, 2.0**12, 2.0**12, 2.0**12]
+    n, step = 20_000, [0]
+
+    def make():
+        return SparseAllReduce(selector={"exdyna": ExDyna(0.01), "topk": TopK(0.01),
+                                         "hard": HardThreshold(0.01)}[selector])
+
+    def scaled(g):
+        t = step[0]
+        step[0] += 1
+        if follow and t and scales[t] != scales[t - 1]:
+            s.rescale_gradients(scales[t] / scales[t - 1])
+        g *= scales[t]
+
+    plain = _strategy_run(comm, make(), np.zeros(n, np.float32), len(scales))
+    s = make()
+    got = _strategy_run(comm, s, np.zeros(n, np.float32), len(scales), poke=scaled)
+    same = [np.array_equal(g / k, p) for g, k, p in zip(got, scales, plain)]
+    assert same == [True] * len(scales) if follow else same[0] and not any(same[1:])
 
 
 @pytest.mark.mpi(min_size=1)
@@ -284,6 +314,42 @@ def test_grad_scaler_skips_an_overflowed_step_on_every_rank(comm, bad):
     _, params_without, state_without = run([0, 1, 3, 4])
     np.testing.assert_array_equal(params, params_without)
     assert state == state_without
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize("strategy", ["exdyna", "selsync"])
+@pytest.mark.parametrize("given", [True, False])
+def test_a_grad_scaler_handed_over_trains_as_the_unscaled_run(comm, strategy, given):
+    """The loop's GradScaler handed to DistributedOptimizer (``grad_scaler=``), its scale doubling every
+    second step: the run trains bit for bit as the one without loss scaling (ExDyna's residuals and
+    threshold, SelSync's norm average and its inner TopK's residuals follow each change).  Not handed
+    over, the runs part (the residual carried over a change counted half)."""
+    torch = pytest.importorskip("torch")
+    binding = pytest.importorskip("commlib.bindings.torch")
+    from commlib.collectives import SelSync
+
+    def run(scaler, give):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+        strat = (SparseAllReduce(selector=ExDyna(0.05)) if strategy == "exdyna" else
+                 SelSync(SparseAllReduce(selector=TopK(0.05)), delta=0.05, warmup=2, mode="grads"))
+        opt = binding.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
+                                           strategy=strat, comm=comm, grad_scaler=scaler if give else None)
+        for step in range(8):
+            g = torch.Generator().manual_seed(100 * step + comm.rank)
+            x, y = torch.randn(8, 20, generator=g), torch.randn(8, 4, generator=g)
+            opt.zero_grad()
+            scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        assert scaler.get_scale() == (2.0**12 if scaler.is_enabled() else 1.0)
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+
+    plain = run(torch.amp.GradScaler("cpu", enabled=False), True)
+    got = run(torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2), given)
+    assert np.array_equal(got, plain) == given
 
 
 @pytest.mark.mpi(min_size=1)

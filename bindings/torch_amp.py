@@ -1,0 +1,41 @@
+"""The loop's ``torch.amp.GradScaler`` as the strategy sees it: gradients in the loss scale's units.
+
+A strategy reads the gradients during backward, before ``scaler.unscale_``: scaled.  Where it keeps
+state in their units across steps (a sparse strategy's error-feedback residuals and thresholds,
+SelSync's average of the gradient norm), a scale that changes between steps (GradScaler's backoff
+after an overflow, its growth every ``growth_interval`` steps) would weigh that state by the ratio
+of the scales: a residual carried over an overflow counts twice.  :class:`LossScale` reads the
+scale at each step's first backward pass and hands a change to ``strategy.rescale_gradients``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class LossScale:
+    """``scaler``'s scale (``None``: no scaler, nothing to follow), followed by the strategy.
+
+    Example:
+        >>> scale = LossScale(scaler)
+        >>> scale.follow(strategy)     # at each step's first backward: a change is rescaled
+    """
+
+    def __init__(self, scaler: torch.amp.GradScaler | None):
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"grad_scaler: expected a torch.amp.GradScaler, got {type(scaler).__name__}")
+        self.scaler = scaler
+        self._seen: float | None = None
+
+    def follow(self, strategy: Any) -> None:
+        """The scale of the gradients about to arrive; where it changed since the last step's, the
+        strategy's state follows (the same on every rank: GradScaler's decisions are, once an overflow
+        reaches every rank's gradients)."""
+        if self.scaler is None:
+            return
+        scale = self.scaler.get_scale()         # 1.0 when the scaler is disabled
+        if self._seen is not None and scale != self._seen:
+            strategy.rescale_gradients(scale / self._seen)
+        self._seen = scale

@@ -386,3 +386,33 @@ def test_a_closure_evaluates_as_one_process(kind):
     np.testing.assert_allclose(got, want, rtol=1e-10)
     for k, q in ref.state_dict().items():
         torch.testing.assert_close(model.state_dict()[k], q, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_grad_scaler_reaches_the_strategy_optimizer():
+    """``grad_scaler=`` beside ``strategy=`` reaches commlib's optimizer: a sparse strategy under a loss
+    scale doubling every step trains as without one; without ``strategy=``/``model=`` it is refused."""
+    from commlib.sparsify import SparseAllReduce, TopK
+
+    hvd.init()
+
+    def run(scaler):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                                       strategy=SparseAllReduce(selector=TopK(0.2)), grad_scaler=scaler)
+        g = torch.Generator().manual_seed(hvd.rank())
+        for _ in range(5):
+            x, y = torch.randn(4, 6, generator=g), torch.randn(4, 2, generator=g)
+            opt.zero_grad()
+            scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    scaled = run(torch.amp.GradScaler("cpu", init_scale=2.0**6, growth_interval=1))
+    torch.testing.assert_close(scaled, run(torch.amp.GradScaler("cpu", enabled=False)), rtol=0, atol=0)
+    model, scaler = torch.nn.Linear(3, 1), torch.amp.GradScaler("cpu")
+    with pytest.raises(ValueError, match="grad_scaler= goes with strategy="):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters(), grad_scaler=scaler)

@@ -270,7 +270,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          op: int = Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Any = None, sparse_as_dense: bool = False,
                          process_set: Any = global_process_set, *, strategy: Any = None,
-                         model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+                         model: torch.nn.Module | None = None,
+                         grad_scaler: Any = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks (Horovod's API).
 
     ``named_parameters``: ``model.named_parameters()`` (names the all-reduces);
@@ -280,7 +281,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     ``backward_passes_per_step``: passes accumulated locally per all-reduce;
     ``groups``/``num_groups``: accepted (the engine fuses all-reduces anyway).
     Beyond Horovod: ``strategy=`` a commlib strategy and ``model=`` the module
-    (see the module docstring).
+    (see the module docstring), ``grad_scaler=`` the loop's ``torch.amp.GradScaler`` with them
+    (a sparse strategy's state follows its scale: ``commlib.bindings.torch.DistributedOptimizer``).
 
     Example:
         >>> opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size()),
@@ -302,7 +304,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         raise NotImplementedError("commlib.horovod: op=hvd.Adasum is not supported (use hvd.Average)")
     if strategy is not None or model is not None:
         return _strategy_optimizer(optimizer, named_parameters, compression, op, gradient_predivide_factor,
-                                   backward_passes_per_step, strategy, model)
+                                   backward_passes_per_step, strategy, model, grad_scaler)
+    if grad_scaler is not None:
+        raise ValueError("grad_scaler= goes with strategy= or model= (Horovod's own path keeps no state "
+                         "in the gradients' units)")
     cls = type(type(optimizer).__name__, (HorovodOptimizerMixin, type(optimizer)), {"__module__": __name__})
     wrapped = object.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)      # shares param_groups and state with `optimizer`
@@ -315,7 +320,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
 
 def _strategy_optimizer(optimizer: torch.optim.Optimizer, named_parameters: Any, compression: Any, op: int,
                         gradient_predivide_factor: float, backward_passes_per_step: int, strategy: Any,
-                        model: torch.nn.Module | None) -> torch.optim.Optimizer:
+                        model: torch.nn.Module | None, grad_scaler: Any) -> torch.optim.Optimizer:
     from commlib.bindings.torch import DistributedOptimizer as StrategyOptimizer
     from commlib.collectives import Strategy
 
@@ -328,4 +333,5 @@ def _strategy_optimizer(optimizer: torch.optim.Optimizer, named_parameters: Any,
                              "pass model=")
         model = _Holder([p for g in optimizer.param_groups for p in g["params"]])
     return StrategyOptimizer(optimizer, model, strategy, basics.world(),
-                             backward_passes_per_step=backward_passes_per_step, broadcast=False)
+                             backward_passes_per_step=backward_passes_per_step, broadcast=False,
+                             grad_scaler=grad_scaler)

@@ -37,9 +37,11 @@ class CommunicatorOps:
     _split: dict[int, list[int]]
 
     def _number(self) -> int:
+        """The next operation's sequence number (``Communicator._number``)."""
         raise NotImplementedError
 
     def _call(self, name: str, build: Callable[..., Op], args: tuple, blocking: bool) -> Any:
+        """Number, validate, check and run one operation (``Communicator._call``)."""
         raise NotImplementedError
 
     def _route(self, v: View, what: str) -> tuple[Backend, CallerStream | None]:

@@ -53,9 +53,9 @@ Sharp bits (what a user must know):
   the collectives in program order, exactly once per call, but it cannot be
   used under ``jax.vmap``, ``pmap`` or ``shard_map``, and an error raised by
   a rank (bad input, timeout) surfaces as JAX's runtime error wrapping
-  commlib's message.  :func:`sharded_optimizer`'s ``update`` jits too (the
-  reduce-scatter and the all-gather in two callbacks around the traced inner
-  update on the shards); its ``init`` runs eagerly.
+  commlib's message.  :func:`sharded_optimizer` jits too (the reduce-scatter
+  and the all-gather in two callbacks around the traced inner update on the
+  shards).
 * The jitted path has a communicator of its own (``comm.split(0)``, made
   once, collectively, when the first jitted call is traced: trace on every
   rank, from the thread that drives ``comm``), so that its collectives,

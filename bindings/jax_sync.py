@@ -260,8 +260,8 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
     every rank, at the first update, before it communicates).
     ``strategy`` must be sharded (default ``DeAR()``).  ``update`` runs eagerly or inside
     ``jax.jit`` (the reduce-scatter and the all-gather in ordered ``io_callback`` calls around the
-    traced inner update, over a communicator of their own, as :class:`GradientSync`'s);
-    ``init`` runs eagerly.
+    traced inner update, over a communicator of their own, as :class:`GradientSync`'s); so does
+    ``init`` (the tree compared over the ranks while tracing).
 
     Example:
         >>> tx = sharded_optimizer(optax.adamw(1e-3), strategy=DeAR(cap_mb=8))
@@ -336,12 +336,13 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
 
     def init_fn(params: Any) -> ShardedState:
         plan, leaves, traced = planned(params)
-        if traced:
-            raise TypeError("sharded_optimizer.init runs eagerly: call it outside jax.jit (update "
-                            "runs inside)")
-        sync._checked(plan, sync.comm)
+        sync._checked(plan, sync.comm)      # inside jax.jit: while tracing, which every rank does
         digest[:] = [plan.digest]
-        return ShardedState(inner.init([jnp.asarray(s) for s in shard_leaves(plan, leaves)]), owned())
+        if traced:      # this rank's shards taken in the traced code
+            shards = [plan.traced_shard(b, leaves, sync.comm.rank) for b in range(len(plan.buckets))]
+        else:
+            shards = [jnp.asarray(s) for s in shard_leaves(plan, leaves)]
+        return ShardedState(inner.init(shards), owned())
 
     def update_fn(updates: Any, state: ShardedState, params: Any = None) -> tuple[Any, ShardedState]:
         plan, leaves, traced = planned(updates)

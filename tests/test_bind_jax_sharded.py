@@ -29,7 +29,7 @@ from test_bind_jax import (  # noqa: E402
 
 from commlib.bindings.jax import broadcast_params, sharded_optimizer  # noqa: E402
 from commlib.collectives import DeAR  # noqa: E402
-from commlib.errors import ValidationError  # noqa: E402
+from commlib.errors import MismatchError, ValidationError  # noqa: E402
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -131,10 +131,24 @@ def test_gradient_accumulation_around_it_trains_as_one_process(comm, jit):
     np.testing.assert_allclose(flat(got), flat(params), rtol=2e-5, atol=2e-6)
 
 
-def test_init_runs_eagerly(comm):
-    tx = sharded_optimizer(optax.sgd(0.1), comm=comm, strategy=DeAR(cap_mb=SMALL))
-    with pytest.raises(TypeError, match=r"sharded_optimizer.init runs eagerly"):
-        jax.jit(tx.init)(init_params(0))
+def test_init_inside_jit_is_the_eager_one(comm):
+    """``jax.jit(tx.init)`` (as a jitted ``TrainState.create`` calls it) gives the eager init's state,
+    this rank's shards of the parameters taken in the traced code, and trains on as it; it was refused
+    ("runs eagerly").  A tree that differs over the ranks is refused while tracing, on every rank."""
+    start = broadcast_params(init_params(comm.rank), comm=comm)
+    tx = sharded_optimizer(optimizer("adamw"), comm=comm, strategy=DeAR(cap_mb=SMALL, first_cap_mb=SMALL / 2))
+    eager, jitted = tx.init(start), jax.jit(tx.init)(start)
+    np.testing.assert_array_equal(flat(jitted.inner), flat(eager.inner))
+    np.testing.assert_array_equal(np.asarray(jitted.owner), np.asarray(eager.owner))
+    step = stepper(tx, True)
+    a, _ = steps(comm, step, start, eager, range(STEPS))
+    b, _ = steps(comm, step, start, jitted, range(STEPS))
+    np.testing.assert_array_equal(flat(a), flat(b))
+    if comm.size > 1:
+        tx = sharded_optimizer(optax.sgd(0.1), comm=comm, strategy=DeAR(cap_mb=SMALL))
+        tree = init_params(0) if comm.rank else {"only": init_params(0)["out"]}
+        with pytest.raises(MismatchError, match="pytree"):
+            jax.jit(tx.init)(tree)
 
 
 @pytest.mark.parametrize("name", ["lamb", "lars", "clip_by_global_norm", "adafactor", "apply_if_finite"])

@@ -60,7 +60,7 @@ class Plan:
             self.buckets = plan_buckets(specs, world_size, cap_bytes, first_cap_bytes)
         self.buffers: list[np.ndarray] = []
         self.shards: list[np.ndarray] = []
-        self.extra: list[np.ndarray] = []     # sharded_optimizer: parameter buffers
+        self._shard_fns: dict[int, Any] = {}    # rank -> compiled shards_of
 
     def allocate(self, sharded: bool) -> None:
         if not self.buffers:
@@ -73,15 +73,17 @@ class Plan:
         for s in self.buckets[b].slots:
             buf[s.offset:s.offset + s.numel] = np.asarray(leaves[s.index]).reshape(-1)
 
-    def pack_shard(self, b: int, leaves: Sequence[Any], rank: int, into: list[np.ndarray]) -> None:
-        """Only this rank's shard of bucket ``b`` (the rest of ``into[b]`` is left alone)."""
-        buf = into[b]
-        for i, flat, piece in self.buckets[b].pieces(rank):
-            buf[piece] = np.asarray(leaves[i]).reshape(-1)[flat]
+    def shards_of(self, leaves: Sequence[Any], rank: int) -> list[Any]:
+        """``rank``'s shard of every bucket gathered from ``leaves`` (padding zero), as jax arrays:
+        one compiled function, eagerly or inside ``jax.jit`` (where it is inlined: the leaves need
+        not cross to the host)."""
+        fn = self._shard_fns.get(rank)
+        if fn is None:
+            fn = self._shard_fns[rank] = jax.jit(
+                lambda ls: [self._shard(b, ls, rank) for b in range(len(self.buckets))])
+        return fn(list(leaves))
 
-    def traced_shard(self, b: int, leaves: Sequence[Any], rank: int) -> Any:
-        """:meth:`pack_shard` inside ``jax.jit``: ``rank``'s shard of bucket ``b`` gathered from the
-        traced ``leaves`` (padding zero), so that the leaves need not cross to the host for it."""
+    def _shard(self, b: int, leaves: Sequence[Any], rank: int) -> Any:
         import jax.numpy as jnp
 
         bucket = self.buckets[b]

@@ -309,16 +309,6 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
                                   "average_gradients(...), inner), whose state is the same on every rank")
         return owned()
 
-    def shard_leaves(plan: Plan, leaves: Sequence[Any]) -> list[np.ndarray]:
-        """This rank's shard of each bucket packed from ``leaves`` (copies)."""
-        rank = sync.comm.rank
-        plan.allocate(True)
-        if not plan.extra:
-            plan.extra = [np.zeros(b.padded, numpy_dtype(b.dtype)) for b in plan.buckets]
-        for b in range(len(plan.buckets)):
-            plan.pack_shard(b, leaves, rank, plan.extra)
-        return [plan.extra[b][bk.shard(rank)].copy() for b, bk in enumerate(plan.buckets)]
-
     def write_shards(plan: Plan, shards: Sequence[Any]) -> None:
         """The updated shards into this rank's shard of each bucket (gathered next)."""
         rank = sync.comm.rank
@@ -335,14 +325,10 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
         return plan, leaves, any(is_tracer(x) for x in leaves)
 
     def init_fn(params: Any) -> ShardedState:
-        plan, leaves, traced = planned(params)
+        plan, leaves = sync._plan(params)
         sync._checked(plan, sync.comm)      # inside jax.jit: while tracing, which every rank does
         digest[:] = [plan.digest]
-        if traced:      # this rank's shards taken in the traced code
-            shards = [plan.traced_shard(b, leaves, sync.comm.rank) for b in range(len(plan.buckets))]
-        else:
-            shards = [jnp.asarray(s) for s in shard_leaves(plan, leaves)]
-        return ShardedState(inner.init(shards), owned())
+        return ShardedState(inner.init(plan.shards_of(leaves, sync.comm.rank)), owned())
 
     def update_fn(updates: Any, state: ShardedState, params: Any = None) -> tuple[Any, ShardedState]:
         plan, leaves, traced = planned(updates)
@@ -359,7 +345,7 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
         if traced:
             return traced_update(plan, leaves, state, pleaves)
         owner = check_owner(state.owner, sync.comm)
-        shard_params = None if pleaves is None else [jnp.asarray(s) for s in shard_leaves(plan, pleaves)]
+        shard_params = None if pleaves is None else plan.shards_of(pleaves, sync.comm.rank)
         new_state: list[Any] = []
 
         def update(shards: list[np.ndarray]) -> None:
@@ -388,8 +374,7 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
 
         got = io_callback(begin, [jax.ShapeDtypeStruct((3,), np.int32), *shard_types], state.owner, *leaves,
                           ordered=True)
-        pshards = None if pleaves is None else [plan.traced_shard(b, pleaves, sync.comm.rank)
-                                                for b in range(len(plan.buckets))]
+        pshards = None if pleaves is None else plan.shards_of(pleaves, sync.comm.rank)
         out, inner_state = inner.update(list(got[1:]), state.inner, pshards)
 
         def finish(*shards: np.ndarray) -> list[np.ndarray]:

@@ -6,6 +6,9 @@ SelSync's average of the gradient norm), a scale that changes between steps (Gra
 after an overflow, its growth every ``growth_interval`` steps) would weigh that state by the ratio
 of the scales: a residual carried over an overflow counts twice.  :class:`LossScale` reads the
 scale at each step's first backward pass and hands a change to ``strategy.rescale_gradients``.
+The scale it last saw is part of the optimizer's checkpoint: a run resumed after a step that changed
+the scale (the checkpoint's residuals in the old units, the restored scaler at the new) rescales at
+its first step, as the run that went on did.
 """
 
 from __future__ import annotations
@@ -39,3 +42,17 @@ class LossScale:
         if self._seen is not None and scale != self._seen:
             strategy.rescale_gradients(scale / self._seen)
         self._seen = scale
+
+    @property
+    def seen(self) -> float | None:
+        """The scale of the last step's gradients (``None``: none seen, or no scaler), which the
+        strategy's state is in; saved in the optimizer's checkpoint."""
+        return self._seen
+
+    def resume(self, seen: float | None) -> None:
+        """Continue from a checkpoint's :attr:`seen`: the strategy's state just loaded is in that
+        scale's units (ignored without a scaler: nothing follows)."""
+        if seen is not None and not isinstance(seen, (int, float)):
+            raise TypeError(f"a checkpoint's loss scale: expected a number, got {type(seen).__name__}")
+        if self.scaler is not None:
+            self._seen = None if seen is None else float(seen)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .torch_amp import LossScale
 from .torch_comm import Layout, dtype_name, flat_in_layout, in_layout
 from .torch_unused import UnusedParameters
 
@@ -166,6 +167,7 @@ class ConsolidatedState:
     _wrapped: bool
     _state_marks: list[ShardedParamState]
     _unused: UnusedParameters
+    _loss_scale: LossScale
     #: whether the update runs on shards (the strategy's ``sharded`` when the update's side was made)
     _sharded: bool | None
     #: under a sharded strategy, the state dict loaded since the last step: this rank keeps only its
@@ -361,7 +363,8 @@ class ConsolidatedState:
             self._inner.state.clear()
             self._inner.state.update(saved)
         strategy = self._pending_load[1] if self._pending_load is not None else self.strategy.state_dict()
-        sd["commlib"] = {"strategy": _as_torch(strategy), "world_size": self.comm.size}
+        sd["commlib"] = {"strategy": _as_torch(strategy), "world_size": self.comm.size,
+                         "loss_scale": self._loss_scale.seen}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -387,6 +390,7 @@ class ConsolidatedState:
         if extra is None:
             return
         strategy = _as_numpy(extra["strategy"])
+        self._loss_scale.resume(extra.get("loss_scale"))      # the units the strategy's state is in
         if self.strategy.load_is_collective(strategy):
             self._pending_load = (sd, strategy)
         else:       # a tuned cap re-plans at the next training forward, on every rank (rank 0 may load alone)

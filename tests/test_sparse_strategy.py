@@ -316,6 +316,73 @@ def test_grad_scaler_skips_an_overflowed_step_on_every_rank(comm, bad):
     assert state == state_without
 
 
+class _ScaledRun:
+    """A small model trained under a GradScaler (handed to DistributedOptimizer or not) with ExDyna or
+    SelSync over TopK, whose state lives in the gradients' units; ``steps`` trains on, the same batches
+    whatever object runs them, and ``checkpoint``/``resume`` go through a torch.save'd file's bytes."""
+
+    def __init__(self, comm, strategy, scaler, give, seed=0):
+        import torch
+
+        from commlib.bindings.torch import DistributedOptimizer
+        from commlib.collectives import SelSync
+
+        torch.manual_seed(seed)
+        self.model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+        strat = (SparseAllReduce(selector=ExDyna(0.05)) if strategy == "exdyna" else
+                 SelSync(SparseAllReduce(selector=TopK(0.05)), delta=0.05, warmup=2, mode="grads"))
+        self.opt = DistributedOptimizer(torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9),
+                                        self.model, strategy=strat, comm=comm,
+                                        grad_scaler=scaler if give else None)
+        self.comm, self.scaler = comm, scaler
+
+    def steps(self, first, last):
+        import torch
+
+        for step in range(first, last):
+            g = torch.Generator().manual_seed(100 * step + self.comm.rank)
+            x, y = torch.randn(8, 20, generator=g), torch.randn(8, 4, generator=g)
+            self.opt.zero_grad()
+            self.scaler.scale(torch.nn.functional.mse_loss(self.model(x), y)).backward()
+            self.scaler.unscale_(self.opt)
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        return self
+
+    def checkpoint(self) -> bytes:
+        import io
+
+        import torch
+
+        f = io.BytesIO()
+        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                    "scaler": self.scaler.state_dict()}, f)
+        return f.getvalue()
+
+    def resume(self, ckpt: bytes):
+        import io
+
+        import torch
+
+        state = torch.load(io.BytesIO(ckpt))            # weights_only, torch's default
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.scaler.load_state_dict(state["scaler"])
+        return self
+
+    def params(self) -> np.ndarray:
+        import torch
+
+        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()]).numpy()
+
+
+def _doubling_scaler(enabled=True):
+    """A GradScaler from 2^8 doubling every second step (after steps 1, 3, 5, 7)."""
+    import torch
+
+    return torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2, enabled=enabled)
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 @pytest.mark.parametrize("strategy", ["exdyna", "selsync"])
@@ -325,31 +392,26 @@ def test_a_grad_scaler_handed_over_trains_as_the_unscaled_run(comm, strategy, gi
     second step: the run trains bit for bit as the one without loss scaling (ExDyna's residuals and
     threshold, SelSync's norm average and its inner TopK's residuals follow each change).  Not handed
     over, the runs part (the residual carried over a change counted half)."""
-    torch = pytest.importorskip("torch")
-    binding = pytest.importorskip("commlib.bindings.torch")
-    from commlib.collectives import SelSync
+    plain = _ScaledRun(comm, strategy, _doubling_scaler(enabled=False), True).steps(0, 8)
+    assert plain.scaler.get_scale() == 1.0
+    got = _ScaledRun(comm, strategy, _doubling_scaler(), given).steps(0, 8)
+    assert got.scaler.get_scale() == 2.0**12
+    assert np.array_equal(got.params(), plain.params()) == given
 
-    def run(scaler, give):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
-        strat = (SparseAllReduce(selector=ExDyna(0.05)) if strategy == "exdyna" else
-                 SelSync(SparseAllReduce(selector=TopK(0.05)), delta=0.05, warmup=2, mode="grads"))
-        opt = binding.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
-                                           strategy=strat, comm=comm, grad_scaler=scaler if give else None)
-        for step in range(8):
-            g = torch.Generator().manual_seed(100 * step + comm.rank)
-            x, y = torch.randn(8, 20, generator=g), torch.randn(8, 4, generator=g)
-            opt.zero_grad()
-            scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
-            scaler.unscale_(opt)
-            scaler.step(opt)
-            scaler.update()
-        assert scaler.get_scale() == (2.0**12 if scaler.is_enabled() else 1.0)
-        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
 
-    plain = run(torch.amp.GradScaler("cpu", enabled=False), True)
-    got = run(torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2), given)
-    assert np.array_equal(got, plain) == given
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize("strategy", ["exdyna", "selsync"])
+def test_a_run_resumed_after_a_scale_change_trains_as_the_one_that_went_on(comm, strategy):
+    """A checkpoint taken right after the scaler doubled its scale (the strategy's state still in the
+    old units, the scaler's at the new), resumed into a new model, optimizer and scaler on every rank:
+    the rest of the run is bit for bit the uninterrupted one's (the scale the state is in was saved
+    with the optimizer's state, so the first resumed step rescales it as the run that went on did)."""
+    whole = _ScaledRun(comm, strategy, _doubling_scaler(), True).steps(0, 8)
+    first = _ScaledRun(comm, strategy, _doubling_scaler(), True).steps(0, 4)
+    assert first.scaler.get_scale() == 2.0**10          # doubled at step 3's update: the state is at 2^9
+    resumed = _ScaledRun(comm, strategy, _doubling_scaler(), True, seed=1).resume(first.checkpoint())
+    np.testing.assert_array_equal(resumed.steps(4, 8).params(), whole.params())
 
 
 @pytest.mark.mpi(min_size=1)

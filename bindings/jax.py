@@ -42,7 +42,10 @@ Strategies. :class:`~collectives.AllReduce` all-reduces each bucket (``avg``).
 each bucket, the averaged shard written back as the "update", all-gather of
 the averaged gradients), so any optax chain after it stays unchanged; with
 :func:`sharded_optimizer` the optimizer itself runs on the shard (ZeRO-1:
-state and update cost 1/world_size), and the updates are all-gathered.
+state and update cost 1/world_size), and the updates are all-gathered; its
+``whole_state`` / ``shard_state`` turn the per-rank state into the inner
+optimizer's state over the whole tree and back (``jax_state``), for
+checkpoints rank 0 writes alone and resumes on any number of ranks.
 
 Sharp bits (what a user must know):
 

@@ -5,6 +5,7 @@ binding in :mod:`bindings.jax`, which exports them."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import OrderedDict
@@ -21,6 +22,7 @@ from commlib.collectives.buckets import Bucket
 from commlib.errors import ValidationError
 
 from .jax_fusion import Plan, agree_plan, make_plan, shard_problem
+from .jax_state import shard_state, whole_state
 
 _MAX_PLANS = 16            # bucket plans kept per GradientSync (least recently used dropped)
 
@@ -263,6 +265,13 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
     traced inner update, over a communicator of their own, as :class:`GradientSync`'s); so does
     ``init`` (the tree compared over the ranks while tracing).
 
+    The returned transformation has two more methods, for checkpoints that do not depend on
+    the ranks: ``tx.whole_state(state, params)`` gathers every rank's shards into the state
+    ``inner`` keeps over the whole of ``params`` (a call every rank makes; the same on every rank,
+    so rank 0 may save it alone, and one process may train on with ``inner``), and
+    ``tx.shard_state(whole, params)`` cuts such a state into this rank's ``ShardedState``, on
+    any number of ranks (no communication), as FSDP's full optimizer state dict.
+
     Example:
         >>> tx = sharded_optimizer(optax.adamw(1e-3), strategy=DeAR(cap_mb=8))
         >>> state = tx.init(params)                  # after broadcast_params
@@ -270,9 +279,10 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
         ... def step(params, state, x, y):
         ...     updates, state = tx.update(jax.grad(loss)(params, x, y), state, params)
         ...     return optax.apply_updates(params, updates), state
+        >>> whole = tx.whole_state(state, params)    # every rank; rank 0 saves it
+        >>> state = tx.shard_state(whole, params)    # on resume, on any number of ranks
     """
     import jax.numpy as jnp
-    import optax
 
     problem = shard_problem(inner)
     if problem:
@@ -384,4 +394,67 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
         full = io_callback(finish, leaf_types, *out, ordered=True)
         return jax.tree_util.tree_unflatten(plan.treedef, list(full)), ShardedState(inner_state, got[0])
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    def eager(tree: Any, who: str) -> Plan:
+        plan, leaves = sync._plan(tree)
+        if any(is_tracer(x) for x in leaves):
+            raise TypeError(f"sharded_optimizer.{who} runs eagerly (a checkpoint's step): call it outside "
+                            "jax.jit")
+        if plan.error:
+            raise ValidationError(f"sharded_optimizer.{who}: {plan.error}")
+        if digest and plan.digest != digest[0]:
+            raise ValidationError(f"sharded_optimizer.{who}: params differ from those given to init "
+                                  "(structure, shapes or dtypes)")
+        return plan
+
+    def whole_fn(state: ShardedState, params: Any) -> Any:
+        plan = eager(params, "whole_state")
+        sync._checked(plan, sync.comm)        # the same tree on every rank, before the gathers
+        check_owner(state.owner, sync.comm)
+        return whole_state(sync.comm, plan, inner, state.inner, params)
+
+    def shard_fn(whole: Any, params: Any) -> ShardedState:
+        plan = eager(params, "shard_state")
+        digest[:] = [plan.digest]
+        return ShardedState(shard_state(plan, sync.comm.rank, inner, whole, params), owned())
+
+    return sharded_transformation()(init_fn, update_fn, whole_fn, shard_fn)
+
+
+@functools.cache
+def sharded_transformation() -> type:
+    """The class of :func:`sharded_optimizer`'s result, made when optax is first needed (the binding
+    imports without it): optax's ``GradientTransformation`` pair plus the state made whole and cut."""
+    import optax
+
+    class ShardedTransformation(optax.GradientTransformation):
+        """optax's ``(init, update)`` pair of :func:`sharded_optimizer`, plus :meth:`whole_state` and
+        :meth:`shard_state` (checkpoints that do not depend on the ranks).
+
+        Example:
+            >>> whole = tx.whole_state(state, params)
+        """
+
+        def __new__(cls, init: Any, update: Any, whole: Any, shard: Any) -> Any:
+            self = super().__new__(cls, init, update)
+            self._whole, self._shard = whole, shard
+            return self
+
+        def whole_state(self, state: ShardedState, params: Any) -> Any:
+            """``inner``'s state over the whole of ``params``, gathered from every rank's shards (a
+            call every rank makes; the same on every rank; eagerly).
+
+            Example:
+                >>> if comm.rank == 0: pickle.dump(tx.whole_state(state, params), f)
+            """
+            return self._whole(state, params)
+
+        def shard_state(self, whole: Any, params: Any) -> ShardedState:
+            """This rank's state cut from ``whole`` (``inner``'s state over the whole of ``params``,
+            from :meth:`whole_state` on any number of ranks or ``inner`` in one process; eagerly).
+
+            Example:
+                >>> state = tx.shard_state(pickle.load(f), params)
+            """
+            return self._shard(whole, params)
+
+    return ShardedTransformation

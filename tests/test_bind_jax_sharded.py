@@ -151,6 +151,76 @@ def test_init_inside_jit_is_the_eager_one(comm):
             jax.jit(tx.init)(tree)
 
 
+def one_process_run(kind, size, todo, params, state):
+    """``optimizer(kind)`` in one process on the whole batches of ``todo``: (params, state)."""
+    tx = optimizer(kind)
+
+    @jax.jit
+    def step_fn(params, state, x, y):
+        updates, state = tx.update(jax.grad(loss_fn)(params, x, y), state, params)
+        return optax.apply_updates(params, updates), state
+
+    for step in todo:
+        params, state = step_fn(params, state, *batch(step, size))
+    return params, state
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_whole_state_is_one_process_state_and_resumes_on_any_ranks(comm, jit):
+    """``tx.whole_state`` gathers the ranks' shards into adamw's state over the whole tree: one process's
+    state after the same steps, the same on every rank (rank 0 may save it alone).  Cut again by
+    ``tx.shard_state`` in a fresh optimizer it continues bit for bit as the run that went on; one
+    process's state, cut over these ranks, continues as one process does (a checkpoint that does not
+    depend on the number of ranks).  Before, each rank had to save and restore its own shards."""
+    def fresh():
+        return sharded_optimizer(optimizer("adamw"), comm=comm,
+                                 strategy=DeAR(cap_mb=SMALL, first_cap_mb=SMALL / 2))
+
+    start = broadcast_params(init_params(comm.rank), comm=comm)
+    tx = fresh()
+    whole_run, _ = steps(comm, stepper(tx, jit), start, tx.init(start), range(STEPS))
+    tx = fresh()
+    params, state = steps(comm, stepper(tx, jit), start, tx.init(start), range(2))
+    whole = tx.whole_state(state, params)
+    one_params, one_state = one_process_run("adamw", comm.size, range(2), init_params(0),
+                                            optimizer("adamw").init(init_params(0)))
+    assert jax.tree_util.tree_structure(whole) == jax.tree_util.tree_structure(one_state)
+    np.testing.assert_allclose(flat(whole), flat(one_state), rtol=2e-5, atol=2e-6)
+    same_on_all_ranks(comm, whole)
+    saved = pickle.dumps(whole) if comm.rank == 0 else None
+    whole = pickle.loads(comm.allgather_object(saved)[0])            # rank 0's file, read everywhere
+    tx = fresh()
+    resumed, _ = steps(comm, stepper(tx, jit), params, tx.shard_state(whole, params), range(2, STEPS))
+    np.testing.assert_array_equal(flat(resumed), flat(whole_run))
+    tx = fresh()
+    one_params = broadcast_params(one_params, comm=comm)
+    resumed, _ = steps(comm, stepper(tx, jit), one_params, tx.shard_state(one_state, one_params),
+                       range(2, STEPS))
+    one_final, _ = one_process_run("adamw", comm.size, range(2, STEPS), one_params, one_state)
+    np.testing.assert_allclose(flat(resumed), flat(one_final), rtol=2e-5, atol=2e-6)
+
+
+def test_whole_state_refusals(comm):
+    """A state that is not the inner optimizer's over these parameters (another optimizer's, a leaf of
+    another shape) is refused by ``shard_state`` with ValidationError, naming what differs, on every
+    rank alike; both methods refuse to run inside ``jax.jit`` (a checkpoint's step is eager)."""
+    start = broadcast_params(init_params(comm.rank), comm=comm)
+    tx = sharded_optimizer(optimizer("adamw"), comm=comm, strategy=DeAR(cap_mb=SMALL))
+    state = tx.init(start)
+    with pytest.raises(ValidationError, match="expected"):
+        tx.shard_state(optax.sgd(0.1).init(start), start)
+    whole = tx.whole_state(state, start)
+    wrong = jax.tree_util.tree_map(lambda x: x, whole)
+    wrong[0].mu["hidden"]["w"] = jax.numpy.zeros((16, 6))
+    with pytest.raises(ValidationError, match=r"\['hidden'\]\['w'\] of the state has shape \(16, 6\), "
+                                              r"expected \(6, 16\)"):
+        tx.shard_state(wrong, start)
+    with pytest.raises(TypeError, match="eagerly"):
+        jax.jit(tx.shard_state)(whole, start)
+    with pytest.raises(TypeError, match="eagerly"):
+        jax.jit(tx.whole_state)(state, start)
+
+
 @pytest.mark.parametrize("name", ["lamb", "lars", "clip_by_global_norm", "adafactor", "apply_if_finite"])
 def test_sharded_optimizer_refuses_what_is_not_elementwise(name):
     """On each rank's flat shards LAMB's trust ratio, a global-norm clip, Adafactor's factored moments

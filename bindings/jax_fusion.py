@@ -124,10 +124,11 @@ class Plan:
         return [b.describe() for b in self.buckets]
 
 
-def agree_plan(comm: commlib.Communicator, plan: Plan, who: str) -> None:
-    """Compare ``plan`` over the ranks (one all-gather); raise the same error on every rank."""
+def agree_plan(comm: commlib.Communicator, plan: Plan, who: str, problem: str | None = None) -> None:
+    """Compare ``plan`` over the ranks (one all-gather); raise the same error on every rank, also where
+    some rank has a ``problem`` of its own with what comes with the tree."""
     agree(comm, who, repr((str(plan.treedef), plan.shapes, plan.dtypes)), noun="pytree",
-          summary=f"{len(plan.shapes)} leaves, {sum(plan.numels)} elements", problem=plan.error)
+          summary=f"{len(plan.shapes)} leaves, {sum(plan.numels)} elements", problem=plan.error or problem)
     plan.agreed = True
 
 

@@ -52,10 +52,27 @@ def _whole_parts(plan: Plan) -> Callable[[Any], bool]:
     return _matcher(plan.treedef, plan.shapes)
 
 
+def shards_problem(plan: Plan, inner: Any, state: Any) -> str | None:
+    """Why ``state`` is not ``inner``'s state over this rank's shards of ``plan``'s buckets, or
+    ``None`` (its tree and shapes against ``inner.init``'s over shards): checked on every rank before
+    :func:`whole_state` gathers, which would otherwise pair different parts over the ranks."""
+    shards = [jax.ShapeDtypeStruct((b.shard_numel,), numpy_dtype(b.dtype)) for b in plan.buckets]
+    target = jax.eval_shape(inner.init, shards)
+    want, got = jax.tree_util.tree_structure(target), jax.tree_util.tree_structure(state)
+    if got != want:
+        return f"the optimizer state's tree is {got}, expected {want} (its shards of these buckets)"
+    for x, t in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(target)):
+        if tuple(np.shape(x)) != tuple(t.shape):
+            return (f"a leaf of the optimizer state has shape {tuple(np.shape(x))}, expected "
+                    f"{tuple(t.shape)} (its shards of these buckets)")
+    return None
+
+
 def whole_state(comm: commlib.Communicator, plan: Plan, inner: Any, state: Any, params: Any) -> Any:
     """``inner``'s state over the whole of ``params`` from this rank's ``state`` over its shards of
     ``plan``'s buckets: every part gathered (one all-gather per bucket and part; a call every rank
-    makes), the rest as this rank has it.  Jax arrays, on the parameters' device.
+    makes, after every rank's ``state`` passed :func:`shards_problem`), the rest as this rank has it.
+    Jax arrays, on the parameters' device.
 
     Example:
         >>> whole = whole_state(comm, plan, optax.adam(1e-3), shard_state, params)

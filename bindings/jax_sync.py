@@ -22,7 +22,7 @@ from commlib.collectives.buckets import Bucket
 from commlib.errors import ValidationError
 
 from .jax_fusion import Plan, agree_plan, make_plan, shard_problem
-from .jax_state import shard_state, whole_state
+from .jax_state import shard_state, shards_problem, whole_state
 
 _MAX_PLANS = 16            # bucket plans kept per GradientSync (least recently used dropped)
 
@@ -408,9 +408,13 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
 
     def whole_fn(state: ShardedState, params: Any) -> Any:
         plan = eager(params, "whole_state")
-        sync._checked(plan, sync.comm)        # the same tree on every rank, before the gathers
-        check_owner(state.owner, sync.comm)
-        return whole_state(sync.comm, plan, inner, state.inner, params)
+        comm = sync.comm
+        owner = [int(v) for v in np.asarray(state.owner).reshape(-1)][:2]
+        problem = (shards_problem(plan, inner, state.inner) if owner == [comm.rank, comm.size] else
+                   f"it holds rank {owner[0]} of {owner[1]}'s state: restore each rank its own")
+        # the same tree, and each rank's own state of its shards, on every rank before the gathers
+        agree_plan(comm, plan, "sharded_optimizer.whole_state", problem)
+        return whole_state(comm, plan, inner, state.inner, params)
 
     def shard_fn(whole: Any, params: Any) -> ShardedState:
         plan = eager(params, "shard_state")

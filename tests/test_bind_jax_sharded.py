@@ -203,7 +203,8 @@ def test_whole_state_is_one_process_state_and_resumes_on_any_ranks(comm, jit):
 def test_whole_state_refusals(comm):
     """A state that is not the inner optimizer's over these parameters (another optimizer's, a leaf of
     another shape) is refused by ``shard_state`` with ValidationError, naming what differs, on every
-    rank alike; both methods refuse to run inside ``jax.jit`` (a checkpoint's step is eager)."""
+    rank alike; a state of other buckets on one rank is refused by ``whole_state`` on every rank before
+    the gathers (which would pair different parts); both refuse ``jax.jit`` (a checkpoint is eager)."""
     start = broadcast_params(init_params(comm.rank), comm=comm)
     tx = sharded_optimizer(optimizer("adamw"), comm=comm, strategy=DeAR(cap_mb=SMALL))
     state = tx.init(start)
@@ -215,6 +216,17 @@ def test_whole_state_refusals(comm):
     with pytest.raises(ValidationError, match=r"\['hidden'\]\['w'\] of the state has shape \(16, 6\), "
                                               r"expected \(6, 16\)"):
         tx.shard_state(wrong, start)
+    if comm.size > 1:                                           # one rank's state of other shards
+        bad = state._replace(inner=jax.tree_util.tree_map(lambda x: x[:-1] if np.ndim(x) else x, state.inner))
+        bad = bad if comm.rank == comm.size - 1 else state
+        seq = comm.seq
+        with pytest.raises(ValidationError, match=f"rank {comm.size - 1} rejected its pytree: .*expected"):
+            tx.whole_state(bad, start)
+        assert comm.seq == seq + 1                              # the agreement's all-gather alone
+        theirs = pickle.loads(comm.allgather_object(pickle.dumps(state))[0])      # rank 0's everywhere
+        with pytest.raises(ValidationError, match=f"rank {comm.size - 1} rejected its pytree: it holds "
+                                                  f"rank 0 of {comm.size}'s state"):
+            tx.whole_state(theirs, start)
     with pytest.raises(TypeError, match="eagerly"):
         jax.jit(tx.shard_state)(whole, start)
     with pytest.raises(TypeError, match="eagerly"):

@@ -59,7 +59,8 @@ made by ``init``), so that a call you make on ``comm`` right after a jitted step
 never interleaves with them on XLA's callback thread; the other methods wait
 for the jitted steps' callbacks first (``jax.effects_barrier``).
 
-Sharp bits: ``init``, ``flush``, ``close`` and the state's methods run eagerly;
+Sharp bits: ``flush``, ``close`` and the state's methods run eagerly (``init`` jits
+too: the tree compared while tracing, the values and the set-up in a callback);
 ``init`` and ``update`` are collective (every rank, in the same order); the
 parameters given to ``init`` must be the same on every rank
 (:func:`~bindings.jax.broadcast_params`), or ``init`` raises on every rank.
@@ -170,14 +171,16 @@ class DistributedOptimizer:
         (collective: the tree is compared over the ranks, and with ``same_start`` the values too;
         either differing raises on every rank).  ``same_start=False``: each rank resumes its own
         checkpoint, whose replicas may have drifted apart (SelSync's local steps, Sync-Switch's ASP).
+        Eagerly or inside ``jax.jit`` (a jitted ``TrainState.create``): the tree is then compared
+        while tracing, and the values and the set-up run in an ordered ``io_callback``, before the
+        steps' callbacks (a disagreement surfaces, on every rank, at the next step).
 
         Example:
             >>> state = tx.init(params)              # params = broadcast_params(...) before
         """
         leaves, treedef = jax.tree_util.tree_flatten(params)
-        self._eager(leaves, "init")
         self._plan = None
-        if self._comm is None:      # every rank: the strategy's collectives never meet the caller's
+        if self._comm is None:      # every rank (tracing too): the strategy's collectives never meet yours
             self._comm = self.comm.split(0)
             self.comm.close_with(self._comm)        # at the latest with comm (its windows freed first)
         s, comm = self.strategy, self._comm
@@ -186,11 +189,22 @@ class DistributedOptimizer:
         plan.allocate(False)
         self._params = [np.zeros(b.padded, numpy_dtype(b.dtype)) for b in plan.buckets]
         self._updates = [np.zeros(b.padded, numpy_dtype(b.dtype)) for b in plan.buckets]
-        for b in range(len(plan.buckets)):
-            plan.pack(b, leaves, into=self._params)
-        if same_start:
-            self._agree_values(self._params)
-        s.setup(comm, plan.buckets, self._params, plan.buffers, None, broadcast=False)
+
+        def set_up(*values: Any) -> np.int32:
+            for b in range(len(plan.buckets)):
+                plan.pack(b, values, into=self._params)
+            if same_start:
+                self._agree_values(self._params, comm)
+            s.setup(comm, plan.buckets, self._params, plan.buffers, None, broadcast=False)
+            return np.int32(0)
+
+        if any(is_tracer(x) for x in leaves):
+            from jax.experimental import io_callback
+
+            io_callback(set_up, jax.ShapeDtypeStruct((), np.int32), *leaves, ordered=True)
+        else:
+            jax.effects_barrier()                 # a jitted step's callbacks have run
+            set_up(*leaves)
         self._plan, self._closed, self._average_state = plan, False, False
         return self.inner.init(params)
 
@@ -455,12 +469,13 @@ class DistributedOptimizer:
         plan = self._plan
         return jax.tree_util.tree_unflatten(plan.treedef, plan.to_jax(plan.unpack(self._params)))
 
-    def _agree_values(self, buffers: Sequence[np.ndarray]) -> None:
+    @staticmethod
+    def _agree_values(buffers: Sequence[np.ndarray], comm: commlib.Communicator) -> None:
         digest = hashlib.sha256()
         for buf in buffers:
             digest.update(np.ascontiguousarray(buf).view(np.uint8))
         try:
-            agree(self.comm, "DistributedOptimizer.init", digest.hexdigest(), noun="parameters")
+            agree(comm, "DistributedOptimizer.init", digest.hexdigest(), noun="parameters")
         except MismatchError as e:
             raise ValidationError(f"DistributedOptimizer.init: the parameters differ across ranks (ranks "
                                   f"{e.ranks} against rank 0): start every rank from the same ones, "

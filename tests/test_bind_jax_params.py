@@ -185,6 +185,41 @@ def test_jitted_steps_never_meet_the_callers_collectives(comm):
     assert runs[1][1] == runs[0][1]
 
 
+@pytest.mark.parametrize("name", ["selsync", "syncswitch"])
+def test_init_inside_jit_is_the_eager_one(comm, name):
+    """``jax.jit(tx.init)`` (as a jitted ``TrainState.create`` calls it) sets the strategy up as the eager
+    init does (the tree compared while tracing, the values and the set-up in an ordered callback): the
+    state, and the run after it, jitted or eager steps, are the eager init's; it was refused ("runs
+    eagerly").  Values that differ over the ranks are refused on every rank."""
+    def fresh():
+        strategy = (SelSync(delta=0.5, window=2, warmup=2, mode="params") if name == "selsync" else
+                    SyncSwitch(AllReduce(cap_mb=200 / 2**20), policy=SchedulePolicy(SWITCHES, lr_scale=0.5)))
+        return DistributedOptimizer(optimizer("sgd"), strategy=strategy, comm=comm)
+
+    turns = (lambda step: False) if name == "selsync" else (lambda step: SWITCHES[1][0] <= step < LAST_ASP)
+    runs = []
+    for jit_init, jit_steps in ((False, False), (True, False), (True, True)):
+        tx = fresh()
+        params = init_params(0)
+        state = (jax.jit(tx.init) if jit_init else tx.init)(params)
+        assert jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(
+            optimizer("sgd").init(params))
+        params, state = train(comm, tx, params, state, range(STEPS), turns=turns, jit=jit_steps)
+        runs.append((flat(params), flat(state), tx.state_dict()["steps"]))
+    if name == "selsync":       # eager steps after either init; Sync-Switch's ranks push at once (LAST_ASP)
+        np.testing.assert_array_equal(runs[1][0], runs[0][0])
+        np.testing.assert_array_equal(runs[1][1], runs[0][1])
+    for params, state, _ in runs[1:]:       # in the store's arrival order, and jitted steps round as XLA does
+        close(params, runs[0][0], "parameters")
+        close(state, runs[0][1], "optimizer state")
+    assert [r[2] for r in runs] == [STEPS] * 3
+    if comm.size > 1:           # raised by the callback: at the init (on the CPU) or the next step
+        tx = fresh()
+        with pytest.raises(Exception, match="differ across ranks .*broadcast_params"):
+            state = jax.jit(tx.init)(init_params(comm.rank))
+            train(comm, tx, init_params(comm.rank), state, range(1))
+
+
 # ---------------------------------------------------------------------- Sync-Switch
 def simulate_syncswitch(size: int, lr_scale: float) -> list:
     """BSP, then ASP (ranks in turns, the last ASP step all at once), then BSP again."""

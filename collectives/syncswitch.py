@@ -32,8 +32,8 @@ rank's pieces and whole tensors, gathered leaving BSP and averaged then split
 on the way back):
 
 1. ``setup(comm, buckets, params, grads, shard_grads=None, broadcast=True)``
-   once (collective: makes the windows; ``shard_grads`` as DeAR's, when
-   ``needs_shard_grads``);
+   once (collective; ``shard_grads`` as DeAR's, when ``needs_shard_grads``;
+   the store's windows are made at the first switch out of BSP);
 2. per step: ``bucket_ready(b)`` from backward; ``before_update()``; the
    optimizer's update of ``params`` (scale its learning rate by
    :attr:`lr_scale` and its momentum coefficient by :attr:`momentum_scale`);
@@ -131,7 +131,8 @@ class SyncSwitch(Strategy):
         self.phase = "bsp"
         self.lr_scale = 1.0
         self.momentum_scale = 1.0
-        self.stores: list[ParamStore] = []
+        self.stores: list[ParamStore] = []      # made at the first switch out of BSP (_open_stores)
+        self._live = False                       # set up and not closed: a load re-enters its phase
         self.switches: list[dict[str, Any]] = []
         self._state_buffers: list[Any] = []
         self._before: list[np.ndarray] = []
@@ -166,11 +167,10 @@ class SyncSwitch(Strategy):
         self.bsp.setup(comm, buckets, params, grads, shards, broadcast=False)
         self._np_params = [np.asarray(p).reshape(-1) for p in self.params]
         self._np_grads = [np.asarray(g).reshape(-1) for g in self.grads]
-        self.stores = [ParamStore(comm, p.size, p.dtype, init=p, timeout=self.ssp_timeout,
-                                  **self.store_options) for p in self._np_params]
         self._before = [np.empty_like(p) for p in self._np_params]
         self._delta = [np.empty_like(p) for p in self._np_params]
-        self.policy.bind(comm, self.stores[0] if self.stores else None)
+        self.policy.bind(comm, None)
+        self._live = True
         self.phase = "bsp"
         first = self.policy.phase(self.steps)
         if first != "bsp":
@@ -314,6 +314,7 @@ class SyncSwitch(Strategy):
         changes = self.policy.changes(old, new, self.steps)
         if old == "bsp":
             self.bsp.flush()
+            self._open_stores()
             for store, p in zip(self.stores, self._np_params):
                 store.load(p)               # replicas are identical: no data travels
             if self.stores:
@@ -382,6 +383,15 @@ class SyncSwitch(Strategy):
         """Only BSP steps read the gradient buckets (asynchronous ones push the update's change)."""
         return self.phase == "bsp"
 
+    def _open_stores(self) -> None:
+        """The parameter store, one per bucket, made at the first switch out of BSP (every rank
+        switches at the same step: its windows are collective) and kept until :meth:`close`: a run
+        that stays synchronous holds no windows (each took a copy of its bucket and MPI contexts)."""
+        if not self.stores:
+            self.stores = [ParamStore(self.comm, p.size, p.dtype, timeout=self.ssp_timeout,
+                                      **self.store_options) for p in self._np_params]
+            self.policy.bind(self.comm, self.stores[0] if self.stores else None)
+
     def close_stores(self) -> None:
         for store in self.stores:
             store.close()
@@ -392,6 +402,7 @@ class SyncSwitch(Strategy):
         if self.stores and self.phase != "bsp":
             self._switch("bsp")
         self.close_stores()
+        self._live = False
 
     # ------------------------------------------------------------------ state
     def rescale_gradients(self, factor: float) -> None:
@@ -424,12 +435,12 @@ class SyncSwitch(Strategy):
         self.staleness = int(state["staleness"])
         if self.load_is_collective(state):      # a collective follows: a rank loading alone is named at once
             self.comm.allgather_object(None, label=LOADING)
-        if self.stores and self.phase != "bsp":     # a roll-back while asynchronous: every rank's pushes
+        if self._live and self.phase != "bsp":      # a roll-back while asynchronous: every rank's pushes
             loaded = [p.copy() for p in self._np_params]     # land, then the loaded parameters stay
             self._switch("bsp")
             for p, mine in zip(self._np_params, loaded):
                 np.copyto(p, mine)
-        if self.stores and state["phase"] != self.phase:
+        if self._live and state["phase"] != self.phase:
             self._switch(state["phase"])            # an asynchronous phase: the stores take the parameters
             if state.get("store") is not None:      # then the store as saved: each rank's piece of its own
                 for store, values in zip(self.stores, state["store"]):
@@ -446,7 +457,7 @@ class SyncSwitch(Strategy):
     def load_is_collective(self, state: dict[str, Any]) -> bool:
         """True where the load re-enters a phase (the checkpoint's, or BSP from an asynchronous one):
         the store's windows are collective."""
-        return bool(self.stores) and (self.phase != "bsp" or state["phase"] != self.phase)
+        return self._live and (self.phase != "bsp" or state["phase"] != self.phase)
 
     def __repr__(self) -> str:
         return f"SyncSwitch(bsp={self.bsp!r}, policy={self.policy.name}, phase={self.phase!r})"

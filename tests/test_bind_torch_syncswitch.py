@@ -13,7 +13,7 @@ import copy
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH
+from conftest import HAVE_TORCH, SMALL
 from torch_reference import LOCAL, batch, loss_fn, make_model, same_on_all_ranks
 
 pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
@@ -404,3 +404,22 @@ def test_a_retired_optimizers_switch_callback_leaves_the_model_alone(comm):
     assert all(len(p._post_accumulate_grad_hooks or {}) == 1 for p in model.parameters() if p.requires_grad)
     new.close()
     same_on_all_ranks(comm, model)
+
+
+@pytest.mark.mpi
+def test_a_synchronous_run_holds_no_store_so_many_optimizers_fit_in_a_job(comm):
+    """The parameter store's windows (a copy of each bucket and MPI contexts) are made at the first
+    switch out of BSP, not when wrapping: 200 optimizers made and dropped without ``close()`` in one
+    job, as a hyperparameter search does, whose SyncSwitch stays in BSP (the default policy) fit; MPICH
+    ran out of contexts at the 136th ("Too many communicators").  A switch to ASP makes the store."""
+    for _ in range(200):
+        model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        ss = SyncSwitch(bsp=AllReduce(**SMALL))
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, strategy=ss, comm=comm)
+        model(torch.randn(4, 6)).sum().backward()
+        opt.step()
+        assert ss.stores == []
+    ss.switch_to("asp")
+    assert len(ss.stores) == len(opt.buckets) > 1
+    opt.close()
+    assert ss.stores == [] and ss.phase == "bsp"

@@ -1,0 +1,166 @@
+"""The features of an ordinary training loop together, drawn by hypothesis, through DistributedOptimizer,
+against one process on the whole batch.
+
+``test_train_loops.py`` tries each feature alone; here every example draws a loop that combines
+them: the strategy, the optimizer and its parameter groups, accumulation (``backward_passes_per_step``
+or ``no_sync()``), a GradScaler whose scale changes, gradient clipping by norm, an LR scheduler,
+``zero_grad`` of either kind, an evaluation forward and a checkpoint resumed into new objects partway.
+Hypothesis runs derandomized, so every rank draws the same loops in the same order (the ranks must
+make the same calls).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import numpy as np
+import pytest
+
+from conftest import HAVE_TORCH, STRATEGIES, assert_same_on_every_rank
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+pytestmark = [pytest.mark.mpi, pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")]
+
+if HAVE_TORCH:
+    import torch
+
+    from commlib.bindings.torch import DistributedOptimizer
+
+    torch.set_num_threads(1)
+
+LOCAL = 4          # samples per rank per step (even: accumulation splits it in two)
+STEPS = 5
+MAX_NORM = 0.2
+
+LOOPS = st.fixed_dictionaries({
+    "strategy": st.sampled_from(sorted(STRATEGIES)),
+    "optimizer": st.sampled_from(["sgd", "adamw"]),
+    "groups": st.booleans(),
+    "accumulate": st.sampled_from(["none", "passes", "no_sync"]),
+    "scaler": st.booleans(),
+    "clip": st.booleans(),
+    "scheduler": st.booleans(),
+    "zero_grad": st.sampled_from(["opt", "opt-zeros", "model"]),
+    "evaluate_at": st.sampled_from([None, 1, 3]),
+    "resume_at": st.sampled_from([None, 2, 3]),
+})
+
+
+def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    n = LOCAL * size
+    return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
+
+
+class Loop:
+    """One loop's model, optimizer, scaler and scheduler; ``comm`` None: one process on the whole batch."""
+
+    def __init__(self, loop: dict, comm, world: int, seed: int = 0):
+        torch.manual_seed(seed)
+        self.loop, self.comm, self.world = loop, comm, world
+        self.evaluated = None
+        self.model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        first, last = self.model[0], self.model[2]
+        params = ([{"params": first.parameters(), "lr_mult": 0.5}, {"params": last.parameters()}]
+                  if loop["groups"] else [{"params": self.model.parameters()}])
+        for g in params:
+            g["lr"] = (0.1 if loop["optimizer"] == "sgd" else 0.01) * g.pop("lr_mult", 1.0)
+        opt = (torch.optim.SGD(params, momentum=0.9, weight_decay=1e-3) if loop["optimizer"] == "sgd"
+               else torch.optim.AdamW(params, weight_decay=0.1))
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2,
+                                           enabled=loop["scaler"])
+        if comm is not None:
+            opt = DistributedOptimizer(opt, self.model, strategy=STRATEGIES[loop["strategy"]](), comm=comm,
+                                       backward_passes_per_step=2 if loop["accumulate"] == "passes" else 1,
+                                       grad_scaler=self.scaler)
+        self.opt = opt
+        self.sched = (torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if loop["scheduler"]
+                      else None)
+
+    def steps(self, first: int, last: int) -> Loop:
+        loop, comm = self.loop, self.comm
+        for step in range(first, last):
+            x, y = batch(step, self.world)
+            if comm is not None:
+                mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL)
+                x, y = x[mine], y[mine]
+            if loop["zero_grad"] == "model":
+                self.model.zero_grad()
+            else:
+                self.opt.zero_grad(set_to_none=loop["zero_grad"] == "opt")
+            parts = 1 if loop["accumulate"] == "none" else 2
+            for i, (xs, ys) in enumerate(zip(self.split(x, parts), self.split(y, parts))):
+                quiet = (loop["accumulate"] == "no_sync" and comm is not None and i < parts - 1)
+                with self.opt.no_sync() if quiet else contextlib.nullcontext():
+                    loss = torch.nn.functional.mse_loss(self.model(xs), ys) / parts
+                    self.scaler.scale(loss).backward()
+            if loop["clip"]:
+                self.scaler.unscale_(self.opt)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_NORM)
+            self.scaler.step(self.opt)
+            self.scaler.update()
+            if self.sched is not None:
+                self.sched.step()
+            if loop["evaluate_at"] == step:
+                self.model.eval()
+                with torch.no_grad():
+                    self.evaluated = self.model(batch(99, 1)[0]).numpy().copy()
+                self.model.train()
+        return self
+
+    def split(self, t: torch.Tensor, parts: int) -> list[torch.Tensor]:
+        """Micro-batches: each rank's rows split in ``parts``; in one process, every rank's part i
+        together (the samples the ranks' i-th backward passes see)."""
+        if self.comm is not None:
+            return list(t.chunk(parts))
+        ranks = t.reshape(self.world, LOCAL, -1).chunk(parts, dim=1)
+        return [r.reshape(-1, t.shape[-1]) for r in ranks]
+
+    def checkpoint(self) -> bytes:
+        f = io.BytesIO()
+        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                    "scaler": self.scaler.state_dict(),
+                    "sched": None if self.sched is None else self.sched.state_dict()}, f)
+        return f.getvalue()
+
+    def resume(self, ckpt: bytes) -> Loop:
+        state = torch.load(io.BytesIO(ckpt))
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.scaler.load_state_dict(state["scaler"])
+        if self.sched is not None:
+            self.sched.load_state_dict(state["sched"])
+        return self
+
+    def params(self) -> np.ndarray:
+        return torch.cat([v.reshape(-1) for v in self.model.state_dict().values()]).numpy()
+
+
+def run(loop: dict, comm, world: int) -> Loop:
+    """The loop through DistributedOptimizer (``comm``) or in one process (``comm`` None, ``world``
+    ranks' batches together), resumed from a checkpoint into new objects at ``resume_at``."""
+    at = loop["resume_at"]
+    if at is None or comm is None:
+        return Loop(loop, comm, world).steps(0, STEPS)
+    first = Loop(loop, comm, world).steps(0, at)
+    resumed = Loop(loop, comm, world, seed=1).resume(first.checkpoint())
+    resumed.evaluated = first.evaluated
+    return resumed.steps(at, STEPS)
+
+
+@settings(max_examples=50, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(loop=LOOPS)
+def test_a_loop_of_ordinary_features_trains_as_one_process(comm, loop):
+    got = run(loop, comm, comm.size)
+    ref = run(loop, None, comm.size)
+    vec = got.params()
+    assert_same_on_every_rank(comm, vec)
+    np.testing.assert_allclose(vec, ref.params(), rtol=2e-5, atol=2e-6, err_msg=repr(loop))
+    if loop["evaluate_at"] is not None:
+        np.testing.assert_allclose(got.evaluated, ref.evaluated, rtol=2e-5, atol=2e-6, err_msg=repr(loop))
+    assert got.scaler.get_scale() == ref.scaler.get_scale()

@@ -308,7 +308,8 @@ def test_each_rank_resumes_its_own_checkpoint_as_the_run_continued(comm, name, j
     if name != "syncswitch":
         params = tx.flush(params)
     saved = copy.deepcopy((params, state, tx.state_dict()))
-    done, _ = train(comm, tx, params, state, range(4, STEPS), turns, jit)
+    comm.barrier()      # every rank saved before any steps on (in ASP a peer's next push could land
+    done, _ = train(comm, tx, params, state, range(4, STEPS), turns, jit)    # in a view saved later)
 
     again = make()
     params, state, strategy_state = saved

@@ -277,7 +277,8 @@ def test_each_rank_resumes_its_own_asp_checkpoint_as_the_run_continued(comm, bsp
     train_in_turns(comm, model, ss, opt, range(4))
     assert ss.phase == "asp"
     saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
-    done = train_in_turns(comm, model, ss, opt, range(4, 7))
+    comm.barrier()      # every rank saved before any steps on (a peer's next push could land in a store
+    done = train_in_turns(comm, model, ss, opt, range(4, 7))      # view saved later: pushed twice on resume)
     ss.close()
 
     model, ss, opt = adamw_job(comm, bsp)

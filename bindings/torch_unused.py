@@ -78,6 +78,8 @@ class UnusedParameters:
         had.update(id(params[i]) for i, u in enumerate(used) if u)
         if local:
             return agreed
+        if not self._checked:
+            self._warn_outside(params, model)
         if self.indices and not self._checked and not self.expected:
             names = {id(p): n for n, p in model.named_parameters()}
             listed = ", ".join(names.get(id(params[i]), f"#{i}") for i in sorted(self.indices))
@@ -87,3 +89,20 @@ class UnusedParameters:
                           "out of the optimizer)", stacklevel=3)
         self._checked = True
         return agreed
+
+    @staticmethod
+    def _warn_outside(params: Sequence[torch.nn.Parameter], model: torch.nn.Module) -> None:
+        """Warn where parameters of ``model`` outside the optimizer got gradients in the first step:
+        each rank's own, not averaged (the optimizer's are), so a norm over ``model.parameters()``
+        (``clip_grad_norm_``) differs across ranks, and so do the replicas after clipping by it."""
+        trained = {id(p) for p in params}
+        outside = [n for n, p in model.named_parameters()
+                   if p.requires_grad and id(p) not in trained and p.grad is not None]
+        if outside:
+            listed = ", ".join(outside[:6]) + (f" and {len(outside) - 6} more" if len(outside) > 6 else "")
+            warnings.warn(f"DistributedOptimizer: {listed} got gradients but are not in the optimizer, "
+                          "so their .grad is each rank's own, not averaged: clip_grad_norm_(model."
+                          "parameters()) or any norm over them differs across ranks, and the replicas "
+                          "part after clipping by it; give them to the optimizer, freeze them "
+                          "(requires_grad_(False)), or clip the optimizer's parameters only",
+                          stacklevel=4)

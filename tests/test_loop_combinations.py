@@ -4,7 +4,8 @@ against one process on the whole batch.
 ``test_train_loops.py`` tries each feature alone; here every example draws a loop that combines
 them: the strategy, the optimizer and its parameter groups, accumulation (``backward_passes_per_step``
 or ``no_sync()``), a GradScaler whose scale changes, gradient clipping by norm, an LR scheduler,
-``zero_grad`` of either kind, an evaluation forward and a checkpoint resumed into new objects partway.
+``zero_grad`` of either kind, batch normalization (SyncBatchNorm), an evaluation forward and a
+checkpoint resumed partway, into new objects and into one process.
 Hypothesis runs derandomized, so every rank draws the same loops in the same order (the ranks must
 make the same calls).
 """
@@ -28,7 +29,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.skipif(not HAVE_TORCH, reason="torch 
 if HAVE_TORCH:
     import torch
 
-    from commlib.bindings.torch import DistributedOptimizer
+    from commlib.bindings.torch import DistributedOptimizer, SyncBatchNorm
 
     torch.set_num_threads(1)
 
@@ -40,6 +41,7 @@ LOOPS = st.fixed_dictionaries({
     "strategy": st.sampled_from(sorted(STRATEGIES)),
     "optimizer": st.sampled_from(["sgd", "adamw"]),
     "groups": st.booleans(),
+    "batchnorm": st.booleans(),
     "accumulate": st.sampled_from(["none", "passes", "no_sync"]),
     "scaler": st.booleans(),
     "clip": st.booleans(),
@@ -63,9 +65,15 @@ class Loop:
         torch.manual_seed(seed)
         self.loop, self.comm, self.world = loop, comm, world
         self.evaluated = None
-        self.model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-        first, last = self.model[0], self.model[2]
-        params = ([{"params": first.parameters(), "lr_mult": 0.5}, {"params": last.parameters()}]
+        # no bias before a norm layer (its gradient is rounding noise, which Adam scales to steps)
+        norm = [torch.nn.BatchNorm1d(16)] if loop["batchnorm"] else []
+        self.model = torch.nn.Sequential(torch.nn.Linear(6, 16, bias=not norm), *norm, torch.nn.Tanh(),
+                                         torch.nn.Linear(16, 3))
+        if comm is not None:      # every rank's batch together, as one process normalizes the whole batch
+            self.model = SyncBatchNorm.convert_sync_batchnorm(self.model, comm)
+        *body, last = self.model
+        params = ([{"params": [p for m in body for p in m.parameters()], "lr_mult": 0.5},
+                   {"params": last.parameters()}]
                   if loop["groups"] else [{"params": self.model.parameters()}])
         for g in params:
             g["lr"] = (0.1 if loop["optimizer"] == "sgd" else 0.01) * g.pop("lr_mult", 1.0)
@@ -128,6 +136,8 @@ class Loop:
         return f.getvalue()
 
     def resume(self, ckpt: bytes) -> Loop:
+        """Load a checkpoint: the model's, the optimizer's (consolidated: a plain optimizer in one
+        process loads it too), the scaler's, the scheduler's."""
         state = torch.load(io.BytesIO(ckpt))
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["opt"])
@@ -137,30 +147,38 @@ class Loop:
         return self
 
     def params(self) -> np.ndarray:
-        return torch.cat([v.reshape(-1) for v in self.model.state_dict().values()]).numpy()
+        return torch.cat([v.reshape(-1).double() for v in self.model.state_dict().values()]).numpy()
 
 
-def run(loop: dict, comm, world: int) -> Loop:
+def run(loop: dict, comm, world: int) -> tuple[Loop, bytes | None]:
     """The loop through DistributedOptimizer (``comm``) or in one process (``comm`` None, ``world``
-    ranks' batches together), resumed from a checkpoint into new objects at ``resume_at``."""
+    ranks' batches together); through DistributedOptimizer resumed from a checkpoint into new objects
+    at ``resume_at``, which is returned too."""
     at = loop["resume_at"]
     if at is None or comm is None:
-        return Loop(loop, comm, world).steps(0, STEPS)
+        return Loop(loop, comm, world).steps(0, STEPS), None
     first = Loop(loop, comm, world).steps(0, at)
-    resumed = Loop(loop, comm, world, seed=1).resume(first.checkpoint())
+    ckpt = first.checkpoint()
+    resumed = Loop(loop, comm, world, seed=1).resume(ckpt)
     resumed.evaluated = first.evaluated
-    return resumed.steps(at, STEPS)
+    return resumed.steps(at, STEPS), ckpt
 
 
 @settings(max_examples=50, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(loop=LOOPS)
 def test_a_loop_of_ordinary_features_trains_as_one_process(comm, loop):
-    got = run(loop, comm, comm.size)
-    ref = run(loop, None, comm.size)
+    """Parameters and buffers (running statistics), an evaluation's output and the loss scale match one
+    process on the whole batch, and are the same on every rank; the distributed run's checkpoint,
+    resumed in one process by plain torch objects, trains on as that process."""
+    got, ckpt = run(loop, comm, comm.size)
+    ref, _ = run(loop, None, comm.size)
     vec = got.params()
     assert_same_on_every_rank(comm, vec)
     np.testing.assert_allclose(vec, ref.params(), rtol=2e-5, atol=2e-6, err_msg=repr(loop))
     if loop["evaluate_at"] is not None:
         np.testing.assert_allclose(got.evaluated, ref.evaluated, rtol=2e-5, atol=2e-6, err_msg=repr(loop))
     assert got.scaler.get_scale() == ref.scaler.get_scale()
+    if ckpt is not None:
+        alone = Loop(loop, None, comm.size, seed=1).resume(ckpt).steps(loop["resume_at"], STEPS)
+        np.testing.assert_allclose(alone.params(), ref.params(), rtol=2e-5, atol=2e-6, err_msg=repr(loop))

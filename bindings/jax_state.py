@@ -52,12 +52,17 @@ def _whole_parts(plan: Plan) -> Callable[[Any], bool]:
     return _matcher(plan.treedef, plan.shapes)
 
 
+def _over_shards(plan: Plan, inner: Any) -> Any:
+    """The shapes and dtypes of ``inner``'s state over this rank's shards of ``plan``'s buckets."""
+    return jax.eval_shape(inner.init, [jax.ShapeDtypeStruct((b.shard_numel,), numpy_dtype(b.dtype))
+                                       for b in plan.buckets])
+
+
 def shards_problem(plan: Plan, inner: Any, state: Any) -> str | None:
     """Why ``state`` is not ``inner``'s state over this rank's shards of ``plan``'s buckets, or
     ``None`` (its tree and shapes against ``inner.init``'s over shards): checked on every rank before
     :func:`whole_state` gathers, which would otherwise pair different parts over the ranks."""
-    shards = [jax.ShapeDtypeStruct((b.shard_numel,), numpy_dtype(b.dtype)) for b in plan.buckets]
-    target = jax.eval_shape(inner.init, shards)
+    target = _over_shards(plan, inner)
     want, got = jax.tree_util.tree_structure(target), jax.tree_util.tree_structure(state)
     if got != want:
         return f"the optimizer state's tree is {got}, expected {want} (its shards of these buckets)"
@@ -116,8 +121,7 @@ def shard_state(plan: Plan, rank: int, inner: Any, whole: Any, params: Any) -> A
         if tuple(np.shape(x)) != tuple(t.shape):
             raise ValidationError(f"sharded_optimizer.shard_state: leaf {path} of the state has shape "
                                   f"{tuple(np.shape(x))}, expected {tuple(t.shape)}")
-    shards = [jax.ShapeDtypeStruct((b.shard_numel,), numpy_dtype(b.dtype)) for b in plan.buckets]
-    target = jax.eval_shape(inner.init, shards)
+    target = _over_shards(plan, inner)
     leaves, outer, parts = _split(whole, _whole_parts(plan))
     tleaves, touter, tparts = _split(target, _shard_parts(plan))
     if outer != touter or parts != tparts:

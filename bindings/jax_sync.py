@@ -448,7 +448,8 @@ def sharded_transformation() -> type:
             call every rank makes; the same on every rank; eagerly).
 
             Example:
-                >>> if comm.rank == 0: pickle.dump(tx.whole_state(state, params), f)
+                >>> whole = tx.whole_state(state, params)        # on every rank
+                >>> if comm.rank == 0: pickle.dump(whole, f)
             """
             return self._whole(state, params)
 

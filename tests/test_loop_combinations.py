@@ -7,13 +7,14 @@ or ``no_sync()``), a GradScaler whose scale changes, gradient clipping by norm, 
 ``zero_grad`` of either kind, batch normalization (SyncBatchNorm), an evaluation forward and a
 checkpoint resumed partway, into new objects and into one process.
 Hypothesis runs derandomized, so every rank draws the same loops in the same order (the ranks must
-make the same calls).
+make the same calls).  What such a loop cannot match (parameters outside the optimizer) is named.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import warnings
 
 import numpy as np
 import pytest
@@ -182,3 +183,30 @@ def test_a_loop_of_ordinary_features_trains_as_one_process(comm, loop):
     if ckpt is not None:
         alone = Loop(loop, None, comm.size, seed=1).resume(ckpt).steps(loop["resume_at"], STEPS)
         np.testing.assert_allclose(alone.params(), ref.params(), rtol=2e-5, atol=2e-6, err_msg=repr(loop))
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
+def test_parameters_outside_the_optimizer_with_gradients_are_named(comm, strategy):
+    """A layer left out of the optimizer but not frozen (fine-tuning a head, ``requires_grad`` still on
+    in the body) gets each rank's own gradient, not the average: ``clip_grad_norm_(model.parameters())``
+    then differs across ranks and the replicas part silently (found by the test above, with a norm
+    layer left out of the groups).  The first step warns on every rank, naming the layer's parameters;
+    frozen, or in the optimizer, it does not."""
+    def step(freeze: bool, in_opt: bool) -> list[str]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        model[0].requires_grad_(not freeze)
+        inner = torch.optim.SGD(model.parameters() if in_opt else model[2].parameters(), lr=0.1)
+        opt = DistributedOptimizer(inner, model, strategy=STRATEGIES[strategy](), comm=comm)
+        x, y = batch(0, comm.size)
+        mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+            opt.step()
+        opt.close()
+        return [str(w.message) for w in caught if "not in the optimizer" in str(w.message)]
+
+    named = step(freeze=False, in_opt=False)
+    assert len(named) == 1 and named[0].startswith("DistributedOptimizer: 0.weight, 0.bias got gradients")
+    assert step(freeze=True, in_opt=False) == [] and step(freeze=False, in_opt=True) == []

@@ -481,28 +481,3 @@ def test_gan_with_two_optimizers_trains_as_one_process(comm, strategy):
     np.testing.assert_allclose(run(True), run(False), rtol=2e-5, atol=2e-6)
 
 
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
-def test_parameters_outside_the_optimizer_with_gradients_are_named(comm, strategy):
-    """A layer left out of the optimizer but not frozen (fine-tuning a head, ``requires_grad`` still on
-    in the body) gets each rank's own gradient, not the average: ``clip_grad_norm_(model.parameters())``
-    then differs across ranks and the replicas part silently.  The first step warns on every rank,
-    naming the layer's parameters; frozen, or in the optimizer, it does not."""
-    def step(freeze: bool, in_opt: bool) -> list[str]:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-        model[0].requires_grad_(not freeze)
-        inner = torch.optim.SGD(model.parameters() if in_opt else model[2].parameters(), lr=0.1)
-        opt = wrap(comm, strategy, model, inner)
-        x, y = rank_part(comm, LOCAL, *batch(0, comm.size))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-        opt.close()
-        return [str(w.message) for w in caught if "not in the optimizer" in str(w.message)]
-
-    named = step(freeze=False, in_opt=False)
-    assert len(named) == 1 and named[0].startswith("DistributedOptimizer: 0.weight, 0.bias got gradients")
-    assert step(freeze=True, in_opt=False) == [] and step(freeze=False, in_opt=True) == []

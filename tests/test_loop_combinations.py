@@ -4,7 +4,7 @@ against one process on the whole batch.
 ``test_train_loops.py`` tries each feature alone; here every example draws a loop that combines
 them: the strategy, the optimizer and its parameter groups, accumulation (``backward_passes_per_step``
 or ``no_sync()``), a GradScaler whose scale changes, gradient clipping by norm, an LR scheduler,
-``zero_grad`` of either kind, batch normalization (SyncBatchNorm), an evaluation forward and a
+``zero_grad`` (the optimizer's, to None or zeros, or the model's), SyncBatchNorm, an evaluation forward and a
 checkpoint resumed partway, into new objects and into one process.
 Hypothesis runs derandomized, so every rank draws the same loops in the same order (the ranks must
 make the same calls).  What such a loop cannot match (parameters outside the optimizer) is named.

@@ -52,7 +52,5 @@ class LossScale:
     def resume(self, seen: float | None) -> None:
         """Continue from a checkpoint's :attr:`seen`: the strategy's state just loaded is in that
         scale's units (ignored without a scaler: nothing follows)."""
-        if seen is not None and not isinstance(seen, (int, float)):
-            raise TypeError(f"a checkpoint's loss scale: expected a number, got {type(seen).__name__}")
         if self.scaler is not None:
             self._seen = None if seen is None else float(seen)

@@ -105,6 +105,39 @@ if HAVE_TORCH:
             self.base.zero_grad(set_to_none)
 
 
+def checkpoint_bytes(**objects) -> bytes:
+    """The ``state_dict()`` of each named object (``None`` kept as ``None``) through ``torch.save``:
+    a checkpoint file's bytes, as a training loop writes one.
+
+    Example:
+        >>> ckpt = checkpoint_bytes(model=model, opt=opt, scaler=scaler)
+    """
+    import io
+
+    import torch
+
+    f = io.BytesIO()
+    torch.save({k: None if o is None else o.state_dict() for k, o in objects.items()}, f)
+    return f.getvalue()
+
+
+def resume_from(ckpt: bytes, **objects) -> None:
+    """Load :func:`checkpoint_bytes`'s ``ckpt`` (``torch.load``'s default, ``weights_only``) into the
+    named objects (``None`` skipped), in the order given.
+
+    Example:
+        >>> resume_from(ckpt, model=model, opt=opt, scaler=scaler)
+    """
+    import io
+
+    import torch
+
+    state = torch.load(io.BytesIO(ckpt))
+    for k, o in objects.items():
+        if o is not None:
+            o.load_state_dict(state[k])
+
+
 def readme_example(heading: str) -> str:
     """The first python block of README.md under the section titled ``heading``, as it stands."""
     text = README.read_text()

@@ -13,13 +13,12 @@ make the same calls).  What such a loop cannot match (parameters outside the opt
 from __future__ import annotations
 
 import contextlib
-import io
 import warnings
 
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH, STRATEGIES, assert_same_on_every_rank
+from conftest import HAVE_TORCH, STRATEGIES, assert_same_on_every_rank, checkpoint_bytes, resume_from
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -130,21 +129,12 @@ class Loop:
         return [r.reshape(-1, t.shape[-1]) for r in ranks]
 
     def checkpoint(self) -> bytes:
-        f = io.BytesIO()
-        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
-                    "scaler": self.scaler.state_dict(),
-                    "sched": None if self.sched is None else self.sched.state_dict()}, f)
-        return f.getvalue()
+        return checkpoint_bytes(model=self.model, opt=self.opt, scaler=self.scaler, sched=self.sched)
 
     def resume(self, ckpt: bytes) -> Loop:
         """Load a checkpoint: the model's, the optimizer's (consolidated: a plain optimizer in one
         process loads it too), the scaler's, the scheduler's."""
-        state = torch.load(io.BytesIO(ckpt))
-        self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["opt"])
-        self.scaler.load_state_dict(state["scaler"])
-        if self.sched is not None:
-            self.sched.load_state_dict(state["sched"])
+        resume_from(ckpt, model=self.model, opt=self.opt, scaler=self.scaler, sched=self.sched)
         return self
 
     def params(self) -> np.ndarray:

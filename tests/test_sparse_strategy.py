@@ -15,7 +15,7 @@ import commlib
 from commlib.collectives import TensorSpec, plan_buckets
 from commlib.sparsify import ExDyna, HardThreshold, SparseAllReduce, TopK
 
-from conftest import HAVE_GPU, HAVE_TORCH, NO_GPU_REASON, heavy_tailed_grad
+from conftest import HAVE_GPU, HAVE_TORCH, NO_GPU_REASON, checkpoint_bytes, heavy_tailed_grad, resume_from
 
 
 def host64(x) -> np.ndarray:
@@ -350,24 +350,10 @@ class _ScaledRun:
         return self
 
     def checkpoint(self) -> bytes:
-        import io
-
-        import torch
-
-        f = io.BytesIO()
-        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
-                    "scaler": self.scaler.state_dict()}, f)
-        return f.getvalue()
+        return checkpoint_bytes(model=self.model, opt=self.opt, scaler=self.scaler)
 
     def resume(self, ckpt: bytes):
-        import io
-
-        import torch
-
-        state = torch.load(io.BytesIO(ckpt))            # weights_only, torch's default
-        self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["opt"])
-        self.scaler.load_state_dict(state["scaler"])
+        resume_from(ckpt, model=self.model, opt=self.opt, scaler=self.scaler)
         return self
 
     def params(self) -> np.ndarray:

@@ -480,4 +480,3 @@ def test_gan_with_two_optimizers_trains_as_one_process(comm, strategy):
 
     np.testing.assert_allclose(run(True), run(False), rtol=2e-5, atol=2e-6)
 
-

@@ -20,8 +20,10 @@ update called as the contender needs):
   pushes its change into the parameter store and pulls it back;
 * ``sharded``: ``sharded_optimizer(sgd, DeAR())``: ZeRO-1 (reduce-scatter, the
   update on this rank's shard, all-gather of the updates);
+* ``sharded-clip``: ``sharded_optimizer(optax.chain(clip_by_global_norm(1.0), sgd))``:
+  ``sharded`` plus the global norm summed over the ranks' shards (one scalar all-gather);
 * ``...-jit`` (``local``, ``average``, ``selsync-bsp``, ``selsync-local``,
-  ``syncswitch-asp``, ``sharded``): the same, with the whole step (gradient, update, the
+  ``syncswitch-asp``, ``sharded``, ``sharded-clip``): the same, with the whole step (gradient, update, the
   updates applied) one ``jax.jit`` call: ``DistributedOptimizer.update`` as
   its ordered callbacks (``sharded_optimizer``'s update likewise).
 
@@ -53,13 +55,18 @@ from mpi4py import MPI  # noqa: E402
 
 import commlib  # noqa: E402
 from benchmarks import _common as bc  # noqa: E402
-from commlib.bindings.jax import DistributedOptimizer, average_gradients, sharded_optimizer  # noqa: E402
+from commlib.bindings.jax import (  # noqa: E402
+    DistributedOptimizer,
+    average_gradients,
+    clip_by_global_norm,
+    sharded_optimizer,
+)
 from commlib.collectives import AllReduce, DeAR, SelSync, SyncSwitch  # noqa: E402
 from commlib.collectives.policies import SchedulePolicy  # noqa: E402
 
 CONTENDERS = ("local", "average", "raw", "dopt-allreduce", "selsync-bsp", "selsync-local", "syncswitch-asp",
-              "sharded", "local-jit", "average-jit", "selsync-bsp-jit", "selsync-local-jit",
-              "syncswitch-asp-jit", "sharded-jit")
+              "sharded", "sharded-clip", "local-jit", "average-jit", "selsync-bsp-jit", "selsync-local-jit",
+              "syncswitch-asp-jit", "sharded-jit", "sharded-clip-jit")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -87,12 +94,14 @@ def loss(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
 
 
 def make_tx(name: str, comm: commlib.Communicator, inner: Any) -> Any:
-    """The optax transformation of contender ``name`` (``average``, ``sharded`` or a
+    """The optax transformation of contender ``name`` (``average``, ``sharded[-clip]`` or a
     ``DistributedOptimizer``'s)."""
     if name == "average":
         return optax.chain(average_gradients(comm=comm, strategy=AllReduce()), inner)
     if name == "sharded":
         return sharded_optimizer(inner, comm=comm, strategy=DeAR())
+    if name == "sharded-clip":
+        return sharded_optimizer(optax.chain(clip_by_global_norm(1.0), inner), comm=comm, strategy=DeAR())
     strategy = {"dopt-allreduce": lambda: AllReduce(),
                 "selsync-bsp": lambda: SelSync(delta=0.0, mode="grads"),
                 "selsync-local": lambda: SelSync(delta=math.inf, warmup=0),

@@ -14,6 +14,8 @@ with the original shapes, dtypes and devices.
                                    updates over ranks (eager or inside ``jax.jit``)
 :func:`sharded_optimizer`          DeAR's ZeRO-1 update: reduce-scatter, an elementwise
                                    optax optimizer on this rank's shard, all-gather
+:func:`clip_by_global_norm`        optax's, whose norm inside ``sharded_optimizer`` is summed
+                                   over the ranks' shards (``jax_clip``)
 :class:`DistributedOptimizer`      the whole optax optimizer under SelSync or Sync-Switch
                                    (their parameter averages and pushes): ``jax_params``
 :func:`allreduce_gradients`        one-shot average of a gradient pytree
@@ -93,13 +95,15 @@ from commlib.collectives import Strategy
 from commlib.collectives.buckets import MiB
 from commlib.errors import ValidationError
 
+from .jax_clip import clip_by_global_norm
 from .jax_fusion import agree_plan, make_plan
 from .jax_ops import allgather, allreduce, broadcast
 from .jax_params import DistributedOptimizer
 from .jax_sync import GradientSync, ShardedState, sharded_optimizer
 
-__all__ = ["GradientSync", "average_gradients", "sharded_optimizer", "allreduce_gradients",
-           "broadcast_params", "ShardedState", "allreduce", "allgather", "broadcast", "DistributedOptimizer"]
+__all__ = ["GradientSync", "average_gradients", "sharded_optimizer", "clip_by_global_norm",
+           "allreduce_gradients", "broadcast_params", "ShardedState", "allreduce", "allgather", "broadcast",
+           "DistributedOptimizer"]
 
 # ---------------------------------------------------------------------- functions
 _DEFAULT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

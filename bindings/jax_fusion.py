@@ -4,6 +4,7 @@ run on flat shards of the buckets."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +17,8 @@ from commlib.arrays import HOST_RESULTS, INEXACT_DTYPES, is_tracer, numpy_dtype
 from commlib.collectives import TensorSpec, plan_buckets
 from commlib.collectives.buckets import Bucket
 from commlib.ops import agree
+
+from .jax_clip import summed_over_shards
 
 
 def _leaf_device(x: Any) -> tuple[Any, bool, str | None]:
@@ -157,6 +160,26 @@ def make_plan(tree: Any, leaves: Sequence[Any], treedef: Any, allowed: Sequence[
                  device, committed, error)
 
 
+class _PiecesSum:
+    """``total`` for :func:`summed_over_shards` in :func:`shard_problem`'s trial, whose pieces (the
+    ranks' shards) run one after another: each norm's sum of squares is recorded (:attr:`seen`) and
+    answered from :attr:`totals`, the sums over the pieces of the round before (its own sum at first)."""
+
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+        self.totals: list[float] = []
+
+    def answer(self, sq: np.ndarray) -> np.ndarray:
+        k = len(self.seen)
+        self.seen.append(float(sq))
+        return np.asarray(self.totals[k] if k < len(self.totals) else sq, dtype=np.asarray(sq).dtype)
+
+    def __call__(self, sq: Any) -> Any:
+        from jax.experimental import io_callback
+
+        return io_callback(self.answer, jax.ShapeDtypeStruct((), sq.dtype), sq, ordered=True)
+
+
 def shard_problem(inner: Any) -> str | None:
     """Why optax transformation ``inner`` cannot run on shards, or ``None``: each rank runs it on its
     flat shards of the buckets, which updates as on the leaves only where an element's update
@@ -170,38 +193,63 @@ def shard_problem(inner: Any) -> str | None:
     Example:
         >>> shard_problem(optax.lamb(1e-3))     # 'the transformation is not elementwise (...)'
     """
+    try:
+        return _tried(inner)        # once per transformation (0.1-0.5 s)
+    except TypeError:               # not hashable
+        return _tried.__wrapped__(inner)
+
+
+@functools.lru_cache(maxsize=64)
+def _tried(inner: Any) -> str | None:
+    """:func:`shard_problem`'s trial."""
     import jax.numpy as jnp
 
     rng = np.random.default_rng(1234)
     w0, a, b = rng.random((3, 4, 6)) + np.array([-0.5, 0.5, -0.5])[:, None, None]
     a, b = 100 * a, 100 * b
-    update = jax.jit(inner.update)          # one compilation per shape: eager ops cost seconds
+    sums = _PiecesSum()
+    # one compilation per shape (eager ops cost seconds), of a function of its own: jax.jit(inner.update)
+    # would share its traces, whose callbacks are bound to their sums, with other jits of inner.update
+    update = jax.jit(lambda u, s, p: inner.update(u, s, p))
 
     def train(pieces: list[tuple[np.ndarray, ...]], poisoned: bool = False) -> np.ndarray:
-        out = []
-        for k, (w, aw, bw) in enumerate(pieces):
-            w = jnp.asarray(w, jnp.float32)
-            state = inner.init([w])
-            for step in range(6):
-                g = aw * w + bw
+        """The pieces in lockstep, as ranks: a global norm inside ``inner``
+        (:func:`bindings.jax_clip.clip_by_global_norm`) sums the pieces' sums of squares."""
+        ws = [jnp.asarray(w, jnp.float32) for w, _, _ in pieces]
+        states = [inner.init([w]) for w in ws]
+        for step in range(6):
+            grads = []
+            for k, (w, (_, aw, bw)) in enumerate(zip(ws, pieces)):
+                g = np.asarray(aw * np.asarray(w) + bw, np.float32)
                 if poisoned and k == 0 and step == 2:       # the whole leaf's first element: piece 0's
-                    g = np.array(g).reshape(-1)
-                    g[0] = np.inf
-                    g = g.reshape(np.shape(w))
-                updates, state = update([jnp.asarray(g, jnp.float32)], state, [w])
-                w = w + updates[0]
-            out.append(np.ravel(w))
-        return np.concatenate(out)
+                    g.reshape(-1)[0] = np.inf
+                grads.append(jnp.asarray(g))
+            totals: list[float] = []
+            for _ in range(4):      # each round hands back the sums the last one saw (one more norm right)
+                seen, outs = [], []
+                for k in range(len(pieces)):
+                    sums.seen, sums.totals = [], totals
+                    outs.append(update([grads[k]], states[k], [ws[k]]))
+                    seen.append(sums.seen)
+                new = [float(np.sum(col)) for col in zip(*seen)]
+                if new == totals or not new:
+                    break
+                totals = new
+            states = [st for _, st in outs]
+            ws = [w + out[0] for w, (out, _) in zip(ws, outs)]
+        return np.concatenate([np.ravel(w) for w in ws])
 
     def halves() -> list[tuple[np.ndarray, ...]]:
         return [tuple(t.reshape(-1)[k * 12:(k + 1) * 12] for t in (w0, a, b)) for k in range(2)]
 
     try:
-        whole = train([(w0, a, b)])
+        with summed_over_shards(sums):
+            whole = train([(w0, a, b)])
     except Exception:       # noqa: BLE001 - not runnable on a list of arrays: its own error comes later
         return None
     try:
-        split = train(halves())
+        with summed_over_shards(sums):
+            split = train(halves())
     except Exception as e:  # noqa: BLE001
         return f"the transformation is not elementwise (on a flat piece: {e})"
     size = float(np.abs(whole - w0.reshape(-1)).max())
@@ -210,7 +258,8 @@ def shard_problem(inner: Any) -> str | None:
         return (f"the transformation is not elementwise (its update of an element depends on others: on "
                 f"the two flat halves of a leaf, each with a state of its own as on two ranks' shards, it "
                 f"differed from its update of the whole by {off / size:.2g} of its size)")
-    whole, split = train([(w0, a, b)], poisoned=True), train(halves(), poisoned=True)
+    with summed_over_shards(sums):
+        whole, split = train([(w0, a, b)], poisoned=True), train(halves(), poisoned=True)
     if not np.allclose(split, whole, rtol=0, atol=1e-5 * size, equal_nan=True):
         return ("the transformation is not elementwise on non-finite gradients (with one element's "
                 "gradient infinite at one step, its update of the other elements differed on two ranks' "

@@ -21,6 +21,7 @@ from commlib.collectives import AllReduce, DeAR, Strategy, checked_strategy
 from commlib.collectives.buckets import Bucket
 from commlib.errors import ValidationError
 
+from .jax_clip import ranks_sum, summed_over_shards
 from .jax_fusion import Plan, agree_plan, make_plan, shard_problem
 from .jax_state import shard_state, shards_problem, whole_state
 
@@ -253,7 +254,8 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
 
     ``update(grads, state, params)`` reduce-scatters (``avg``) the fused gradients, applies
     ``inner`` (any *elementwise* optax transformation: sgd with momentum or Nesterov, adam,
-    adamw, schedules; not ones that look across leaves, such as ``clip_by_global_norm``, LAMB,
+    adamw, schedules, and :func:`~bindings.jax_clip.clip_by_global_norm`, whose norm is summed over
+    the ranks' shards; not ones that look across leaves, such as optax's ``clip_by_global_norm``, LAMB,
     ``apply_if_finite`` or masks keyed by the tree: tried on a small problem first, refused
     with ``ValueError``) to the gradient and parameter shards, and all-gathers the updates,
     which come back as a full pytree for ``optax.apply_updates``.  Optimizer
@@ -288,7 +290,9 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
     if problem:
         raise ValueError(f"sharded_optimizer: the update runs on flat shards of the buckets: {problem}; "
                          "use optax.chain(average_gradients(...), inner) instead (its state then on every "
-                         "rank), or an elementwise transformation")
+                         "rank), or an elementwise transformation (to clip by the global norm: "
+                         "commlib.bindings.jax.clip_by_global_norm, which sums the norm over the ranks' "
+                         "shards)")
     strategy = checked_strategy(strategy, "sharded_optimizer") if strategy is not None else DeAR()
     if not strategy.sharded:
         raise ValueError(f"sharded_optimizer needs a sharded strategy (DeAR), got {strategy!r}")
@@ -296,7 +300,8 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
         raise ValueError("sharded_optimizer: tuning the cap re-plans the buckets, which would re-shard "
                          "the optimizer state; give the strategy a fixed cap_mb")
     sync = GradientSync(comm, strategy)
-    inner_update = jax.jit(inner.update)
+    # a function of its own: its trace binds this optimizer's communicator (clip_by_global_norm's sum)
+    inner_update = jax.jit(lambda u, s, p: inner.update(u, s, p))
     digest: list[tuple[int, int]] = []
     tag = int(np.random.default_rng().integers(1, 2**31 - 1))    # of this optimizer's states
 
@@ -359,7 +364,8 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
         new_state: list[Any] = []
 
         def update(shards: list[np.ndarray]) -> None:
-            out, st = inner_update([jnp.asarray(s.copy()) for s in shards], state.inner, shard_params)
+            with summed_over_shards(ranks_sum(sync.comm)):      # a global norm inside: over the ranks
+                out, st = inner_update([jnp.asarray(s.copy()) for s in shards], state.inner, shard_params)
             new_state.append(st)
             write_shards(plan, out)
 
@@ -385,7 +391,8 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
         got = io_callback(begin, [jax.ShapeDtypeStruct((3,), np.int32), *shard_types], state.owner, *leaves,
                           ordered=True)
         pshards = None if pleaves is None else plan.shards_of(pleaves, sync.comm.rank)
-        out, inner_state = inner.update(list(got[1:]), state.inner, pshards)
+        with summed_over_shards(ranks_sum(jit_comm)):
+            out, inner_state = inner.update(list(got[1:]), state.inner, pshards)
 
         def finish(*shards: np.ndarray) -> list[np.ndarray]:
             return sync._finish(plan, lambda _: write_shards(plan, shards))

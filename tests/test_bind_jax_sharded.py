@@ -27,7 +27,7 @@ from test_bind_jax import (  # noqa: E402
     same_on_all_ranks,
 )
 
-from commlib.bindings.jax import broadcast_params, sharded_optimizer  # noqa: E402
+from commlib.bindings.jax import broadcast_params, clip_by_global_norm, sharded_optimizer  # noqa: E402
 from commlib.collectives import DeAR  # noqa: E402
 from commlib.errors import MismatchError, ValidationError  # noqa: E402
 
@@ -152,8 +152,9 @@ def test_init_inside_jit_is_the_eager_one(comm):
 
 
 def one_process_run(kind, size, todo, params, state):
-    """``optimizer(kind)`` in one process on the whole batches of ``todo``: (params, state)."""
-    tx = optimizer(kind)
+    """``optimizer(kind)`` (or the transformation ``kind``) in one process on the whole batches of
+    ``todo``: (params, state)."""
+    tx = optimizer(kind) if isinstance(kind, str) else kind
 
     @jax.jit
     def step_fn(params, state, x, y):
@@ -200,6 +201,36 @@ def test_whole_state_is_one_process_state_and_resumes_on_any_ranks(comm, jit):
     np.testing.assert_allclose(flat(resumed), flat(one_final), rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_clip_by_global_norm_inside_clips_by_the_whole_gradients_norm(comm, jit):
+    """commlib's ``clip_by_global_norm`` inside ``sharded_optimizer`` sums the norm over the ranks'
+    shards (one scalar all-gather): the run is one process's with optax's ``clip_by_global_norm`` on
+    the whole batch, the same on every rank; the clip bites (the unclipped run ends elsewhere).
+    optax's own is refused there (each rank would clip its shard by that shard's norm; the refusal
+    names ours).  Outside ``sharded_optimizer`` ours is optax's, bit for bit."""
+    def chain(clip):
+        return optax.chain(clip(0.05), optax.adamw(0.02, weight_decay=0.05))
+
+    start = broadcast_params(init_params(comm.rank), comm=comm)
+    tx = sharded_optimizer(chain(clip_by_global_norm), comm=comm,
+                           strategy=DeAR(cap_mb=SMALL, first_cap_mb=SMALL / 2))
+    got, _ = steps(comm, stepper(tx, jit), start, tx.init(start), range(STEPS))
+    theirs, ours = chain(optax.clip_by_global_norm), chain(clip_by_global_norm)
+    ref, _ = one_process_run(theirs, comm.size, range(STEPS), init_params(0), theirs.init(init_params(0)))
+    np.testing.assert_allclose(flat(got), flat(ref), rtol=2e-5, atol=2e-6)
+    same_on_all_ranks(comm, got)
+    free = optax.adamw(0.02, weight_decay=0.05)
+    unclipped, _ = one_process_run(free, comm.size, range(STEPS), init_params(0), free.init(init_params(0)))
+    assert np.abs(flat(unclipped) - flat(ref)).max() > 1e-3
+    alone, _ = one_process_run(ours, comm.size, range(STEPS), init_params(0), ours.init(init_params(0)))
+    np.testing.assert_array_equal(flat(alone), flat(ref))
+    with pytest.raises(ValueError, match="commlib.bindings.jax.clip_by_global_norm"):
+        sharded_optimizer(theirs, comm=comm, strategy=DeAR())
+    for bad in (0, -1.0, "1", True):
+        with pytest.raises(ValueError, match="max_norm must be a positive number"):
+            clip_by_global_norm(bad)
+
+
 def test_whole_state_refusals(comm):
     """A state that is not the inner optimizer's over these parameters (another optimizer's, a leaf of
     another shape) is refused by ``shard_state`` with ValidationError, naming what differs, on every
@@ -235,7 +266,7 @@ def test_whole_state_refusals(comm):
 
 @pytest.mark.parametrize("name", ["lamb", "lars", "clip_by_global_norm", "adafactor", "apply_if_finite"])
 def test_sharded_optimizer_refuses_what_is_not_elementwise(name):
-    """On each rank's flat shards LAMB's trust ratio, a global-norm clip, Adafactor's factored moments
+    """On each rank's flat shards LAMB's trust ratio, optax's global-norm clip, Adafactor's factored moments
     are not the leaves' (LAMB 0.026 off one process after 4 steps at 2 ranks, silently), nor is
     ``apply_if_finite``'s skip (each shard skipped alone: 0.13 off after 5 steps, an inf in one leaf).
     Tried at construction on every rank alike; elementwise ones (a schedule, ``clip``, ``zero_nans``) pass."""

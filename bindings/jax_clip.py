@@ -1,0 +1,106 @@
+"""Clipping by the global norm where the optimizer sees shards: :func:`clip_by_global_norm`.
+
+Under :func:`bindings.jax_sync.sharded_optimizer` the inner optax transformation runs on this rank's
+flat shards of the buckets, so optax's own ``clip_by_global_norm`` would clip each rank's shard by the
+norm of that shard alone.  Ours takes the sum of squares of what it sees and hands it to the function
+on top of :data:`SHARD_SUMS` (pushed by whatever runs the transformation on shards, with
+:func:`summed_over_shards`), which returns the sum over every rank's shards: one scalar all-gather.
+Anywhere else (after ``average_gradients``, in one process) it is optax's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+import commlib
+
+__all__ = ["clip_by_global_norm", "summed_over_shards", "ranks_sum"]
+
+
+class _Stack(threading.local):
+    def __init__(self) -> None:
+        self.sums: list[Callable[[Any], Any]] = []
+
+
+#: per thread (where tracing runs): the functions from this shard's sum of squares to every shard's
+SHARD_SUMS = _Stack()
+
+
+@contextlib.contextmanager
+def summed_over_shards(total: Callable[[Any], Any]) -> Iterator[None]:
+    """While tracing or running a transformation on shards: ``total(sq)`` maps this shard's sum of
+    squares (a jax scalar) to the sum over all shards, for :func:`clip_by_global_norm` inside it.
+
+    Example:
+        >>> with summed_over_shards(ranks_sum(comm)):
+        ...     out, state = inner.update(shards, state, param_shards)
+    """
+    SHARD_SUMS.sums.append(total)
+    try:
+        yield
+    finally:
+        SHARD_SUMS.sums.pop()
+
+
+def ranks_sum(comm: commlib.Communicator) -> Callable[[Any], Any]:
+    """``total`` for :func:`summed_over_shards` over the ranks of ``comm``: an ordered
+    ``io_callback`` that all-gathers each rank's sum (float64) and adds them in rank order, so that
+    every rank gets the same value and so clips alike (a call every rank makes, in program order).
+
+    Example:
+        >>> total = ranks_sum(comm)        # total(sq) inside the traced update
+    """
+    import jax
+    from jax.experimental import io_callback
+
+    def gathered(sq: np.ndarray) -> np.ndarray:
+        sums = comm.allgather(np.array([float(sq)], np.float64), tag="clip_by_global_norm")
+        return np.asarray(np.sum(sums), dtype=np.asarray(sq).dtype)
+
+    def total(sq: Any) -> Any:
+        return io_callback(gathered, jax.ShapeDtypeStruct((), sq.dtype), sq, ordered=True)
+
+    return total
+
+
+def clip_by_global_norm(max_norm: float) -> Any:
+    """optax's ``clip_by_global_norm`` that also clips by the global norm inside
+    :func:`~bindings.jax_sync.sharded_optimizer`, where each rank's update sees only its shard of the
+    averaged gradient: there the norm is summed over the ranks' shards (one scalar all-gather per
+    step, in the step's order, eagerly or inside ``jax.jit``) and every rank clips by the norm one
+    process computes over the whole tree.  Elsewhere it is optax's own.  ``max_norm``: positive.
+
+    Example:
+        >>> from commlib.bindings.jax import clip_by_global_norm, sharded_optimizer
+        >>> tx = sharded_optimizer(optax.chain(clip_by_global_norm(1.0), optax.adamw(1e-3)))
+    """
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"clip_by_global_norm: max_norm must be a positive number, got {max_norm!r}")
+
+    def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        del params
+        # optax's sum of squares (tree.norm): |x|^2 summed per leaf, then over the leaves in order
+        sq = jnp.asarray(functools.reduce(operator.add, [jnp.sum(jnp.square(x.real) + jnp.square(x.imag))
+                                                         for x in jax.tree.leaves(updates)], 0))
+        if SHARD_SUMS.sums:
+            sq = SHARD_SUMS.sums[-1](sq)
+        g_norm = jnp.sqrt(sq)
+        trigger = jnp.squeeze(g_norm < max_norm)
+
+        def clip(t: Any) -> Any:
+            return jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm)
+
+        return jax.tree.map(clip, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)

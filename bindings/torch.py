@@ -64,13 +64,14 @@ from .torch_comm import (
     layout,
     register_comm_hook,
 )
-from .torch_grads import ShardedGrad, ShardNorms
+from .torch_grads import GradientClipping, ShardedGrad, ShardNorms
 from .torch_loop import TrainingLoop
 from .torch_norm import RunningStats, SyncBatchNorm
 from .torch_params import InFlight
 from .torch_phases import PhaseSwitches
 from .torch_replicas import ReplicaLoads
 from .torch_state import ConsolidatedState, shard_problem
+from .torch_unused import OutsideParameters
 
 __all__ = ["DistributedOptimizer", "SyncBatchNorm", "broadcast_parameters", "broadcast_optimizer_state",
            "register_comm_hook"]
@@ -89,7 +90,7 @@ class _Flush:
         return None
 
 
-class DistributedOptimizer(TrainingLoop, ConsolidatedState, PhaseSwitches, ReplicaLoads,
+class DistributedOptimizer(TrainingLoop, GradientClipping, ConsolidatedState, PhaseSwitches, ReplicaLoads,
                            torch.optim.Optimizer):
     """Wrap ``optimizer`` so that ``step()`` trains ``model`` data-parallel over ``comm``.
 
@@ -246,6 +247,9 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, PhaseSwitches, Repli
                       f"{self.find_unused_parameters}|{self._running_stats.which}",
                       "; ".join(problems) or None, strides=True)
         self._params, self._group_of = params, group_of
+        #: the model's parameters outside the optimizer: their gradients averaged too, as DDP's
+        self._outside = OutsideParameters(self.comm, self.model,
+                                          {id(p) for g in self._inner.param_groups for p in g["params"]})
         #: the optimizer's parameters that do not train now (watched for requires_grad changes)
         self._frozen = frozen
         # gradients become ready in reverse order of the model's parameters (as DDP assumes)
@@ -349,7 +353,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, PhaseSwitches, Repli
 
     def _make_pre_accumulate_hook(self, i: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
-            if self._synced:        # a pass after this step's reduction (rare): see _before_accumulate
+            if self._synced or self._partial:       # (rare) see _before_accumulate
                 self._before_accumulate(i)
         return hook
 
@@ -387,6 +391,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, PhaseSwitches, Repli
         for g in self._flat_grads:
             g.zero_()
         self._shards_settled(False)
+        self._partial = False
         with torch._C.DisableTorchFunctionSubclass():     # parameters DeAR still gathers: .grad only
             for i, p in enumerate(self._params):
                 if p.grad is not self._grad_views[i]:
@@ -417,6 +422,7 @@ class DistributedOptimizer(TrainingLoop, ConsolidatedState, PhaseSwitches, Repli
             self._reduce()          # done when backward returned, unless passes are missing
             with self._scaled_hyperparameters():
                 self._update_shards()
+            self._partial = not self._gathered and self.comm.size > 1     # see _before_accumulate
         else:
             if evaluate is None:
                 self._reduce()

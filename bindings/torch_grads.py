@@ -36,6 +36,8 @@ import commlib
 
 from .torch_params import METADATA
 
+__all__ = ["ShardNorms", "ShardedGrad", "GradientClipping"]
+
 
 class ShardNorms:
     """The global norms of the parameters' gradients, from this rank's shard parts.
@@ -306,3 +308,70 @@ def _global_norm(func: Any, args: Any, kwargs: dict) -> Any:
     if bound.get("keepdim"):
         out = out.reshape([1] * t.dim())
     return out
+
+
+class GradientClipping:
+    """Mixin of :class:`bindings.torch.DistributedOptimizer`: ``opt.clip_grad_norm_(max_norm,
+    norm_type)`` clips by the global norm of the gradient the update uses (sharded strategies: one
+    scalar per rank gathered).  Uses the optimizer's buckets and flat gradients."""
+
+    comm: Any
+    buckets: list[Any]
+    _flat_grads: list[torch.Tensor]
+    _sharded: bool
+    _gathered: bool
+    _reduce: Callable[[], None]
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients the update will use by their global norm; return that norm (as torch's).
+
+        The norm is the one single-process training computes on the
+        concatenated batch: that of the averaged gradient.  Full-gradient
+        strategies (``AllReduce``, ``SparseAllReduce``: the exchanged gradient;
+        ``SelSync`` and ``SyncSwitch`` on synchronous steps) need no
+        communication; a sharded strategy (``DeAR``) sums its shards' norms
+        through one small all-gather (a scalar per rank, as FSDP's all-reduce).
+        On a gate's local step (SelSync without sync, Sync-Switch's ASP/SSP)
+        each rank clips its own gradient.
+        A bad ``max_norm`` or ``norm_type`` raises before any collective
+        (sharded: on every rank, even when only one rank's is bad, through the
+        norm's own small all-gather).
+
+        Example:
+            >>> scaler.unscale_(opt)                # under a GradScaler: unscale first
+            >>> norm = opt.clip_grad_norm_(1.0)
+        """
+        problem = ""
+        if not (isinstance(max_norm, numbers.Real) and max_norm >= 0):
+            problem = f"max_norm {max_norm!r}: expected a number >= 0"
+        if not (isinstance(norm_type, numbers.Real) and norm_type > 0):
+            problem = f"norm_type {norm_type!r}: expected a number > 0 or inf"
+        sharded = self._sharded and not self._gathered and self.comm.size > 1
+        if problem and not sharded:          # no collective here: raise before any
+            raise ValueError(f"clip_grad_norm_: {problem}")
+        self._reduce()
+        p = float(norm_type) if not problem else 2.0
+        if sharded:
+            rank = self.comm.rank
+            parts = [g[b.shard(rank)] for b, g in zip(self.buckets, self._flat_grads)]
+        else:
+            parts = list(self._flat_grads)
+        norms = torch.stack([torch.linalg.vector_norm(g, p) for g in parts]).double()
+        if sharded:     # each rank's part of the norm and its problem, in one small all-gather
+            local = norms.max() if p == float("inf") else norms.pow(p).sum()
+            row = torch.stack([local, torch.tensor(float(bool(problem)), dtype=torch.float64)])
+            table = self.comm.allgather(row, tag="gradnorm")
+            if table[:, 1].any():
+                raise ValueError("clip_grad_norm_: ranks " + ", ".join(
+                    str(r) for r in range(self.comm.size) if table[r, 1]) + " rejected their arguments"
+                    + (f" (here: {problem})" if problem else ""))
+            total = table[:, 0].max() if p == float("inf") else table[:, 0].sum().pow(1.0 / p)
+        else:
+            total = torch.linalg.vector_norm(norms, p)
+        total = total.to(parts[0].dtype)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in self._flat_grads:
+            g.mul_(coef.to(g.dtype))
+        return total

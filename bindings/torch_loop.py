@@ -5,18 +5,18 @@
 * gradients are final when ``backward()`` returns: an autograd final callback (as DDP's) launches what is
   left and waits for the strategy's reduction; ``opt.synchronize()`` and ``with opt.skip_synchronize():
   opt.step()`` as Horovod users write them;
-* ``opt.clip_grad_norm_(max_norm, norm_type)`` clips by the global norm of
-  the gradient the update uses (sharded strategies: one scalar per rank gathered);
 * ``torch.amp.GradScaler``: a non-finite gradient on any rank is non-finite on every rank, so every rank
   skips the same steps and scales alike (given as ``grad_scaler``, its scale changes rescale the strategy);
 * ``with opt.no_sync():`` accumulates locally (DDP's name); a ``backward()`` after the average,
-  before ``step()``, adds its own average (AllReduce, DeAR, Sync-Switch), as DDP's does;
+  before ``step()``, adds its own average (AllReduce, DeAR, Sync-Switch), as DDP's does; one after a
+  ``step()`` without ``zero_grad()`` adds to the last average, as in one process (DeAR gathers it first);
 * ``model.state_dict()``, ``model.load_state_dict()``, ``opt.state_dict()`` and evaluation forwards
   (``model.eval()`` or ``torch.no_grad()``) wait for the communication in flight (DeAR's all-gathers)
   first, and any other use of a parameter waits for its own bucket (``torch_params``);
 * ``opt.step(closure)``: each evaluation of the closure averaged, its loss too (LBFGS evaluates alike);
 * parameters no rank gave a gradient are left out of the update, as one process leaves them (one small
-  all-reduce per step, which also carries the notes of checkpoints loaded: ``torch_replicas``);
+  all-reduce per step, which also carries the notes of checkpoints loaded: ``torch_replicas``); those of
+  the model outside the optimizer are averaged too (DDP's rule), so norms over the model are one process's;
 * a parameter that starts or stops training (``requires_grad``, gradual unfreezing), a model moved or
   converted after wrapping (``model.to()``, ``.double()``, ``.data`` assigned) or a checkpoint of another
   (tuned) cap loaded re-plans the buckets at the next forward with gradients enabled (train or eval
@@ -35,10 +35,8 @@ Example (the full loop; ``scaler`` may be ``GradScaler("cpu", enabled=False)``):
 
 from __future__ import annotations
 
-import numbers
 import operator
 import warnings
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -49,13 +47,11 @@ from .torch_amp import LossScale
 from .torch_comm import average_loss
 from .torch_grads import ShardedGrad, ShardNorms
 from .torch_hooks import InertHook, ModelHook, guard_module_hooks_under_compile, remove_inert_twins
+from .torch_owners import claim, owner_of
 from .torch_params import InFlight
-from .torch_unused import UnusedParameters
+from .torch_unused import OutsideParameters, UnusedParameters
 
 __all__ = ["TrainingLoop", "ModelHook", "InertHook"]     # the hooks: here too, for models pickled before
-
-#: id(parameter) -> (the parameter, the optimizer that trains it), both weakly held
-_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _DATA_PTR = torch.Tensor.data_ptr
@@ -85,9 +81,11 @@ class TrainingLoop:
     _signaled: list[bool]
     _planned_cap: int
     _loss_scale: LossScale
+    _outside: OutsideParameters
 
     def _init_loop(self) -> None:
         self._no_sync_depth = 0
+        self._partial = False
         self._unused = UnusedParameters(self.comm, self.find_unused_parameters)
         self._end_step()
         model = self.model
@@ -104,15 +102,14 @@ class TrainingLoop:
         averaging, re-planning and waiting against this one's).  Same order on every rank."""
         older = []
         for p in self._params + self._frozen:
-            entry = _OWNERS.get(id(p))
-            owner = entry[1]() if entry is not None and entry[0]() is p else None
-            if owner is not None and owner is not self and not owner._retired_by and owner not in older:
+            owner = owner_of(p)
+            if owner is not None and owner is not self and owner not in older:
                 older.append(owner)
-            _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self))
+            claim(p, self)
         for owner in older:
             owner._retire(f"replaced by a newer one ({type(self._inner).__name__} with "
                           f"{self.strategy.name}) wrapping the same parameters; step the new one")
-            left = [p for p in owner._params if _OWNERS[id(p)][1]() is not self]
+            left = [p for p in owner._params if owner_of(p) is not self]
             if left:
                 warnings.warn(f"DistributedOptimizer: the new optimizer replaces an older one, whose other "
                               f"{len(left)} parameters are no longer averaged", stacklevel=3)
@@ -211,8 +208,7 @@ class TrainingLoop:
         self._signaled = [False] * len(self.buckets)
         self._passes = 0
         self._callback_queued = False
-        self._synced = False
-        self._gathered = False
+        self._synced = self._gathered = False
 
     # ------------------------------------------------------------------ backward
     def _gradient_arrived(self, i: int, fresh: bool) -> bool:
@@ -231,6 +227,7 @@ class TrainingLoop:
                                    "accumulate with opt.no_sync() or backward_passes_per_step")
         self._got[i] = True
         if not self._callback_queued:       # a pass begins: .grad is this rank's own until reduced
+            self._partial = False           # gathered before it, or model.zero_grad()'s None
             self._shards_settled(False)
             self._loss_scale.follow(self.strategy)     # before the step's first launch
             self._callback_queued = True
@@ -239,10 +236,17 @@ class TrainingLoop:
 
     @torch.compiler.disable     # autograd's pre-accumulation hook: never traced
     def _before_accumulate(self, i: int) -> None:
-        """Sharded strategies that reopen, before parameter ``i``'s gradient is added to ``.grad``: a
-        pass after this step's reduction reopens it while ``.grad`` holds no part of that pass yet."""
-        if self._synced and self._params[i].grad is self._grad_views[i]:     # not model.zero_grad()'s None
+        """Sharded strategies that reopen, before parameter ``i``'s gradient is added to ``.grad`` (not
+        ``model.zero_grad()``'s None): a pass after this step's reduction reopens it while ``.grad``
+        holds no part of that pass yet; the first pass of a step after one without ``zero_grad()``
+        (:attr:`_partial`: ``.grad`` holds this rank's shard of the last average, its own pass
+        elsewhere) gathers that average first, to which one process adds (one all-gather)."""
+        if self._params[i].grad is not self._grad_views[i]:
+            return
+        if self._synced:
             self._reopen()
+        elif self._partial:
+            self._gather_shards()
 
     def _reopen(self) -> None:
         """Backward runs again after this step's gradients were averaged, before ``step()`` (a second
@@ -283,6 +287,7 @@ class TrainingLoop:
             if not self._signaled[b]:
                 self._signal(b)
         self.strategy.before_update()
+        self._outside.average(local=self.strategy.gradients_are_local())
         self._agree_loads(self._unused.find(self._params, self._got, self.strategy.gradients_are_local(),
                                             self.model, None if self._sharded else self._grad_views,
                                             also=self._load_flags()))
@@ -393,6 +398,7 @@ class TrainingLoop:
         for w in works:
             w.wait()
         self._shards_settled(False)
+        self._partial = False
 
     def _whole_grads(self) -> None:
         """Code reads the values of a sharded ``.grad`` (``torch_grads``): before the step,
@@ -404,10 +410,8 @@ class TrainingLoop:
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[Any]:
-        """``with opt.skip_synchronize(): opt.step()`` after :meth:`synchronize` (Horovod's spelling).
-
-        ``step()`` never reduces twice, so this only states the intent; it is here so that Horovod
-        code runs unchanged."""
+        """``with opt.skip_synchronize(): opt.step()`` after :meth:`synchronize` (Horovod's spelling):
+        ``step()`` never reduces twice, so this only states the intent, for Horovod code unchanged."""
         yield self
 
     @contextmanager
@@ -444,57 +448,3 @@ class TrainingLoop:
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
             raise ValueError(f"backward_passes_per_step {passes!r}: expected an int >= 1")
         return passes
-
-    @torch.compiler.disable
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients the update will use by their global norm; return that norm (as torch's).
-
-        The norm is the one single-process training computes on the
-        concatenated batch: that of the averaged gradient.  Full-gradient
-        strategies (``AllReduce``, ``SparseAllReduce``: the exchanged gradient;
-        ``SelSync`` and ``SyncSwitch`` on synchronous steps) need no
-        communication; a sharded strategy (``DeAR``) sums its shards' norms
-        through one small all-gather (a scalar per rank, as FSDP's all-reduce).
-        On a gate's local step (SelSync without sync, Sync-Switch's ASP/SSP)
-        each rank clips its own gradient.
-        A bad ``max_norm`` or ``norm_type`` raises before any collective
-        (sharded: on every rank, even when only one rank's is bad, through the
-        norm's own small all-gather).
-
-        Example:
-            >>> scaler.unscale_(opt)                # under a GradScaler: unscale first
-            >>> norm = opt.clip_grad_norm_(1.0)
-        """
-        problem = ""
-        if not (isinstance(max_norm, numbers.Real) and max_norm >= 0):
-            problem = f"max_norm {max_norm!r}: expected a number >= 0"
-        if not (isinstance(norm_type, numbers.Real) and norm_type > 0):
-            problem = f"norm_type {norm_type!r}: expected a number > 0 or inf"
-        sharded = self._sharded and not self._gathered and self.comm.size > 1
-        if problem and not sharded:          # no collective here: raise before any
-            raise ValueError(f"clip_grad_norm_: {problem}")
-        self._reduce()
-        p = float(norm_type) if not problem else 2.0
-        if sharded:
-            rank = self.comm.rank
-            parts = [g[b.shard(rank)] for b, g in zip(self.buckets, self._flat_grads)]
-        else:
-            parts = list(self._flat_grads)
-        norms = torch.stack([torch.linalg.vector_norm(g, p) for g in parts]).double()
-        if sharded:     # each rank's part of the norm and its problem, in one small all-gather
-            local = norms.max() if p == float("inf") else norms.pow(p).sum()
-            row = torch.stack([local, torch.tensor(float(bool(problem)), dtype=torch.float64)])
-            table = self.comm.allgather(row, tag="gradnorm")
-            if table[:, 1].any():
-                raise ValueError("clip_grad_norm_: ranks " + ", ".join(
-                    str(r) for r in range(self.comm.size) if table[r, 1]) + " rejected their arguments"
-                    + (f" (here: {problem})" if problem else ""))
-            total = table[:, 0].max() if p == float("inf") else table[:, 0].sum().pow(1.0 / p)
-        else:
-            total = torch.linalg.vector_norm(norms, p)
-        total = total.to(parts[0].dtype)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in self._flat_grads:
-            g.mul_(coef.to(g.dtype))
-        return total

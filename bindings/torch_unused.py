@@ -1,4 +1,5 @@
-"""Parameters a step's update leaves out, as one process leaves out those whose ``.grad`` is ``None``.
+"""Parameters a step's update leaves out, as one process leaves out those whose ``.grad`` is ``None``;
+parameters of the model the optimizer never updates (:class:`OutsideParameters`).
 
 In one process, a parameter that no loss reached since ``zero_grad()`` (an unused
 head, an expert no token was routed to, a branch taken at some steps only) has
@@ -18,7 +19,9 @@ import torch
 
 import commlib
 
-__all__ = ["UnusedParameters"]
+from .torch_owners import owner_of
+
+__all__ = ["UnusedParameters", "OutsideParameters"]
 
 
 class UnusedParameters:
@@ -78,8 +81,6 @@ class UnusedParameters:
         had.update(id(params[i]) for i, u in enumerate(used) if u)
         if local:
             return agreed
-        if not self._checked:
-            self._warn_outside(params, model)
         if self.indices and not self._checked and not self.expected:
             names = {id(p): n for n, p in model.named_parameters()}
             listed = ", ".join(names.get(id(params[i]), f"#{i}") for i in sorted(self.indices))
@@ -90,19 +91,53 @@ class UnusedParameters:
         self._checked = True
         return agreed
 
-    @staticmethod
-    def _warn_outside(params: Sequence[torch.nn.Parameter], model: torch.nn.Module) -> None:
-        """Warn where parameters of ``model`` outside the optimizer got gradients in the first step:
-        each rank's own, not averaged (the optimizer's are), so a norm over ``model.parameters()``
-        (``clip_grad_norm_``) differs across ranks, and so do the replicas after clipping by it."""
-        trained = {id(p) for p in params}
-        outside = [n for n, p in model.named_parameters()
-                   if p.requires_grad and id(p) not in trained and p.grad is not None]
-        if outside:
-            listed = ", ".join(outside[:6]) + (f" and {len(outside) - 6} more" if len(outside) > 6 else "")
-            warnings.warn(f"DistributedOptimizer: {listed} got gradients but are not in the optimizer, "
-                          "so their .grad is each rank's own, not averaged: clip_grad_norm_(model."
-                          "parameters()) or any norm over them differs across ranks, and the replicas "
-                          "part after clipping by it; give them to the optimizer, freeze them "
-                          "(requires_grad_(False)), or clip the optimizer's parameters only",
-                          stacklevel=4)
+
+class OutsideParameters:
+    """Parameters of ``model`` outside the optimizer that still require a gradient (a body left out of
+    a fine-tuned head's optimizer, not frozen): :meth:`average` makes their ``.grad`` the average over
+    the ranks at the end of a synchronous backward, as DDP averages every parameter of the model, so
+    that a norm over ``model.parameters()`` (``clip_grad_norm_``) is one process's on every rank.  A
+    parameter some rank gave no gradient counts as zeros there and has the average after, as one
+    process has one.  Those another ``DistributedOptimizer`` trains (two optimizers over one model: a
+    GAN's generator and discriminator) are left to it.  ``.grad`` accumulates as in one process (the
+    optimizer's ``zero_grad`` leaves it): the average of an already averaged ``.grad`` plus this step's
+    pass is that plus the pass's average.  One all-reduce (float64) of them all, none where there are none.
+
+    Example:
+        >>> outside = OutsideParameters(comm, model, trained={id(p) for p in opt_params})
+        >>> outside.average(local=False)      # every rank, at the end of a synchronous backward
+    """
+
+    def __init__(self, comm: commlib.Communicator, model: torch.nn.Module, trained: set[int]) -> None:
+        self.comm = comm
+        #: the model's parameters the optimizer does not hold
+        self.params = [p for p in model.parameters() if id(p) not in trained]
+
+    def average(self, local: bool) -> None:
+        """Average the ``.grad`` of those that require a gradient now (a call every rank makes), unless
+        ``local``: a step whose update reads each rank's own gradient (SelSync's local steps, ASP)."""
+        live = [p for p in self.params if p.requires_grad and owner_of(p) is None]     # not another's
+        if local or not live:
+            return
+        device = live[0].device
+        parts = [_real(p.grad).reshape(-1).to(device, torch.float64) if p.grad is not None else
+                 torch.zeros(p.numel() * (2 if p.is_complex() else 1), dtype=torch.float64, device=device)
+                 for p in live]
+        flags = torch.tensor([float(p.grad is not None) for p in live], dtype=torch.float64, device=device)
+        buf = torch.cat([*parts, flags])
+        self.comm.allreduce(buf, "sum", out=buf, tag="outside")
+        buf[:-len(live)] /= self.comm.size
+        at = 0
+        for p, part, some in zip(live, parts, buf[-len(live):].tolist()):
+            avg = buf[at:at + part.numel()]
+            at += part.numel()
+            if not some:        # no rank gave it a gradient: None (or zeros) stays, as in one process
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            _real(p.grad).copy_(avg.view(_real(p.grad).shape))
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real pairs (a view), another as it is."""
+    return torch.view_as_real(t) if t.is_complex() else t

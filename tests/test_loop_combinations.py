@@ -4,16 +4,16 @@ against one process on the whole batch.
 ``test_train_loops.py`` tries each feature alone; here every example draws a loop that combines
 them: the strategy, the optimizer and its parameter groups, accumulation (``backward_passes_per_step``
 or ``no_sync()``), a GradScaler whose scale changes, gradient clipping by norm, an LR scheduler,
-``zero_grad`` (the optimizer's, to None or zeros, or the model's), SyncBatchNorm, an evaluation forward and a
-checkpoint resumed partway, into new objects and into one process.
+``zero_grad`` (the optimizer's, to None or zeros, the model's, or every other step), SyncBatchNorm, a
+layer left out of the optimizer, an evaluation forward and a checkpoint resumed partway, into new objects
+and into one process.
 Hypothesis runs derandomized, so every rank draws the same loops in the same order (the ranks must
-make the same calls).  What such a loop cannot match (parameters outside the optimizer) is named.
+make the same calls).
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import numpy as np
 import pytest
@@ -41,15 +41,19 @@ LOOPS = st.fixed_dictionaries({
     "strategy": st.sampled_from(sorted(STRATEGIES)),
     "optimizer": st.sampled_from(["sgd", "adamw"]),
     "groups": st.booleans(),
+    "outside": st.booleans(),       # the first layer left out of the optimizer, not frozen
     "batchnorm": st.booleans(),
     "accumulate": st.sampled_from(["none", "passes", "no_sync"]),
     "scaler": st.booleans(),
     "clip": st.booleans(),
     "scheduler": st.booleans(),
-    "zero_grad": st.sampled_from(["opt", "opt-zeros", "model"]),
+    "zero_grad": st.sampled_from(["opt", "opt-zeros", "model", "every-other"]),
     "evaluate_at": st.sampled_from([None, 1, 3]),
     "resume_at": st.sampled_from([None, 2, 3]),
-})
+}).filter(lambda loop: not (loop["resume_at"] and (loop["zero_grad"] == "every-other" or
+                                                      loop["outside"] and loop["zero_grad"] != "model")))
+# (.grad carried into the next step: every other step, and in a layer outside the optimizer unless the model's
+# zero_grad clears it; a checkpoint holds no .grad: resumed, one process would lose it too)
 
 
 def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,9 +76,12 @@ class Loop:
         if comm is not None:      # every rank's batch together, as one process normalizes the whole batch
             self.model = SyncBatchNorm.convert_sync_batchnorm(self.model, comm)
         *body, last = self.model
+        if loop["outside"]:
+            body = body[1:]
         params = ([{"params": [p for m in body for p in m.parameters()], "lr_mult": 0.5},
-                   {"params": last.parameters()}]
-                  if loop["groups"] else [{"params": self.model.parameters()}])
+                   {"params": list(last.parameters())}]
+                  if loop["groups"] else [{"params": [p for m in [*body, last] for p in m.parameters()]}])
+        params = [g for g in params if g["params"]]
         for g in params:
             g["lr"] = (0.1 if loop["optimizer"] == "sgd" else 0.01) * g.pop("lr_mult", 1.0)
         opt = (torch.optim.SGD(params, momentum=0.9, weight_decay=1e-3) if loop["optimizer"] == "sgd"
@@ -98,6 +105,9 @@ class Loop:
                 x, y = x[mine], y[mine]
             if loop["zero_grad"] == "model":
                 self.model.zero_grad()
+            elif loop["zero_grad"] == "every-other":    # .grad carried into the odd steps
+                if step % 2 == 0:
+                    self.opt.zero_grad()
             else:
                 self.opt.zero_grad(set_to_none=loop["zero_grad"] == "opt")
             parts = 1 if loop["accumulate"] == "none" else 2
@@ -175,28 +185,81 @@ def test_a_loop_of_ordinary_features_trains_as_one_process(comm, loop):
         np.testing.assert_allclose(alone.params(), ref.params(), rtol=2e-5, atol=2e-6, err_msg=repr(loop))
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
-def test_parameters_outside_the_optimizer_with_gradients_are_named(comm, strategy):
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_parameters_outside_the_optimizer_are_averaged_as_ddp_averages_them(comm, strategy):
     """A layer left out of the optimizer but not frozen (fine-tuning a head, ``requires_grad`` still on
-    in the body) gets each rank's own gradient, not the average: ``clip_grad_norm_(model.parameters())``
-    then differs across ranks and the replicas part silently (found by the test above, with a norm
-    layer left out of the groups).  The first step warns on every rank, naming the layer's parameters;
-    frozen, or in the optimizer, it does not."""
-    def step(freeze: bool, in_opt: bool) -> list[str]:
+    in the body) gets the averaged gradient, as DDP gives every parameter of the model: its ``.grad``
+    accumulates over steps as one process's does (the optimizer's ``zero_grad`` leaves it), and
+    ``clip_grad_norm_(model.parameters())`` is one process's norm on every rank, so the head trains as
+    one process's.  Found by the test above (a norm layer left out of the groups); before, each rank
+    kept its own ``.grad`` there and the replicas parted silently (then: a warning)."""
+    def run(dist: bool) -> tuple[np.ndarray, np.ndarray]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-        model[0].requires_grad_(not freeze)
-        inner = torch.optim.SGD(model.parameters() if in_opt else model[2].parameters(), lr=0.1)
-        opt = DistributedOptimizer(inner, model, strategy=STRATEGIES[strategy](), comm=comm)
-        x, y = batch(0, comm.size)
-        mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        opt = torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9)
+        if dist:
+            opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[strategy](), comm=comm)
+        for step in range(STEPS):
+            x, y = batch(step, comm.size)
+            if dist:
+                mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL)
+                x, y = x[mine], y[mine]
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
             opt.step()
-        opt.close()
-        return [str(w.message) for w in caught if "not in the optimizer" in str(w.message)]
+        if dist:
+            opt.close()
+        body = torch.cat([p.grad.reshape(-1) for p in model[0].parameters()]).double().numpy()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double().numpy(), body
 
-    named = step(freeze=False, in_opt=False)
-    assert len(named) == 1 and named[0].startswith("DistributedOptimizer: 0.weight, 0.bias got gradients")
-    assert step(freeze=True, in_opt=False) == [] and step(freeze=False, in_opt=True) == []
+    (got, got_body), (ref, ref_body) = run(True), run(False)
+    assert_same_on_every_rank(comm, np.concatenate([got, got_body]))
+    np.testing.assert_allclose(got_body, ref_body, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "dear", "syncswitch-bsp"])
+def test_two_optimizers_over_one_model_average_each_part_once(comm, strategy):
+    """A GAN as one module (generator and discriminator its children), each part with its own optimizer
+    wrapped over the whole module: each part is the other's parameters outside its optimizer, which the
+    other averages, so neither averages them again (as many collectives as with each optimizer over its
+    own part; a second average would also read gradients the other's reduction is writing).  Trains as
+    one process, the generator's backward running through the discriminator, clipped over every
+    parameter (under DeAR the discriminator's gradients carried past its step: 7e-5 off before)."""
+    def run(dist: bool, one_module: bool = True) -> tuple[np.ndarray, int]:
+        torch.manual_seed(0)
+        gan = torch.nn.ModuleDict({
+            "gen": torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)),
+            "disc": torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))})
+        gen, disc = gan["gen"], gan["disc"]
+        og, od = torch.optim.Adam(gen.parameters(), lr=1e-2), torch.optim.Adam(disc.parameters(), lr=1e-2)
+        if dist:
+            og, od = (DistributedOptimizer(o, gan if one_module else part, strategy=STRATEGIES[strategy](),
+                                           comm=comm) for o, part in ((og, gen), (od, disc)))
+        g = torch.Generator().manual_seed(5)
+        softplus = torch.nn.functional.softplus
+        first = comm.seq
+        for _ in range(STEPS):
+            z, real = torch.randn(2, LOCAL * comm.size, 4, generator=g)
+            if dist:
+                z, real = z.chunk(comm.size)[comm.rank], real.chunk(comm.size)[comm.rank]
+            od.zero_grad()
+            (softplus(-disc(real + 2)).mean() + softplus(disc(gen(z).detach())).mean()).backward()
+            torch.nn.utils.clip_grad_norm_(gan.parameters(), 1.0)
+            od.step()
+            og.zero_grad()
+            softplus(-disc(gen(z))).mean().backward()
+            torch.nn.utils.clip_grad_norm_(gan.parameters(), 1.0)
+            og.step()
+        calls = comm.seq - first
+        if dist:
+            og.close()
+            od.close()
+        return torch.cat([v.reshape(-1) for v in gan.state_dict().values()]).numpy(), calls
+
+    (got, calls), (apart, calls_apart) = run(True), run(True, one_module=False)
+    assert_same_on_every_rank(comm, got.astype(np.float64))
+    np.testing.assert_allclose(got, run(False)[0], rtol=2e-5, atol=2e-6)
+    np.testing.assert_array_equal(got, apart)
+    assert calls == calls_apart

@@ -1,0 +1,36 @@
+"""Which :class:`bindings.torch.DistributedOptimizer` trains a parameter: the newest that wrapped it
+and is not retired (a new phase's optimizer replaces the old one, as beside DDP).  Weakly held: a
+dropped optimizer or parameter leaves no trace that matters."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["owner_of", "claim"]
+
+#: id(parameter) -> (the parameter, the optimizer that trains it), both weakly held
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def owner_of(p: torch.Tensor) -> Any:
+    """The optimizer that trains ``p`` now, or ``None`` (none wrapped it, or it was retired or closed).
+
+    Example:
+        >>> owner_of(model[0].weight) is opt
+        True
+    """
+    entry = _OWNERS.get(id(p))
+    owner = entry[1]() if entry is not None and entry[0]() is p else None
+    return None if owner is None or owner._retired_by else owner
+
+
+def claim(p: torch.Tensor, opt: Any) -> None:
+    """``opt`` trains ``p`` from now on.
+
+    Example:
+        >>> claim(p, opt)
+    """
+    _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(opt))

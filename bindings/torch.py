@@ -99,10 +99,10 @@ class DistributedOptimizer(TrainingLoop, GradientClipping, ConsolidatedState, Ph
     communication) per ``step()``; their gradients add up, as in Horovod and
     in one process (scale the loss by ``1/k``; ``no_sync()`` is the other way
     to accumulate).
-    Parameters that no rank gave a gradient in a step (an unused head, an expert
-    no token was routed to) are left out of that step's update, as a single
-    process leaves them (one small all-reduce per step agrees on them; on the
-    local steps of SelSync and Sync-Switch's ASP, each rank's own).
+    Parameters that no rank gave a gradient in a step (an unused head, an expert no token was
+    routed to) are left out of that step's update, as a single process leaves them (one small
+    all-reduce per step agrees on them; on the local steps of SelSync and Sync-Switch's ASP, each
+    rank's own); those of ``model`` outside ``optimizer`` get the averaged gradient (DDP's rule).
     ``find_unused_parameters``: say that you expect some; otherwise, where the
     first step finds some, it warns, naming them.
     ``broadcast``: start from rank 0's parameters (default ``True``).

@@ -101,7 +101,7 @@ class OutsideParameters:
     process has one.  Those another ``DistributedOptimizer`` trains (two optimizers over one model: a
     GAN's generator and discriminator) are left to it.  ``.grad`` accumulates as in one process (the
     optimizer's ``zero_grad`` leaves it): the average of an already averaged ``.grad`` plus this step's
-    pass is that plus the pass's average.  One all-reduce (float64) of them all, none where there are none.
+    pass is that plus the pass's average.  One all-reduce per dtype, none where there are none.
 
     Example:
         >>> outside = OutsideParameters(comm, model, trained={id(p) for p in opt_params})
@@ -115,27 +115,32 @@ class OutsideParameters:
 
     def average(self, local: bool) -> None:
         """Average the ``.grad`` of those that require a gradient now (a call every rank makes), unless
-        ``local``: a step whose update reads each rank's own gradient (SelSync's local steps, ASP)."""
-        live = [p for p in self.params if p.requires_grad and owner_of(p) is None]     # not another's
-        if local or not live:
+        ``local``: a step whose update reads each rank's own gradient (SelSync's local steps, ASP).
+        One all-reduce per dtype and device, in that dtype (a complex one as its real pairs)."""
+        if local:
             return
-        device = live[0].device
-        parts = [_real(p.grad).reshape(-1).to(device, torch.float64) if p.grad is not None else
-                 torch.zeros(p.numel() * (2 if p.is_complex() else 1), dtype=torch.float64, device=device)
-                 for p in live]
-        flags = torch.tensor([float(p.grad is not None) for p in live], dtype=torch.float64, device=device)
-        buf = torch.cat([*parts, flags])
-        self.comm.allreduce(buf, "sum", out=buf, tag="outside")
-        buf[:-len(live)] /= self.comm.size
-        at = 0
-        for p, part, some in zip(live, parts, buf[-len(live):].tolist()):
-            avg = buf[at:at + part.numel()]
-            at += part.numel()
-            if not some:        # no rank gave it a gradient: None (or zeros) stays, as in one process
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            _real(p.grad).copy_(avg.view(_real(p.grad).shape))
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+        for p in self.params:
+            if p.requires_grad and owner_of(p) is None:         # not another optimizer's
+                groups.setdefault((p.dtype.to_real(), p.device), []).append(p)
+        for (dtype, device), live in groups.items():           # the same order on every rank
+            parts = [_real(p.grad).reshape(-1).to(device, dtype) if p.grad is not None else
+                     torch.zeros(p.numel() * (2 if p.is_complex() else 1), dtype=dtype, device=device)
+                     for p in live]
+            buf = torch.cat([*parts, torch.tensor([float(p.grad is not None) for p in live], dtype=dtype,
+                                                  device=device)])
+            self.comm.allreduce(buf, "sum", out=buf, tag="outside")
+            some = (buf[-len(live):] > 0).tolist()          # some rank gave it a gradient
+            buf.div_(self.comm.size)
+            at = 0
+            for p, part, got in zip(live, parts, some):
+                avg = buf[at:at + part.numel()]
+                at += part.numel()
+                if not got:        # no rank gave it a gradient: None (or zeros) stays, as in one process
+                    continue
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                _real(p.grad).copy_(avg.view(_real(p.grad).shape))
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:

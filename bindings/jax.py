@@ -15,7 +15,9 @@ with the original shapes, dtypes and devices.
 :func:`sharded_optimizer`          DeAR's ZeRO-1 update: reduce-scatter, an elementwise
                                    optax optimizer on this rank's shard, all-gather
 :func:`clip_by_global_norm`        optax's, whose norm inside ``sharded_optimizer`` is summed
-                                   over the ranks' shards (``jax_clip``)
+                                   over the ranks' shards (``jax_global``)
+:func:`apply_if_finite`            optax's, whose check inside ``sharded_optimizer`` counts
+                                   the non-finite elements of every rank's shards
 :class:`DistributedOptimizer`      the whole optax optimizer under SelSync or Sync-Switch
                                    (their parameter averages and pushes): ``jax_params``
 :func:`allreduce_gradients`        one-shot average of a gradient pytree
@@ -95,13 +97,13 @@ from commlib.collectives import Strategy
 from commlib.collectives.buckets import MiB
 from commlib.errors import ValidationError
 
-from .jax_clip import clip_by_global_norm
 from .jax_fusion import agree_plan, make_plan
+from .jax_global import apply_if_finite, clip_by_global_norm
 from .jax_ops import allgather, allreduce, broadcast
 from .jax_params import DistributedOptimizer
 from .jax_sync import GradientSync, ShardedState, sharded_optimizer
 
-__all__ = ["GradientSync", "average_gradients", "sharded_optimizer", "clip_by_global_norm",
+__all__ = ["GradientSync", "average_gradients", "sharded_optimizer", "clip_by_global_norm", "apply_if_finite",
            "allreduce_gradients", "broadcast_params", "ShardedState", "allreduce", "allgather", "broadcast",
            "DistributedOptimizer"]
 

@@ -18,7 +18,7 @@ from commlib.collectives import TensorSpec, plan_buckets
 from commlib.collectives.buckets import Bucket
 from commlib.ops import agree
 
-from .jax_clip import summed_over_shards
+from .jax_global import summed_over_shards
 
 
 def _leaf_device(x: Any) -> tuple[Any, bool, str | None]:
@@ -213,8 +213,9 @@ def _tried(inner: Any) -> str | None:
     update = jax.jit(lambda u, s, p: inner.update(u, s, p))
 
     def train(pieces: list[tuple[np.ndarray, ...]], poisoned: bool = False) -> np.ndarray:
-        """The pieces in lockstep, as ranks: a global norm inside ``inner``
-        (:func:`bindings.jax_clip.clip_by_global_norm`) sums the pieces' sums of squares."""
+        """The pieces in lockstep, as ranks: a sum over the shards inside ``inner`` (the squares of
+        :func:`bindings.jax_global.clip_by_global_norm`, the non-finite count of ``apply_if_finite``)
+        sums the pieces'."""
         ws = [jnp.asarray(w, jnp.float32) for w, _, _ in pieces]
         states = [inner.init([w]) for w in ws]
         for step in range(6):

@@ -21,8 +21,8 @@ from commlib.collectives import AllReduce, DeAR, Strategy, checked_strategy
 from commlib.collectives.buckets import Bucket
 from commlib.errors import ValidationError
 
-from .jax_clip import ranks_sum, summed_over_shards
 from .jax_fusion import Plan, agree_plan, make_plan, shard_problem
+from .jax_global import ranks_sum, summed_over_shards
 from .jax_state import shard_state, shards_problem, whole_state
 
 _MAX_PLANS = 16            # bucket plans kept per GradientSync (least recently used dropped)
@@ -254,8 +254,9 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
 
     ``update(grads, state, params)`` reduce-scatters (``avg``) the fused gradients, applies
     ``inner`` (any *elementwise* optax transformation: sgd with momentum or Nesterov, adam,
-    adamw, schedules, and :func:`~bindings.jax_clip.clip_by_global_norm`, whose norm is summed over
-    the ranks' shards; not ones that look across leaves, such as optax's ``clip_by_global_norm``, LAMB,
+    adamw, schedules, and :func:`~bindings.jax_global.clip_by_global_norm` and
+    :func:`~bindings.jax_global.apply_if_finite`, which read the whole gradient over the ranks' shards;
+    not ones that look across leaves, such as optax's ``clip_by_global_norm``, LAMB, optax's
     ``apply_if_finite`` or masks keyed by the tree: tried on a small problem first, refused
     with ``ValueError``) to the gradient and parameter shards, and all-gathers the updates,
     which come back as a full pytree for ``optax.apply_updates``.  Optimizer
@@ -290,9 +291,9 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
     if problem:
         raise ValueError(f"sharded_optimizer: the update runs on flat shards of the buckets: {problem}; "
                          "use optax.chain(average_gradients(...), inner) instead (its state then on every "
-                         "rank), or an elementwise transformation (to clip by the global norm: "
-                         "commlib.bindings.jax.clip_by_global_norm, which sums the norm over the ranks' "
-                         "shards)")
+                         "rank), or an elementwise transformation (to clip by the global norm or skip "
+                         "non-finite steps: commlib.bindings.jax.clip_by_global_norm or apply_if_finite, "
+                         "which read the whole gradient over the ranks' shards)")
     strategy = checked_strategy(strategy, "sharded_optimizer") if strategy is not None else DeAR()
     if not strategy.sharded:
         raise ValueError(f"sharded_optimizer needs a sharded strategy (DeAR), got {strategy!r}")

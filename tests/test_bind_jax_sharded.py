@@ -27,7 +27,12 @@ from test_bind_jax import (  # noqa: E402
     same_on_all_ranks,
 )
 
-from commlib.bindings.jax import broadcast_params, clip_by_global_norm, sharded_optimizer  # noqa: E402
+from commlib.bindings.jax import (  # noqa: E402
+    apply_if_finite,
+    broadcast_params,
+    clip_by_global_norm,
+    sharded_optimizer,
+)
 from commlib.collectives import DeAR  # noqa: E402
 from commlib.errors import MismatchError, ValidationError  # noqa: E402
 
@@ -229,6 +234,46 @@ def test_clip_by_global_norm_inside_clips_by_the_whole_gradients_norm(comm, jit)
     for bad in (0, -1.0, "1", True):
         with pytest.raises(ValueError, match="max_norm must be a positive number"):
             clip_by_global_norm(bad)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_apply_if_finite_inside_skips_the_steps_one_process_skips(comm, jit):
+    """commlib's ``apply_if_finite`` inside ``sharded_optimizer`` counts the non-finite elements over
+    the ranks' shards: an inf in one rank's gradient (in one leaf, so in some ranks' shards only) skips
+    that step on every rank, as one process skips it on the whole batch with optax's; its state is
+    optax's.  optax's own is
+    refused there (each rank would decide on its shard; the refusal names ours)."""
+    def run(tx, dist: bool):
+        params = broadcast_params(init_params(comm.rank), comm=comm) if dist else init_params(0)
+        state = tx.init(params)
+        update = jax.jit(tx.update) if jit else tx.update
+        for step in range(STEPS + 2):
+            x, y = batch(step, comm.size)
+            if dist:
+                mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL)
+                x, y = x[mine], y[mine]
+            grads = jax.tree_util.tree_map(np.array, jax.grad(loss_fn)(params, x, y))
+            if step in (1, 3, 4) and (not dist or comm.rank == comm.size - 1):
+                grads["out"][1][0] = np.inf          # each skipped (at most 2 in a row)
+            updates, state = update(grads, state, params)
+            params = optax.apply_updates(params, updates)
+        return params, state
+
+    def chain(wrap):
+        return wrap(optax.adamw(0.02, weight_decay=0.05), 2)
+
+    got, state = run(sharded_optimizer(chain(apply_if_finite), comm=comm,
+                                       strategy=DeAR(cap_mb=SMALL, first_cap_mb=SMALL / 2)), True)
+    ref, ref_state = run(chain(optax.apply_if_finite), False)
+    same_on_all_ranks(comm, got)
+    assert int(state.inner.total_notfinite) == int(ref_state.total_notfinite) == 3
+    assert int(state.inner.notfinite_count) == int(ref_state.notfinite_count) == 0
+    np.testing.assert_allclose(flat(got), flat(ref), rtol=2e-5, atol=2e-6)
+    with pytest.raises(ValueError, match="apply_if_finite, which read the whole gradient"):
+        sharded_optimizer(chain(optax.apply_if_finite), comm=comm, strategy=DeAR())
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="max_consecutive_errors must be an int"):
+            apply_if_finite(optax.sgd(0.1), bad)
 
 
 def test_whole_state_refusals(comm):

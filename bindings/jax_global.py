@@ -1,11 +1,14 @@
-"""Clipping by the global norm where the optimizer sees shards: :func:`clip_by_global_norm`.
+"""optax transformations that read the whole gradient, made to read it whole where the optimizer sees
+shards: :func:`clip_by_global_norm` (its norm) and :func:`apply_if_finite` (whether every element is
+finite).
 
 Under :func:`bindings.jax_sync.sharded_optimizer` the inner optax transformation runs on this rank's
 flat shards of the buckets, so optax's own ``clip_by_global_norm`` would clip each rank's shard by the
-norm of that shard alone.  Ours takes the sum of squares of what it sees and hands it to the function
-on top of :data:`SHARD_SUMS` (pushed by whatever runs the transformation on shards, with
+norm of that shard alone, and optax's ``apply_if_finite`` would skip the update on the ranks whose shard
+holds an inf only.  Ours take a sum over what they see (the squares; the non-finite elements) and hand it
+to the function on top of :data:`SHARD_SUMS` (pushed by whatever runs the transformation on shards, with
 :func:`summed_over_shards`), which returns the sum over every rank's shards: one scalar all-gather.
-Anywhere else (after ``average_gradients``, in one process) it is optax's, bit for bit.
+Anywhere else (after ``average_gradients``, in one process) they are optax's.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import numpy as np
 
 import commlib
 
-__all__ = ["clip_by_global_norm", "summed_over_shards", "ranks_sum"]
+__all__ = ["clip_by_global_norm", "apply_if_finite", "summed_over_shards", "ranks_sum"]
 
 
 class _Stack(threading.local):
@@ -36,7 +39,8 @@ SHARD_SUMS = _Stack()
 @contextlib.contextmanager
 def summed_over_shards(total: Callable[[Any], Any]) -> Iterator[None]:
     """While tracing or running a transformation on shards: ``total(sq)`` maps this shard's sum of
-    squares (a jax scalar) to the sum over all shards, for :func:`clip_by_global_norm` inside it.
+    squares, or of non-finite elements (a jax scalar), to the sum over all shards, for the
+    transformations here inside it.
 
     Example:
         >>> with summed_over_shards(ranks_sum(comm)):
@@ -104,3 +108,55 @@ def clip_by_global_norm(max_norm: float) -> Any:
         return jax.tree.map(clip, updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def _over_shards(local: Any) -> Any:
+    """``local`` (this shard's sum, a jax scalar) summed over every shard where the transformation runs on
+    shards, else itself."""
+    return SHARD_SUMS.sums[-1](local) if SHARD_SUMS.sums else local
+
+
+def apply_if_finite(inner: Any, max_consecutive_errors: int) -> Any:
+    """optax's ``apply_if_finite`` (skip the update where the gradient holds an inf or a NaN, up to
+    ``max_consecutive_errors`` steps in a row, then apply it) that also decides on the whole gradient
+    inside :func:`~bindings.jax_sync.sharded_optimizer`, where each rank's update sees only its shard:
+    there the non-finite elements are counted over the ranks' shards (one scalar all-gather per step),
+    so every rank skips the steps one process skips.  Elsewhere it is optax's.  Its state is optax's
+    ``ApplyIfFiniteState``.
+
+    Example:
+        >>> from commlib.bindings.jax import apply_if_finite, sharded_optimizer
+        >>> tx = sharded_optimizer(apply_if_finite(optax.adamw(1e-3), max_consecutive_errors=5))
+    """
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    if isinstance(max_consecutive_errors, bool) or not isinstance(max_consecutive_errors, int) \
+            or max_consecutive_errors < 0:
+        raise ValueError(f"apply_if_finite: max_consecutive_errors must be an int >= 0, got "
+                         f"{max_consecutive_errors!r}")
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params: Any) -> Any:
+        zero = jnp.zeros([], jnp.int32)
+        return optax.ApplyIfFiniteState(notfinite_count=zero, last_finite=jnp.array(True, jnp.bool_),
+                                        total_notfinite=zero, inner_state=inner.init(params))
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
+        bad = functools.reduce(operator.add, [jnp.sum(~jnp.isfinite(x), dtype=jnp.float32)
+                                              for x in jax.tree.leaves(updates)], jnp.zeros([], jnp.float32))
+        finite = _over_shards(bad) == 0
+        one = jnp.ones([], jnp.int32)
+        count = jnp.where(finite, jnp.zeros([], jnp.int32), jnp.minimum(state.notfinite_count,
+                                                                         jnp.iinfo(jnp.int32).max - 1) + one)
+        new_updates, inner_state = jax.lax.cond(
+            finite | (count > max_consecutive_errors),
+            lambda: inner.update(updates, state.inner_state, params, **extra),
+            lambda: (jax.tree.map(jnp.zeros_like, updates), state.inner_state))
+        total = jnp.where(finite, state.total_notfinite,
+                          jnp.minimum(state.total_notfinite, jnp.iinfo(jnp.int32).max - 1) + one)
+        return new_updates, optax.ApplyIfFiniteState(notfinite_count=count, last_finite=finite,
+                                                     total_notfinite=total, inner_state=inner_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -4,10 +4,11 @@ binding, against one process on the whole batch.
 Each example draws the way the ranks train (``average_gradients`` over AllReduce or DeAR,
 ``sharded_optimizer``'s ZeRO-1 update, or ``DistributedOptimizer`` under SelSync at delta 0, which
 synchronizes every step), the step eager or one ``jax.jit`` call, the optimizer (SGD with momentum,
-AdamW with a schedule), a clip by the global norm, gradient accumulation (``optax.MultiSteps`` around
-the whole), whether ``params`` reach the update, and a checkpoint resumed partway into a new
-transformation (the sharded state made whole on every rank and cut again).  Hypothesis runs
-derandomized, so every rank draws the same loops in the same order (the ranks must make the same calls).
+AdamW with a schedule), a clip by the global norm, ``apply_if_finite``, gradient accumulation
+(``optax.MultiSteps`` around the whole), whether ``params`` reach the update, and a checkpoint resumed
+partway into a new transformation (the sharded state made whole on every rank and cut again).
+Hypothesis runs derandomized, so every rank draws the same loops in the same order (the ranks must
+make the same calls).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from test_bind_jax import LOCAL, SMALL, batch, flat, init_params, loss_fn, same_
 
 from commlib.bindings.jax import (  # noqa: E402
     DistributedOptimizer,
+    apply_if_finite,
     average_gradients,
     broadcast_params,
     clip_by_global_norm,
@@ -45,6 +47,7 @@ LOOPS = st.fixed_dictionaries({
     "jit": st.booleans(),
     "optimizer": st.sampled_from(["sgd", "adamw"]),
     "clip": st.booleans(),
+    "guard": st.booleans(),         # apply_if_finite around the optimizer
     "accumulate": st.booleans(),
     "with_params": st.booleans(),
     "resume_at": st.sampled_from([None, 2, 3]),
@@ -53,15 +56,17 @@ LOOPS = st.fixed_dictionaries({
 
 def inner(loop: dict, ours: bool):
     """The optimizer the loop steps, with its clip (ours where the ranks train, optax's in one process)."""
-    return _inner(loop["optimizer"], loop["clip"], ours)
+    return _inner(loop["optimizer"], loop["clip"], loop["guard"], ours)
 
 
 @functools.cache        # one object per kind: sharded_optimizer tries each once
-def _inner(kind: str, clip: bool, ours: bool):
+def _inner(kind: str, clip: bool, guard: bool, ours: bool):
     opt = (optax.sgd(0.1, momentum=0.9) if kind == "sgd"
            else optax.adamw(optax.linear_schedule(0.02, 0.005, STEPS), weight_decay=0.05))
     if clip:
         opt = optax.chain((clip_by_global_norm if ours else optax.clip_by_global_norm)(MAX_NORM), opt)
+    if guard:
+        opt = (apply_if_finite if ours else optax.apply_if_finite)(opt, 3)
     return opt
 
 

@@ -162,8 +162,8 @@ def make_plan(tree: Any, leaves: Sequence[Any], treedef: Any, allowed: Sequence[
 
 class _PiecesSum:
     """``total`` for :func:`summed_over_shards` in :func:`shard_problem`'s trial, whose pieces (the
-    ranks' shards) run one after another: each norm's sum of squares is recorded (:attr:`seen`) and
-    answered from :attr:`totals`, the sums over the pieces of the round before (its own sum at first)."""
+    ranks' shards) run one after another: each sum asked for is recorded (:attr:`seen`) and answered
+    from :attr:`totals`, the sums over the pieces of the round before (its own sum at first)."""
 
     def __init__(self) -> None:
         self.seen: list[float] = []
@@ -226,7 +226,7 @@ def _tried(inner: Any) -> str | None:
                     g.reshape(-1)[0] = np.inf
                 grads.append(jnp.asarray(g))
             totals: list[float] = []
-            for _ in range(4):      # each round hands back the sums the last one saw (one more norm right)
+            for _ in range(4):      # each round hands back the sums the last one saw (one more sum right)
                 seen, outs = [], []
                 for k in range(len(pieces)):
                     sums.seen, sums.totals = [], totals

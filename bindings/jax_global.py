@@ -24,7 +24,7 @@ import numpy as np
 
 import commlib
 
-__all__ = ["clip_by_global_norm", "apply_if_finite", "summed_over_shards", "ranks_sum"]
+__all__ = ["clip_by_global_norm", "apply_if_finite", "summed_over_shards", "ranks_sum", "over_shards"]
 
 
 class _Stack(threading.local):
@@ -32,7 +32,7 @@ class _Stack(threading.local):
         self.sums: list[Callable[[Any], Any]] = []
 
 
-#: per thread (where tracing runs): the functions from this shard's sum of squares to every shard's
+#: per thread (where tracing runs): the functions from this shard's sum to every shard's
 SHARD_SUMS = _Stack()
 
 
@@ -56,7 +56,7 @@ def summed_over_shards(total: Callable[[Any], Any]) -> Iterator[None]:
 def ranks_sum(comm: commlib.Communicator) -> Callable[[Any], Any]:
     """``total`` for :func:`summed_over_shards` over the ranks of ``comm``: an ordered
     ``io_callback`` that all-gathers each rank's sum (float64) and adds them in rank order, so that
-    every rank gets the same value and so clips alike (a call every rank makes, in program order).
+    every rank gets the same value and so decides alike (a call every rank makes, in program order).
 
     Example:
         >>> total = ranks_sum(comm)        # total(sq) inside the traced update
@@ -65,13 +65,23 @@ def ranks_sum(comm: commlib.Communicator) -> Callable[[Any], Any]:
     from jax.experimental import io_callback
 
     def gathered(sq: np.ndarray) -> np.ndarray:
-        sums = comm.allgather(np.array([float(sq)], np.float64), tag="clip_by_global_norm")
+        sums = comm.allgather(np.array([float(sq)], np.float64), tag="shard sums")
         return np.asarray(np.sum(sums), dtype=np.asarray(sq).dtype)
 
     def total(sq: Any) -> Any:
         return io_callback(gathered, jax.ShapeDtypeStruct((), sq.dtype), sq, ordered=True)
 
     return total
+
+
+def over_shards(local: Any) -> Any:
+    """``local`` (this shard's sum, a jax scalar) summed over every shard where the transformation runs
+    on shards (inside :func:`summed_over_shards`), else itself.
+
+    Example:
+        >>> sq = over_shards(jnp.sum(jnp.square(g)))      # the whole gradient's, inside sharded_optimizer
+    """
+    return SHARD_SUMS.sums[-1](local) if SHARD_SUMS.sums else local
 
 
 def clip_by_global_norm(max_norm: float) -> Any:
@@ -97,9 +107,7 @@ def clip_by_global_norm(max_norm: float) -> Any:
         # optax's sum of squares (tree.norm): |x|^2 summed per leaf, then over the leaves in order
         sq = jnp.asarray(functools.reduce(operator.add, [jnp.sum(jnp.square(x.real) + jnp.square(x.imag))
                                                          for x in jax.tree.leaves(updates)], 0))
-        if SHARD_SUMS.sums:
-            sq = SHARD_SUMS.sums[-1](sq)
-        g_norm = jnp.sqrt(sq)
+        g_norm = jnp.sqrt(over_shards(sq))
         trigger = jnp.squeeze(g_norm < max_norm)
 
         def clip(t: Any) -> Any:
@@ -108,12 +116,6 @@ def clip_by_global_norm(max_norm: float) -> Any:
         return jax.tree.map(clip, updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
-
-
-def _over_shards(local: Any) -> Any:
-    """``local`` (this shard's sum, a jax scalar) summed over every shard where the transformation runs on
-    shards, else itself."""
-    return SHARD_SUMS.sums[-1](local) if SHARD_SUMS.sums else local
 
 
 def apply_if_finite(inner: Any, max_consecutive_errors: int) -> Any:
@@ -146,7 +148,7 @@ def apply_if_finite(inner: Any, max_consecutive_errors: int) -> Any:
     def update_fn(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
         bad = functools.reduce(operator.add, [jnp.sum(~jnp.isfinite(x), dtype=jnp.float32)
                                               for x in jax.tree.leaves(updates)], jnp.zeros([], jnp.float32))
-        finite = _over_shards(bad) == 0
+        finite = over_shards(bad) == 0
         one = jnp.ones([], jnp.int32)
         count = jnp.where(finite, jnp.zeros([], jnp.int32), jnp.minimum(state.notfinite_count,
                                                                          jnp.iinfo(jnp.int32).max - 1) + one)

@@ -365,7 +365,7 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
         new_state: list[Any] = []
 
         def update(shards: list[np.ndarray]) -> None:
-            with summed_over_shards(ranks_sum(sync.comm)):      # a global norm inside: over the ranks
+            with summed_over_shards(ranks_sum(sync.comm)):      # a global norm or count: over the ranks
                 out, st = inner_update([jnp.asarray(s.copy()) for s in shards], state.inner, shard_params)
             new_state.append(st)
             write_shards(plan, out)

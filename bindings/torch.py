@@ -247,8 +247,7 @@ class DistributedOptimizer(TrainingLoop, GradientClipping, ConsolidatedState, Ph
                       f"{self.find_unused_parameters}|{self._running_stats.which}",
                       "; ".join(problems) or None, strides=True)
         self._params, self._group_of = params, group_of
-        #: the model's parameters outside the optimizer: their gradients averaged too, as DDP's
-        self._outside = OutsideParameters(self.comm, self.model,
+        self._outside = OutsideParameters(self.comm, self.model,      # their gradients averaged too, as DDP's
                                           {id(p) for g in self._inner.param_groups for p in g["params"]})
         #: the optimizer's parameters that do not train now (watched for requires_grad changes)
         self._frozen = frozen
@@ -349,12 +348,6 @@ class DistributedOptimizer(TrainingLoop, GradientClipping, ConsolidatedState, Ph
                 self._bucket_need[b] -= 1
                 if self._bucket_need[b] == 0:
                     self._signal(b)
-        return hook
-
-    def _make_pre_accumulate_hook(self, i: int) -> Any:
-        def hook(grad: torch.Tensor) -> None:
-            if self._synced or self._partial:       # (rare) see _before_accumulate
-                self._before_accumulate(i)
         return hook
 
     def _make_forward_hook(self, bs: list[int]) -> Any:
@@ -465,6 +458,8 @@ class DistributedOptimizer(TrainingLoop, GradientClipping, ConsolidatedState, Ph
             >>> opt.replan(64 << 20)                    # or by hand, with a 64 MiB cap
         """
         self._flush()
+        if self._partial:       # .grad whole before it is copied into the new buckets' shards
+            self._gather_shards()
         before = self._params
         for b in self.buckets:      # moved or converted: .grad left its bucket, which zero_grad() zeroes
             for sl in b.slots:

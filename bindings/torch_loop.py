@@ -234,6 +234,12 @@ class TrainingLoop:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         return self._no_sync_depth == 0
 
+    def _make_pre_accumulate_hook(self, i: int) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            if self._synced or self._partial:       # (rare) see _before_accumulate
+                self._before_accumulate(i)
+        return hook
+
     @torch.compiler.disable     # autograd's pre-accumulation hook: never traced
     def _before_accumulate(self, i: int) -> None:
         """Sharded strategies that reopen, before parameter ``i``'s gradient is added to ``.grad`` (not
@@ -287,9 +293,10 @@ class TrainingLoop:
             if not self._signaled[b]:
                 self._signal(b)
         self.strategy.before_update()
-        self._outside.average(local=self.strategy.gradients_are_local())
-        self._agree_loads(self._unused.find(self._params, self._got, self.strategy.gradients_are_local(),
-                                            self.model, None if self._sharded else self._grad_views,
+        local = self.strategy.gradients_are_local()
+        self._outside.average(local)
+        self._agree_loads(self._unused.find(self._params, self._got, local, self.model,
+                                            None if self._sharded else self._grad_views,
                                             also=self._load_flags()))
         if self._sharded:
             self._settle_shards()

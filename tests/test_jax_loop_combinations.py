@@ -127,7 +127,7 @@ def restored(loop: dict, tx, saved, params):
     return saved
 
 
-@settings(max_examples=8, deadline=None, derandomize=True, database=None,
+@settings(max_examples=6, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(loop=LOOPS)
 def test_an_optax_loop_of_ordinary_features_trains_as_one_process(comm, loop):

@@ -194,9 +194,10 @@ def shard_problem(inner: Any) -> str | None:
         >>> shard_problem(optax.lamb(1e-3))     # 'the transformation is not elementwise (...)'
     """
     try:
-        return _tried(inner)        # once per transformation (0.1-0.5 s)
-    except TypeError:               # not hashable
+        hash(inner)
+    except TypeError:               # not hashable: tried each time
         return _tried.__wrapped__(inner)
+    return _tried(inner)            # once per transformation (0.1-0.5 s)
 
 
 @functools.lru_cache(maxsize=64)

@@ -25,7 +25,8 @@ hypothesis = pytest.importorskip("hypothesis")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_bind_jax import LOCAL, SMALL, batch, flat, init_params, loss_fn, same_on_all_ranks  # noqa: E402
+from test_bind_jax import SMALL, flat, init_params, same_on_all_ranks  # noqa: E402
+from test_bind_jax_sharded import one_process_run, stepper, steps  # noqa: E402
 
 from commlib.bindings.jax import (  # noqa: E402
     DistributedOptimizer,
@@ -92,25 +93,6 @@ def params_given(loop: dict) -> bool:
     return loop["with_params"] or loop["way"] == "selsync0" or loop["optimizer"] == "adamw"
 
 
-def stepper(loop: dict, tx):
-    def step(params, state, x, y):
-        grads = jax.grad(loss_fn)(params, x, y)
-        updates, state = tx.update(grads, state, params if params_given(loop) else None)
-        return optax.apply_updates(params, updates), state
-    return jax.jit(step) if loop["jit"] else step
-
-
-def run(loop: dict, comm, size: int, params, state, tx, todo):
-    step = stepper(loop, tx)
-    for k in todo:
-        x, y = batch(k, size)
-        if comm is not None:
-            mine = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL)
-            x, y = x[mine], y[mine]
-        params, state = step(params, state, x, y)
-    return params, state
-
-
 def checkpoint(loop: dict, comm, tx, state, params):
     """What a loop saves: the sharded state made whole (the same on every rank: rank 0's is read back
     everywhere); the others' state, each rank its own (SelSync's, MultiSteps' local accumulator)."""
@@ -132,18 +114,21 @@ def restored(loop: dict, tx, saved, params):
 @given(loop=LOOPS)
 def test_an_optax_loop_of_ordinary_features_trains_as_one_process(comm, loop):
     """Parameters match one process on the whole batch and are the same on every rank, resumed or not."""
+    def trained(tx, params, state, todo):
+        return steps(comm, stepper(tx, loop["jit"], params_given(loop)), params, state, todo)
+
     start = broadcast_params(init_params(comm.rank), comm=comm)
     tx = transformation(loop, comm)
     at = loop["resume_at"]
     if at is None:
-        got, _ = run(loop, comm, comm.size, start, tx.init(start), tx, range(STEPS))
+        got, _ = trained(tx, start, tx.init(start), range(STEPS))
     else:
-        params, state = run(loop, comm, comm.size, start, tx.init(start), tx, range(at))
+        params, state = trained(tx, start, tx.init(start), range(at))
         saved = checkpoint(loop, comm, tx, state, params)
         tx = transformation(loop, comm)
         tx.init(params)
-        got, _ = run(loop, comm, comm.size, params, restored(loop, tx, saved, params), tx, range(at, STEPS))
+        got, _ = trained(tx, params, restored(loop, tx, saved, params), range(at, STEPS))
     one = transformation(loop, None)
-    ref, _ = run(loop, None, comm.size, init_params(0), one.init(init_params(0)), one, range(STEPS))
+    ref, _ = one_process_run(one, comm.size, range(STEPS), init_params(0), one.init(init_params(0)))
     same_on_all_ranks(comm, got)
     np.testing.assert_allclose(flat(got), flat(ref), rtol=2e-5, atol=2e-6, err_msg=repr(loop))

@@ -62,14 +62,15 @@ def ranks_sum(comm: commlib.Communicator) -> Callable[[Any], Any]:
         >>> total = ranks_sum(comm)        # total(sq) inside the traced update
     """
     import jax
-    from jax.experimental import io_callback
+
+    from .jax_host import host_call
 
     def gathered(sq: np.ndarray) -> np.ndarray:
         sums = comm.allgather(np.array([float(sq)], np.float64), tag="shard sums")
         return np.asarray(np.sum(sums), dtype=np.asarray(sq).dtype)
 
     def total(sq: Any) -> Any:
-        return io_callback(gathered, jax.ShapeDtypeStruct((), sq.dtype), sq, ordered=True)
+        return host_call(gathered, jax.ShapeDtypeStruct((), sq.dtype), sq)
 
     return total
 

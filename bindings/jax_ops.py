@@ -2,8 +2,9 @@
 
 Outside any transformation these are the communicator's own calls (``comm.allreduce(x)`` takes
 and returns jax arrays).  On a traced value (inside ``jax.jit``, ``jax.grad``) each is an ordered
-``io_callback``: the compiled step runs it in program order, once per call, on a communicator of
-its own (``comm.split(0)``, made collectively the first time a call is traced: trace on every
+host call (:mod:`commlib.bindings.jax_host`: an XLA FFI call on XLA's own buffers on the CPU
+backend, else ``io_callback``): the compiled step runs it in program order, once per call, on a
+communicator of its own (``comm.split(0)``, made collectively the first time a call is traced: trace on every
 rank, from the thread that drives ``comm``), so that it never interleaves with eager calls on
 ``comm`` that JAX's asynchronous dispatch lets run beside the step.
 
@@ -23,7 +24,6 @@ Example (under ``mpiexec -n 4``):
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -34,6 +34,7 @@ import numpy as np
 
 import commlib
 from commlib.arrays import DTYPES, dtype_name, is_tracer
+from commlib.bindings.jax_host import host_call
 from commlib.errors import ValidationError
 from commlib.ops import check_reduce_op
 
@@ -134,36 +135,15 @@ def _eager(result: Any, shape: tuple[int, ...]) -> jax.Array:
 def _call(comm: commlib.Communicator, x: Any, shape: tuple[int, ...],
           host: Callable[[commlib.Communicator, Any, np.ndarray | None], Any]) -> Any:
     """``host(comm, x, out)`` on concrete values (``out`` None: a new array); on a traced one, an
-    ordered ``io_callback`` on the communicator of traced calls, into a reused host buffer."""
+    ordered host call (:func:`~commlib.bindings.jax_host.host_call`) on the communicator of traced
+    calls, reading ``x`` from and writing into XLA's own buffers."""
     if not is_tracer(x):
         return _eager(host(comm, x, None), shape)      # (a backward pass's cotangent, outside jit)
-    from jax.experimental import io_callback
-
     side = _JIT_COMMS.get(comm)
     if side is None:        # tracing: every rank, at the same point of the same program
         side = _JIT_COMMS[comm] = comm.split(0)
-    dtype = np.dtype(x.dtype)
 
-    def run(a: Any) -> np.ndarray:
-        out = _result_buffer(shape, dtype)
-        host(side, np.ascontiguousarray(a).reshape(-1) if a.ndim == 0 else np.ascontiguousarray(a), out)
-        return out.reshape(shape)
+    def run(a: np.ndarray, out: np.ndarray) -> None:
+        host(side, a.reshape(-1) if a.ndim == 0 else a, out.reshape(-1) if out.ndim == 0 else out)
 
-    return io_callback(run, jax.ShapeDtypeStruct(shape, dtype), x, ordered=True)
-
-
-_BUFFERS = threading.local()
-
-
-def _result_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A host buffer for a traced call's result, kept per thread, shape and dtype.  io_callback
-    copies what the callback returns into XLA's own output, so the buffer is free again when the
-    callback returns; a fresh array per call cost page faults on first touch (1 MiB: 0.15 ms of
-    all-reduce became 0.7 ms on this machine)."""
-    kept = _BUFFERS.__dict__.setdefault("kept", {})
-    buf = kept.get((shape, dtype))
-    if buf is None:
-        if len(kept) >= 64:
-            kept.clear()
-        buf = kept[(shape, dtype)] = np.empty(shape if shape else (1,), dtype)
-    return buf
+    return host_call(run, jax.ShapeDtypeStruct(shape, x.dtype), x, into=True)

@@ -89,6 +89,7 @@ from commlib.errors import MismatchError, ValidationError
 from commlib.ops import agree
 
 from .jax_fusion import Plan, agree_plan, make_plan
+from .jax_host import host_call
 from .jax_sync import GradientSync
 
 __all__ = ["DistributedOptimizer"]
@@ -199,9 +200,7 @@ class DistributedOptimizer:
             return np.int32(0)
 
         if any(is_tracer(x) for x in leaves):
-            from jax.experimental import io_callback
-
-            io_callback(set_up, jax.ShapeDtypeStruct((), np.int32), *leaves, ordered=True)
+            host_call(set_up, jax.ShapeDtypeStruct((), np.int32), *leaves)
         else:
             jax.effects_barrier()                 # a jitted step's callbacks have run
             set_up(*leaves)
@@ -265,14 +264,12 @@ class DistributedOptimizer:
         SelSync's local steps, whose 2-norm is measured here, nor Sync-Switch's asynchronous ones),
         the averaged gradients back where they were averaged.  A local step (nothing averaged, nothing
         written back) takes a branch of its own: the inner update alone."""
-        from jax.experimental import io_callback
-
         plan, flag = self._plan, jax.ShapeDtypeStruct((), np.int32)
         scalar = jax.ShapeDtypeStruct((), jax.dtypes.canonicalize_dtype(np.float64))
         like = [jax.ShapeDtypeStruct(shape, numpy_dtype(dt)) for shape, dt in zip(plan.shapes, plan.dtypes)]
 
         def call(fn: Any, out: Any, *args: Any) -> Any:
-            return io_callback(fn, out, *args, ordered=True)
+            return host_call(fn, out, *args)
 
         def take() -> Any:
             return call(self._host_take, flag, pleaves)

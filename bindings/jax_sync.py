@@ -16,13 +16,14 @@ import jax
 import numpy as np
 
 import commlib
-from commlib.arrays import HOST_RESULTS, INEXACT_DTYPES, is_tracer, numpy_dtype
+from commlib.arrays import INEXACT_DTYPES, is_tracer, numpy_dtype
 from commlib.collectives import AllReduce, DeAR, Strategy, checked_strategy
 from commlib.collectives.buckets import Bucket
 from commlib.errors import ValidationError
 
 from .jax_fusion import Plan, agree_plan, make_plan, shard_problem
 from .jax_global import ranks_sum, summed_over_shards
+from .jax_host import host_call
 from .jax_state import shard_state, shards_problem, whole_state
 
 _MAX_PLANS = 16            # bucket plans kept per GradientSync (least recently used dropped)
@@ -133,13 +134,14 @@ class GradientSync:
     # ------------------------------------------------------------------ running
     def _run(self, plan: Plan, leaves: Sequence[Any],
              update: Callable[[list[np.ndarray]], None] | None = None,
-             comm: commlib.Communicator | None = None) -> list[np.ndarray]:
+             comm: commlib.Communicator | None = None, into: Sequence[np.ndarray] | None = None
+             ) -> list[np.ndarray]:
         """Drive the strategy over ``plan``'s buckets filled from ``leaves``: :meth:`_begin`, then
-        :meth:`_finish` (``update``, ``comm``: theirs; ``comm`` default ``self.comm``; the jitted
-        path passes its own)."""
+        :meth:`_finish` (``update``, ``comm``, ``into``: theirs; ``comm`` default ``self.comm``; the
+        jitted path passes its own)."""
         with self._lock:
             self._begin(plan, leaves, comm if comm is not None else self.comm)
-            return self._finish(plan, update)
+            return self._finish(plan, update, into)
 
     def _begin(self, plan: Plan, leaves: Sequence[Any], comm: commlib.Communicator) -> None:
         """The first half of a step: the buckets packed from ``leaves`` and launched over ``comm``; a
@@ -162,11 +164,12 @@ class GradientSync:
             self._active = None          # set the strategy up afresh next time
             raise
 
-    def _finish(self, plan: Plan,
-                update: Callable[[list[np.ndarray]], None] | None = None) -> list[np.ndarray]:
+    def _finish(self, plan: Plan, update: Callable[[list[np.ndarray]], None] | None = None,
+                into: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
         """The second half: ``update`` (sharded strategy: called with the averaged gradient shards,
         it writes this rank's shard of each bucket of the result into ``plan.buffers``; default: the
-        averaged gradients themselves), the gathers, and the result's leaves."""
+        averaged gradients themselves), the gathers, and the result's leaves (written ``into``
+        arrays shaped as the leaves where given: XLA's result buffers inside ``jax.jit``)."""
         s = self.strategy
         try:
             if s.sharded:
@@ -178,7 +181,7 @@ class GradientSync:
                     update(plan.shards)
             s.after_update()
             s.flush()
-            out = plan.unpack()
+            out = plan.unpack(into=into)
             self._tune()
         except BaseException:
             self._active = None
@@ -204,16 +207,15 @@ class GradientSync:
         return jax.tree_util.tree_unflatten(plan.treedef, plan.to_jax(self._run(plan, leaves)))
 
     def _traced(self, plan: Plan, leaves: Sequence[Any]) -> Any:
-        from jax.experimental import io_callback
-
         shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
         jit_comm = self._comm_for_jit()
+        n = len(leaves)
 
-        def host(*arrays: Any) -> list[np.ndarray]:
-            return self._run(plan, arrays, comm=jit_comm)
+        def host(*arrays: np.ndarray) -> None:       # the leaves, then XLA's buffers of the results
+            self._run(plan, arrays[:n], comm=jit_comm, into=arrays[n:])
 
-        out = io_callback(host, shapes, *leaves, ordered=True)
-        return jax.tree_util.tree_unflatten(plan.treedef, list(out))
+        out = host_call(host, shapes, *leaves, into=True)
+        return jax.tree_util.tree_unflatten(plan.treedef, out)
 
     def flatten(self, tree: Any) -> list[np.ndarray]:
         """The fused host buffers of ``tree`` (copies; no communication): for inspection."""
@@ -331,11 +333,6 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
         for b, bucket in enumerate(plan.buckets):
             plan.buffers[b][bucket.shard(rank)] = np.asarray(shards[b])
 
-    def pooled_copy(a: np.ndarray) -> np.ndarray:
-        out = HOST_RESULTS.like(a)
-        np.copyto(out, a)
-        return out
-
     def planned(tree: Any) -> tuple[Plan, list[Any], bool]:
         plan, leaves = sync._plan(tree)
         return plan, leaves, any(is_tracer(x) for x in leaves)
@@ -379,27 +376,26 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
         """Inside ``jax.jit``: the reduce-scatter in one ordered callback (after the owner's check),
         ``inner.update`` traced on the shards (the parameters' taken in the traced code), the
         all-gather in another."""
-        from jax.experimental import io_callback
-
         jit_comm = sync._comm_for_jit()
         shard_types = [jax.ShapeDtypeStruct((bk.shard_numel,), numpy_dtype(bk.dtype)) for bk in plan.buckets]
 
         def begin(owner: np.ndarray, *gleaves: np.ndarray) -> list[np.ndarray]:
             owner = check_owner(owner, jit_comm)     # before any collective of the step
             sync._begin(plan, gleaves, jit_comm)
-            return [owner, *(pooled_copy(s) for s in plan.shards)]     # JAX may take them uncopied
+            return [owner, *plan.shards]        # (copied into XLA's buffers)
 
-        got = io_callback(begin, [jax.ShapeDtypeStruct((3,), np.int32), *shard_types], state.owner, *leaves,
-                          ordered=True)
+        got = host_call(begin, [jax.ShapeDtypeStruct((3,), np.int32), *shard_types], state.owner, *leaves)
         pshards = None if pleaves is None else plan.shards_of(pleaves, sync.comm.rank)
         with summed_over_shards(ranks_sum(jit_comm)):
             out, inner_state = inner.update(list(got[1:]), state.inner, pshards)
 
-        def finish(*shards: np.ndarray) -> list[np.ndarray]:
-            return sync._finish(plan, lambda _: write_shards(plan, shards))
+        k = len(out)
+
+        def finish(*arrays: np.ndarray) -> None:      # the updated shards, then XLA's buffers of the leaves
+            sync._finish(plan, lambda _: write_shards(plan, arrays[:k]), into=arrays[k:])
 
         leaf_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-        full = io_callback(finish, leaf_types, *out, ordered=True)
+        full = host_call(finish, leaf_types, *out, into=True)
         return jax.tree_util.tree_unflatten(plan.treedef, list(full)), ShardedState(inner_state, got[0])
 
     def eager(tree: Any, who: str) -> Plan:

@@ -55,8 +55,9 @@ Sharp bits (what a user must know):
 
 * The collectives run on the host, outside XLA.  Eagerly (outside
   ``jax.jit``) a call blocks until the gradients are computed and averaged.
-  Inside ``jax.jit`` the transformation calls commlib through
-  ``jax.experimental.io_callback(ordered=True)``: the jitted step then runs
+  Inside ``jax.jit`` the transformation calls commlib through an ordered
+  host call (:func:`~commlib.bindings.jax_host.host_call`: an XLA FFI call on
+  XLA's own buffers on CPU, else ``io_callback(ordered=True)``): the jitted step then runs
   the collectives in program order, exactly once per call, but it cannot be
   used under ``jax.vmap``, ``pmap`` or ``shard_map``, and an error raised by
   a rank (bad input, timeout) surfaces as JAX's runtime error wrapping
@@ -167,9 +168,10 @@ def average_gradients(comm: commlib.Communicator | None = None, strategy: Strate
     ``init`` returns ``optax.EmptyState()``; ``update`` averages through a
     :class:`GradientSync` (``strategy`` ``AllReduce`` by default; ``DeAR`` runs
     as a decoupled all-reduce).  Works eagerly and inside ``jax.jit`` (through
-    ``io_callback(ordered=True)``; not under ``vmap``/``pmap``).  A strategy's own
-    state (sparse residuals, a tuned cap) stays in it: checkpoint ``strategy.state_dict()``
-    too, and ``load_state_dict`` it before the first update after a restore.
+    ordered host calls, :func:`~commlib.bindings.jax_host.host_call`; not under
+    ``vmap``/``pmap``).  A strategy's own state (sparse residuals, a tuned cap) stays in
+    it: checkpoint ``strategy.state_dict()`` too, and ``load_state_dict`` it before the
+    first update after a restore.
 
     Example:
         >>> tx = optax.chain(average_gradients(strategy=DeAR()), optax.adamw(1e-3))

@@ -48,7 +48,7 @@ Example (under ``mpiexec -n 4``):
     >>> params, state = tx.close(params, state)                # end of training
 
 Inside ``jax.jit`` (the whole training step jitted) the same lifecycle runs as
-ordered ``io_callback`` calls around the traced ``inner.update``, each array
+ordered host calls (:mod:`commlib.bindings.jax_host`) around the traced ``inner.update``, each array
 crossing to the host (a copy) only under a ``lax.cond`` on what the step
 reads: the 2-norm computed in the traced code, the gradients, the parameters,
 the averaged gradients back, the inner updates and the parameters' new values

@@ -1,7 +1,7 @@
 """Gradient pytrees averaged through fused host buffers (:class:`GradientSync`), and DeAR's
 ZeRO-1 update driven by it (:func:`sharded_optimizer`): both run eagerly and inside ``jax.jit``
-(ordered ``io_callback`` calls over a communicator of their own).  Documented with the rest of the
-binding in :mod:`bindings.jax`, which exports them."""
+(ordered host calls, :func:`~commlib.bindings.jax_host.host_call`, over a communicator of their
+own).  Documented with the rest of the binding in :mod:`bindings.jax`, which exports them."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class GradientSync:
 
     Calls reuse the bucket plan and the host buffers of the tree structure
     (the last ``16`` structures are kept).  Works on concrete arrays and,
-    through ``io_callback(ordered=True)``, inside ``jax.jit``.  A strategy
+    through ordered host calls (:mod:`commlib.bindings.jax_host`), inside ``jax.jit``.  A strategy
     made with ``tune=...`` gets the time between calls (a step) and re-plans
     the buckets, on every rank at the same call, when its tuner moves the cap.
 
@@ -266,7 +266,7 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
     restore each its own; a state restored on another rank is refused, on
     every rank, at the first update, before it communicates).
     ``strategy`` must be sharded (default ``DeAR()``).  ``update`` runs eagerly or inside
-    ``jax.jit`` (the reduce-scatter and the all-gather in ordered ``io_callback`` calls around the
+    ``jax.jit`` (the reduce-scatter and the all-gather in ordered host calls around the
     traced inner update, over a communicator of their own, as :class:`GradientSync`'s); so does
     ``init`` (the tree compared over the ranks while tracing).
 

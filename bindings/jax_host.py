@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes as C
 import itertools
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -96,15 +97,24 @@ class _Api(C.Structure):       # the head of XLA_FFI_Api, up to XLA_FFI_Error_Cr
                 ("internal", C.c_void_p), ("error_create", _ERROR_CREATE)]
 
 
+_KEYS = itertools.count(1)
+_LOCK = threading.Lock()
+
+
 class _Call:
     """One traced call: ``fn`` and the shapes and dtypes of its operands and results."""
 
-    __slots__ = ("fn", "ins", "outs", "into")
+    __slots__ = ("fn", "ins", "outs", "into", "key", "__weakref__")
 
     def __init__(self, fn: Callable[..., Any], ins: Sequence[tuple[tuple[int, ...], np.dtype]],
                  outs: Sequence[tuple[tuple[int, ...], np.dtype]], into: bool):
         self.fn, self.into = fn, into
+        with _LOCK:
+            self.key = next(_KEYS)
         self.ins, self.outs = [_Slot(s, d, False) for s, d in ins], [_Slot(s, d, True) for s, d in outs]
+
+    def __call__(self, *_: Any) -> None:
+        """(Callable: the executable holds the call among its host callbacks, which XLA does not call.)"""
 
     def run(self, args: list[np.ndarray], rets: list[np.ndarray]) -> None:
         """``fn`` on the operands' views (a list); its results (or, ``into``, it) written into ``rets``."""
@@ -142,9 +152,9 @@ class _Slot:
         return a
 
 
-_CALLS: dict[int, _Call] = {}
-_IDS = itertools.count(1)
-_LOCK = threading.Lock()
+#: the traced calls by key, the handler's way to them; held (strongly) by the jaxpr that binds one and by
+#: the executable compiled from it (as a host callback), so that an entry goes when both are gone
+_CALLS: weakref.WeakValueDictionary[int, _Call] = weakref.WeakValueDictionary()
 
 
 def _handle(frame: Any) -> int | None:
@@ -196,22 +206,22 @@ def _setup() -> tuple[Any, str]:
         prim = core.Primitive("commlib_host_call")
         prim.multiple_results = True
 
-        def abstract(*args: Any, cid: int, outs: tuple) -> tuple[list, set]:
-            return [core.ShapedArray(s, d) for s, d in outs], {effect}
+        def abstract(*args: Any, call: _Call) -> tuple[list, set]:
+            return [core.ShapedArray(s.shape, s.dtype) for s in call.outs], {effect}
 
         prim.def_effectful_abstract_eval(abstract)
         prim.def_impl(lambda *args, **params: dispatch.apply_primitive(prim, *args, **params))
         ffi_rule = jax.ffi.ffi_lowering(_TARGET, has_side_effect=True)
 
-        def lower(ctx: Any, *args: Any, cid: int, outs: tuple) -> Any:
+        def lower(ctx: Any, *args: Any, call: _Call) -> Any:
             token = ctx.tokens_in.get(effect)
-            # a host callback held by the executable: XLA:CPU then runs it on the dispatching thread, as
-            # it runs io_callback's, so that the host state a call changes (a strategy's residuals, its
-            # timings) is there when the jitted function returns
-            ctx.module_context.add_host_callback(_handle)
+            # the call, a host callback of the executable: kept alive as long as it is, and XLA:CPU then
+            # runs the executable on the dispatching thread, as it runs io_callback's, so that the host
+            # state a call changes (a strategy's residuals, its timings) is there when the function returns
+            ctx.module_context.add_host_callback(call)
             ctx2 = dataclasses.replace(ctx, avals_in=[core.abstract_token, *ctx.avals_in],
                                        avals_out=[core.abstract_token, *ctx.avals_out])
-            token_out, *results = ffi_rule(ctx2, token, *args, cid=np.int64(cid))
+            token_out, *results = ffi_rule(ctx2, token, *args, cid=np.int64(call.key))
             ctx.set_tokens_out(mlir.TokenSet({effect: token_out}))
             return results
 
@@ -257,8 +267,7 @@ def host_call(fn: Callable[..., Any], results: Any, *args: Any, into: bool = Fal
 
         got = io_callback(run, specs, *leaves, ordered=True)
     else:
-        with _LOCK:
-            cid = next(_IDS)
-        _CALLS[cid] = _Call(host, [(tuple(a.shape), np.dtype(a.dtype)) for a in leaves], outs, into)
-        got = _PRIM.bind(*leaves, cid=cid, outs=outs)
+        call = _Call(host, [(tuple(a.shape), np.dtype(a.dtype)) for a in leaves], outs, into)
+        _CALLS[call.key] = call
+        got = _PRIM.bind(*leaves, call=call)
     return tree_util.tree_unflatten(results_tree, list(got))

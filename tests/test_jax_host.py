@@ -94,6 +94,22 @@ def test_host_state_is_there_when_the_call_returns(mechanism):
         assert state["calls"] == k
 
 
+def test_a_traced_call_lives_as_long_as_its_program():
+    """The handler's registry holds a call no longer than the jaxpr and the executable that use it."""
+    import gc
+    import weakref
+
+    seen = []
+    f = jax.jit(lambda v: host_call(lambda x: seen.append(1) or x, spec(v), v))
+    f(jnp.ones(3))
+    calls = [weakref.ref(c) for c in jax_host._CALLS.values()]
+    assert seen == [1] and any(c() is not None for c in calls)
+    del f
+    jax.clear_caches()
+    gc.collect()
+    assert all(c() is None for c in calls)
+
+
 def test_an_exception_fails_the_execution_naming_it(mechanism):
     def bad(x, out):
         raise ValueError("the host says no")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ctypes as C
 import itertools
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -97,8 +96,7 @@ class _Api(C.Structure):       # the head of XLA_FFI_Api, up to XLA_FFI_Error_Cr
                 ("internal", C.c_void_p), ("error_create", _ERROR_CREATE)]
 
 
-_KEYS = itertools.count(1)
-_LOCK = threading.Lock()
+_KEYS = itertools.count(1)      # next() on it is one C call: atomic under the GIL
 
 
 class _Call:
@@ -109,8 +107,7 @@ class _Call:
     def __init__(self, fn: Callable[..., Any], ins: Sequence[tuple[tuple[int, ...], np.dtype]],
                  outs: Sequence[tuple[tuple[int, ...], np.dtype]], into: bool):
         self.fn, self.into = fn, into
-        with _LOCK:
-            self.key = next(_KEYS)
+        self.key = next(_KEYS)
         self.ins, self.outs = [_Slot(s, d, False) for s, d in ins], [_Slot(s, d, True) for s, d in outs]
 
     def __call__(self, *_: Any) -> None:

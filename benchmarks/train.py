@@ -19,7 +19,9 @@ shared with the communication) or communication did (waits over what the bound
 leaves exposed).
 
 ``syncswitch-dear`` (named only): ``SyncSwitch(bsp=DeAR())`` in BSP throughout, against DeAR's bound
-(the composition's BSP steps should cost DeAR's).
+(the composition's BSP steps should cost DeAR's).  ``allreduce-join`` and ``dear-join`` (named only):
+their batches through ``opt.join`` (uneven inputs; every rank has one here), against their strategy's
+bound: the per-batch census is all they add.
 
 Step time: per round one untimed step (DeAR's all-gathers are then in flight
 as in steady state), then ``--steps`` timed steps, the slowest rank's mean;
@@ -51,11 +53,12 @@ from benchmarks.models import build, count, loss_of
 from commlib.bindings.torch import DistributedOptimizer
 from commlib.collectives import AllReduce, DeAR, SyncSwitch
 
-CONTENDERS = ("local", "ddp", "allreduce", "dear", "syncswitch-dear", "exdyna", "topk")
+CONTENDERS = ("local", "ddp", "allreduce", "dear", "syncswitch-dear", "allreduce-join", "dear-join", "exdyna",
+              "topk")
 #: sparse contenders (issue 5), left out unless asked for: they change what is trained
 SPARSE = ("exdyna", "topk")
 #: left out unless asked for too: SyncSwitch(bsp=DeAR()) in BSP throughout, whose steps should cost DeAR's
-NAMED_ONLY = SPARSE + ("syncswitch-dear",)
+NAMED_ONLY = SPARSE + ("syncswitch-dear", "allreduce-join", "dear-join")
 #: the targets of issue 12 (2 ranks): DeAR's speedups at the rate where they differ most, step/bound
 TARGETS = {"dear/allreduce": 1.10, "dear/ddp": 1.10, "step/bound": 1.15}
 PHASES = ("fwd", "bwd", "opt")
@@ -83,8 +86,8 @@ class Trainer:
         self.opt: Any = self.opt_inner
         if name == "ddp":
             self.net = torch.nn.parallel.DistributedDataParallel(self.model, bucket_cap_mb=args.cap_mb)
-        elif name in ("allreduce", "dear"):
-            cls = AllReduce if name == "allreduce" else DeAR
+        elif name in ("allreduce", "dear", "allreduce-join", "dear-join"):
+            cls = AllReduce if name.startswith("allreduce") else DeAR
             self.dopt = self.opt = DistributedOptimizer(self.opt_inner, self.model,
                                                         cls(cap_mb=args.cap_mb), comm)
         elif name == "syncswitch-dear":
@@ -96,6 +99,8 @@ class Trainer:
             self.dopt = self.opt = DistributedOptimizer(self.opt_inner, self.model,
                                                         SparseAllReduce(selector=selector), comm)
         self.seed = 1000 * world.rank
+        joins = self.dopt is not None and name.endswith("-join")
+        self.batches = iter(self.dopt.join(self.endless())) if joins else self.endless()
         x, _ = self.make_batch(1, 0)
         self.units_per_sample = x.shape[1] if self.unit == "tokens" else 1
         self.phase_s = np.zeros(2 * len(PHASES))     # wall fwd, bwd, opt; wait fwd, bwd, opt
@@ -108,9 +113,13 @@ class Trainer:
         s = self.dopt.strategy
         return (s.bsp if isinstance(s, SyncSwitch) else s).stats["wait_s"]     # BSP's waits are its inner's
 
+    def endless(self) -> Any:
+        while True:
+            self.seed += 1
+            yield self.make_batch(self.batch, self.seed)
+
     def step(self) -> None:
-        self.seed += 1
-        x, y = self.make_batch(self.batch, self.seed)
+        x, y = next(self.batches)       # untimed by phase, as the batch was before: in the step's time
         clock = time.perf_counter
         t0, w0 = clock(), self.wait_s()
         loss = loss_of(self.model_name, self.net(x), y)

@@ -56,7 +56,8 @@ def bounds(p: dict[str, float]) -> dict[str, float]:
     out["allreduce"] = p["t_fwd"] + max(p["t_bwd"], p["t_allreduce"]) + p["t_update"]
     out["dear"] = (max(p["t_fwd"], p["t_allgather"]) + max(p["t_bwd"], p["t_reduce_scatter"])
                    + p["t_update_shard"])
-    out["syncswitch-dear"] = out["dear"]       # in BSP throughout: DeAR's steps
+    out["syncswitch-dear"] = out["dear-join"] = out["dear"]       # in BSP throughout: DeAR's steps
+    out["allreduce-join"] = out["allreduce"]
     return out
 
 

@@ -11,7 +11,10 @@ from typing import Any
 
 from benchmarks import _common as bc
 
-ORDER = ("local", "ddp", "allreduce", "dear", "syncswitch-dear", "exdyna", "topk")
+ORDER = ("local", "ddp", "allreduce", "dear", "syncswitch-dear", "allreduce-join", "dear-join", "exdyna",
+         "topk")
+#: contenders whose steps are DeAR's (update on this rank's shard)
+DEAR_STEPS = ("dear", "syncswitch-dear", "dear-join")
 
 
 def rate_label(rate: float | None) -> str:
@@ -32,9 +35,9 @@ def speedups(pt: dict[str, Any]) -> dict[str, float | None]:
 def exposed_by_bound(pt: dict[str, Any], name: str) -> float | None:
     """Seconds of communication the bound leaves exposed for ``name`` (what it may wait)."""
     p = pt["pieces"]
-    if name == "allreduce":
+    if name in ("allreduce", "allreduce-join"):
         return max(0.0, p["t_allreduce"] - p["t_bwd"])
-    if name in ("dear", "syncswitch-dear"):
+    if name in DEAR_STEPS:
         return max(0.0, p["t_allgather"] - p["t_fwd"]) + max(0.0, p["t_reduce_scatter"] - p["t_bwd"])
     return None
 
@@ -44,7 +47,7 @@ def compute_in_step(pt: dict[str, Any], name: str) -> tuple[float, float] | None
     r, p = pt["contenders"][name], pt["pieces"]
     if name in ("ddp",) or name not in pt["bounds"]:
         return None
-    upd = p["t_update_shard"] if name in ("dear", "syncswitch-dear") else p["t_update"]
+    upd = p["t_update_shard"] if name in DEAR_STEPS else p["t_update"]
     busy = sum(r[f"{ph}_s"] - r[f"wait_{ph}_s"] for ph in ("fwd", "bwd", "opt"))
     return busy, p["t_fwd"] + p["t_bwd"] + upd
 
@@ -153,7 +156,8 @@ def plot(doc: dict[str, Any], path: str) -> None:
     models = list(doc["models"])
     fig, axes = plt.subplots(len(models), 2, figsize=(13, 4.6 * len(models)), squeeze=False)
     colors = {"local": "grey", "ddp": "tab:blue", "allreduce": "tab:orange", "dear": "tab:green",
-              "syncswitch-dear": "tab:olive", "exdyna": "tab:red", "topk": "tab:purple"}
+              "syncswitch-dear": "tab:olive", "allreduce-join": "tab:brown", "dear-join": "tab:cyan",
+              "exdyna": "tab:red", "topk": "tab:purple"}
     for row, model in zip(axes, models):
         pts = [p for p in doc["points"] if p["model"] == model]
         xs = [(p["rate_bps"] or 0) / 1e6 for p in pts]

@@ -65,6 +65,7 @@ from .torch_comm import (
     register_comm_hook,
 )
 from .torch_grads import GradientClipping, ShardedGrad, ShardNorms
+from .torch_join import Joining
 from .torch_loop import TrainingLoop
 from .torch_norm import RunningStats, SyncBatchNorm
 from .torch_params import InFlight
@@ -90,8 +91,8 @@ class _Flush:
         return None
 
 
-class DistributedOptimizer(TrainingLoop, GradientClipping, ConsolidatedState, PhaseSwitches, ReplicaLoads,
-                           torch.optim.Optimizer):
+class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, ConsolidatedState, PhaseSwitches,
+                           ReplicaLoads, torch.optim.Optimizer):
     """Wrap ``optimizer`` so that ``step()`` trains ``model`` data-parallel over ``comm``.
 
     ``strategy``: a :class:`collectives.Strategy` (default :class:`collectives.AllReduce`).
@@ -169,6 +170,7 @@ class DistributedOptimizer(TrainingLoop, GradientClipping, ConsolidatedState, Ph
             rest = [p for p in model.parameters() if id(p) not in trained] + list(model.buffers())
             broadcast_parameters(rest, 0, self.comm)
         self._install_hooks()
+        self._init_join()
         self._init_loop()
         self.step_times: list[float] = []
         self._last_step: float | None = None
@@ -404,6 +406,9 @@ class DistributedOptimizer(TrainingLoop, GradientClipping, ConsolidatedState, Ph
         """
         if self._retired_by:
             raise RuntimeError(f"DistributedOptimizer: {self._retired_by}")
+        if closure is not None and self._join is not None:
+            raise ValueError("DistributedOptimizer.step(closure) inside join(): the closure's losses would "
+                             "average the repeated batches in; step without a closure")
         self._check_replicas()      # after a load: the same error on every rank if the replicas differ
         loss = None
         evaluate = None if closure is None else self._evaluation(closure)
@@ -426,7 +431,7 @@ class DistributedOptimizer(TrainingLoop, GradientClipping, ConsolidatedState, Ph
                     self._check_evaluated()
             for i in self._unused.indices:
                 self._params[i].grad = self._grad_views[i]
-        self._running_stats.sync()      # before DeAR's all-gathers: nothing in flight to queue behind
+        self._running_stats.sync(self._stats_root())     # before DeAR's all-gathers: none in flight
         self._after_update()
         if self.strategy.syncs_optimizer_state():
             self._average_optimizer_state()     # SelSync: momentum agrees with the averaged parameters

@@ -204,11 +204,13 @@ class TrainingLoop:
         n = len(self._params)
         self._counts = [0] * n
         self._got = [False] * n
+        self._reached = [False] * n     # by a batch that counts (not a repeat: join)
         self._bucket_need = [len(b.slots) for b in self.buckets]
         self._signaled = [False] * len(self.buckets)
         self._passes = 0
         self._callback_queued = False
         self._synced = self._gathered = False
+        self._join_weights()
 
     # ------------------------------------------------------------------ backward
     def _gradient_arrived(self, i: int, fresh: bool) -> bool:
@@ -226,6 +228,8 @@ class TrainingLoop:
                                    "cannot add another pass to them (AllReduce, DeAR and SyncSwitch can); "
                                    "accumulate with opt.no_sync() or backward_passes_per_step")
         self._got[i] = True
+        if not self.repeating:      # a repeated batch (join) tells nothing of which parameters are used
+            self._reached[i] = True
         if not self._callback_queued:       # a pass begins: .grad is this rank's own until reduced
             self._partial = False           # gathered before it, or model.zero_grad()'s None
             self._shards_settled(False)
@@ -260,6 +264,10 @@ class TrainingLoop:
         and added to them.  ``.grad`` must hold the whole average first, on every rank (a sharded
         strategy's shards are all-gathered, as by :meth:`synchronize`): the pass then adds to it,
         and reducing the sum adds the pass's average."""
+        if self._join_factor() != 1.0:
+            raise RuntimeError("DistributedOptimizer.join: backward() ran again after this step's gradients "
+                               "were averaged while some ranks repeat a batch; run every backward of a step "
+                               "before the average (opt.no_sync(), backward_passes_per_step)")
         if self._sharded:
             self.synchronize()
         self.strategy.reopen()
@@ -273,6 +281,7 @@ class TrainingLoop:
     @torch.compiler.disable     # autograd's final callback, inside a compiled train step too
     def _backward_done(self) -> None:
         self._callback_queued = False
+        self._join_backward()
         if self._no_sync_depth:
             return
         self._passes += 1
@@ -286,16 +295,23 @@ class TrainingLoop:
         for i, got in enumerate(self._got):
             grad = self._params[i].grad
             if grad is not None and grad is not self._grad_views[i]:
-                self._take_assigned(i)
+                if self.repeating:         # a repeated batch's gradient counts for nothing (join)
+                    self._params[i].grad = self._grad_views[i]
+                    self._grad_views[i].zero_()
+                else:
+                    self._take_assigned(i)
             elif not got:          # no gradient this step (.grad may hold a stale value): zeros
                 self._grad_views[i].zero_()
         for b in range(len(self.buckets)):
             if not self._signaled[b]:
                 self._signal(b)
         self.strategy.before_update()
+        factor = self._join_factor()
+        if factor != 1.0:           # the average over the ranks that had a batch (join)
+            torch._foreach_mul_(self._shard_grads if self._sharded else self._flat_grads, factor)
         local = self.strategy.gradients_are_local()
         self._outside.average(local)
-        self._agree_loads(self._unused.find(self._params, self._got, local, self.model,
+        self._agree_loads(self._unused.find(self._params, self._reached, local, self.model,
                                             None if self._sharded else self._grad_views,
                                             also=self._load_flags()))
         if self._sharded:
@@ -313,7 +329,7 @@ class TrainingLoop:
                                "assign gradients before the step without calling backward()")
         view.copy_(p.grad)
         p.grad = view
-        self._got[i] = True
+        self._got[i] = self._reached[i] = True
 
     def _settle_shards(self) -> None:
         """Sharded strategies: the reduced shard into ``.grad``'s positions (the update reads

@@ -41,6 +41,7 @@ import commlib
 from commlib.side import side_comm
 
 from .torch_comm import wire_dtype
+from .torch_join import repeating
 
 __all__ = ["SyncBatchNorm", "RunningStats"]
 
@@ -123,7 +124,8 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                 bn_training, factor, self.eps)
         return _sync_batch_norm(input, self.weight, self.bias, running_mean, running_var, self.eps,
-                                factor, side_comm(comm, "syncbn"), self._problem(input), self.num_features)
+                                factor, side_comm(comm, "syncbn"), self._problem(input), self.num_features,
+                                repeating(comm))
 
     @classmethod
     def convert_sync_batchnorm(cls, module: torch.nn.Module,
@@ -170,10 +172,11 @@ class _SyncBatchNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 running_mean: torch.Tensor | None, running_var: torch.Tensor | None, eps: float,
-                factor: float, comm: commlib.Communicator, problem: str, c: int) -> torch.Tensor:
+                factor: float, comm: commlib.Communicator, problem: str, c: int,
+                repeat: bool) -> torch.Tensor:
         cd = torch.float64 if x.dtype == torch.float64 else torch.float32
         row = torch.zeros(2 * c + 2, dtype=torch.float64, device=x.device)
-        n = 0 if problem else x.numel() // c
+        n = 0 if problem or repeat else x.numel() // c     # a repeated batch (join): no part in them
         dims = [0, *range(2, x.dim())]
         shape = (1, c) + (1,) * (x.dim() - 2)
         xc = x.to(cd)
@@ -204,7 +207,7 @@ class _SyncBatchNorm(torch.autograd.Function):
                                               alpha=factor)
         mean, invstd = gmean.to(cd), torch.rsqrt(gvar + eps).to(cd)
         ctx.save_for_backward(x, weight, mean, invstd)
-        ctx.comm, ctx.total, ctx.has_bias = comm, total, bias is not None
+        ctx.comm, ctx.total, ctx.has_bias, ctx.repeat = comm, total, bias is not None, repeat
         scale = invstd if weight is None else invstd * weight.to(cd)
         shift = -mean * scale if bias is None else bias.to(cd) - mean * scale
         out = torch.mul(xc, scale.view(shape), out=out).add_(shift.view(shape))
@@ -225,13 +228,14 @@ class _SyncBatchNorm(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = sums[:c].to(weight.dtype)
         if ctx.needs_input_grad[0]:     # the same on every rank: the same model
-            means = ctx.comm.allreduce(sums, tag="syncbn.grad") / ctx.total
+            mine = torch.zeros_like(sums) if ctx.repeat else sums      # a repeated batch (join): none
+            means = ctx.comm.allreduce(mine, tag="syncbn.grad") / ctx.total
             scale = invstd if weight is None else invstd * weight.to(cd)
             # dx = scale * (dy - mean(dy) - (x - mean) * invstd^2 * mean(dy * (x - mean)))
             k = invstd * invstd * means[c:]
             grad_x = torch.sub(xc, mean.view(shape), out=buf).mul_(-k.view(shape)).add_(dyc)
             grad_x = grad_x.sub_(means[:c].view(shape)).mul_(scale.view(shape)).to(x.dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 class RunningStats:
@@ -278,20 +282,20 @@ class RunningStats:
                 for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
 
     @torch.no_grad()
-    def sync(self) -> None:
-        """Give every rank rank 0's buffers now (a collective; nothing to send: no communication)."""
+    def sync(self, root: int = 0) -> None:
+        """Give every rank ``root``'s buffers now (a collective; nothing to send: no communication)."""
         if self.comm.size == 1 or not self.lockstep:
             return
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for b in self.buffers():
             b = torch.view_as_real(b) if b.is_complex() else b      # a view: written through
             groups.setdefault((b.dtype, b.device), []).append(b)
-        root = self.comm.rank == 0
+        src, root = root, self.comm.rank == root
         for (dtype, device), bufs in groups.items():
             wire = wire_dtype(dtype)
             sizes = [b.numel() for b in bufs]
             flat = (torch.cat([b.reshape(-1).to(wire) for b in bufs]) if root
                     else torch.empty(sum(sizes), dtype=wire, device=device))
-            self.comm.broadcast(flat, 0, out=flat, tag="buffers")
+            self.comm.broadcast(flat, src, out=flat, tag="buffers")
             if not root:
                 torch._foreach_copy_(bufs, [p.view(b.shape) for b, p in zip(bufs, flat.split(sizes))])

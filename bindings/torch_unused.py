@@ -113,6 +113,10 @@ class OutsideParameters:
         #: the model's parameters the optimizer does not hold
         self.params = [p for p in model.parameters() if id(p) not in trained]
 
+    def trained(self) -> list[torch.nn.Parameter]:
+        """Those that require a gradient now and that no other optimizer trains (averaged here)."""
+        return [p for p in self.params if p.requires_grad and owner_of(p) is None]
+
     def average(self, local: bool) -> None:
         """Average the ``.grad`` of those that require a gradient now (a call every rank makes), unless
         ``local``: a step whose update reads each rank's own gradient (SelSync's local steps, ASP).
@@ -120,9 +124,8 @@ class OutsideParameters:
         if local:
             return
         groups: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
-        for p in self.params:
-            if p.requires_grad and owner_of(p) is None:         # not another optimizer's
-                groups.setdefault((p.dtype.to_real(), p.device), []).append(p)
+        for p in self.trained():
+            groups.setdefault((p.dtype.to_real(), p.device), []).append(p)
         for (dtype, device), live in groups.items():           # the same order on every rank
             parts = [_real(p.grad).reshape(-1).to(device, dtype) if p.grad is not None else
                      torch.zeros(p.numel() * (2 if p.is_complex() else 1), dtype=dtype, device=device)

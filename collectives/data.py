@@ -14,7 +14,9 @@
   for tests and benchmarks.
 * :func:`stop_together`: any loader (an ``IterableDataset`` stream, shards of
   uneven length), cut so that every rank stops at the step where the first
-  rank runs out, instead of the others waiting in a collective for ever.
+  rank runs out, instead of the others waiting in a collective for ever;
+  :func:`batch_census`, the per-batch agreement under it (and under the torch
+  binding's ``join``, which goes on until the last rank runs out).
 
 Both partitionings shuffle per epoch from a seed that every rank shares, and
 give every rank the same number of samples per epoch (so all ranks take the
@@ -195,9 +197,9 @@ def stop_together(batches: Iterable[T], comm: Communicator | None = None) -> Ite
     files of uneven size per rank): without it the ranks with more batches enter
     the next step's collectives alone and wait there until the timeout.  The
     batches a longer rank has left are dropped, as ``drop_last`` drops a short
-    one.  Costs one 4-byte all-reduce per batch, on a communicator split once from
-    ``comm`` (default: the world) so that it never waits behind the step's
-    communication in flight (DeAR's all-gathers).  Call it on every rank, once per
+    one.  Costs one all-reduce of 4 bytes per rank per batch (:func:`batch_census`), on
+    a communicator split once from ``comm`` (default: the world) so that it never waits
+    behind the step's communication in flight (DeAR's all-gathers).  Call it on every rank, once per
     epoch, around the loader; a ``break`` out of the loop is fine where every rank
     breaks at the same step.
 
@@ -207,16 +209,43 @@ def stop_together(batches: Iterable[T], comm: Communicator | None = None) -> Ite
     """
     it = iter(batches)      # not iterable: TypeError here, on the rank that passed it, before any collective
     comm = comm if comm is not None else commlib.init()
-    return it if comm.size == 1 else _stop_together(it, side_comm(comm, "stop_together"))
+    return it if comm.size == 1 else _stop_together(it, comm)
 
 
-def _stop_together(it: Iterator[T], side: Communicator) -> Iterator[T]:
-    more, done = np.ones(1, np.int32), np.zeros(1, np.int32)
-    for item in it:
-        if not side.allreduce(more, "min")[0]:      # some rank has no batch left
+def _stop_together(it: Iterator[T], comm: Communicator) -> Iterator[T]:
+    for item, having in batch_census(it, comm):
+        if len(having) < comm.size:      # some rank has no batch left
             return
         yield item
-    side.allreduce(done, "min")
+
+
+def batch_census(batches: Iterable[T],
+                 comm: Communicator | None = None) -> Iterator[tuple[T | None, list[int]]]:
+    """This rank's next batch (``None`` once it has run out) and the ranks that have one, until none has.
+
+    Each step costs one all-reduce of ``4 * size`` bytes on a communicator split once from
+    ``comm`` (default: the world), so that it never waits behind the step's communication in
+    flight (DeAR's all-gathers).  Every rank sees the same list at the same step.  Call it on
+    every rank; what to do with a rank that ran out is the caller's (:func:`stop_together`
+    stops every rank, the torch binding's ``join`` repeats its last batch).
+
+    Example:
+        >>> for batch, having in batch_census(loader):
+        ...     if len(having) < comm.size: break       # stop_together's rule
+    """
+    it = iter(batches)
+    comm = comm if comm is not None else commlib.init()
+    rank, size = comm.rank, comm.size
+    side = side_comm(comm, "batches") if size > 1 else None
+    end = object()
+    row = np.zeros(size, np.int32)
+    while True:
+        item = next(it, end)
+        row[rank] = item is not end
+        having = np.flatnonzero(row if side is None else side.allreduce(row, "max", tag="batches")).tolist()
+        if not having:
+            return
+        yield (None if item is end else item), having
 
 
 def injected_batch_size(batch_size: int, alpha: float, beta: float, size: int) -> int:

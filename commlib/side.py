@@ -2,8 +2,8 @@
 
 Traffic that must not queue behind a communicator's nonblocking operations
 (DeAR's all-gathers in flight while the next forward runs) goes over a
-communicator of its own: ``SyncBatchNorm``'s statistics, ``stop_together``'s
-per-batch flag.  Each is split once, the first time it is asked for (a
+communicator of its own: ``SyncBatchNorm``'s statistics, the per-batch census of
+``stop_together`` and ``join``.  Each is split once, the first time it is asked for (a
 collective: every rank asks at the same point), shared by every caller with the
 same purpose, and closed with its parent.
 """

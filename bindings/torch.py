@@ -20,10 +20,10 @@ The wrapper Horovod users know (``DistributedOptimizer``,
     model.eval()                                            # evaluation and model.state_dict()
     evaluate(model)                                         # see the last update (no flush needed)
 
-The training-loop surface (``synchronize``, ``skip_synchronize``,
-``no_sync``, ``clip_grad_norm_``, GradScaler, checkpoints, unused
-parameters) is documented in :mod:`bindings.torch_loop`; ``SyncBatchNorm``
-(batch statistics over every rank's batch) in :mod:`bindings.torch_norm`.
+The training-loop surface (``synchronize``, ``skip_synchronize``, ``no_sync``, ``clip_grad_norm_``,
+GradScaler, checkpoints, unused parameters) is documented in :mod:`bindings.torch_loop`; ``SyncBatchNorm``
+(batch statistics over every rank's batch) in :mod:`bindings.torch_norm`; uneven inputs (``join``) in
+:mod:`bindings.torch_join`.
 
 Sharp bits: parameters and gradients become views of the strategy's fused
 buckets (as DDP's ``gradient_as_bucket_view``, each in its own layout:

@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -64,6 +65,10 @@ class _CommRef:
         return (_CommRef, (None,))
 
 
+#: whether torch's ``_BatchNorm`` takes ``bias`` (torch 2.13 and newer)
+_BASE_TAKES_BIAS = "bias" in inspect.signature(torch.nn.modules.batchnorm._BatchNorm.__init__).parameters
+
+
 class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
     """``BatchNorm1d/2d/3d`` whose training-mode statistics are those of every rank's batch together.
 
@@ -83,7 +88,13 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
                  affine: bool = True, track_running_stats: bool = True,
                  comm: commlib.Communicator | None = None, device: Any = None, dtype: Any = None,
                  *, bias: bool = True):
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        if _BASE_TAKES_BIAS:
+            super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype,
+                             bias=bias)
+        else:   # torch before 2.13 has no ``bias`` argument: drop the parameter as 2.13 does
+            super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+            if affine and not bias:
+                self.bias = None
         self._comm = _CommRef(comm)
 
     @property

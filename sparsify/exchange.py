@@ -48,18 +48,19 @@ class Traffic:
         self.bytes += (self.n - 1) / self.n * nbytes
 
 
-def exchange_records(comm: Communicator, xp: Any, fields: list[Any], length: int,
+def exchange_records(comm: Communicator, fields: list[Any], length: int,
                      problem: str | None, who: str, traffic: Traffic | None = None,
                      dtype: Any = np.int64) -> np.ndarray:
     """All-gather one record per rank: ``[status, *fields]`` padded to ``length`` words.
 
-    ``fields`` are ints/floats or 1-D ``xp`` arrays, concatenated.  A rank
+    ``fields`` are ints/floats or 1-D numpy or cupy arrays, concatenated.  A rank
     with a ``problem`` sends a record marked bad; then every rank raises
     :class:`commlib.ValidationError` naming the ranks (the exchange itself
-    completed, so the communicator stays usable).  Returns the table as a
-    host array of shape ``(n, length)`` (the one device-to-host copy of a step).
+    completed, so the communicator stays usable).  The record is a host array
+    whatever the gradient's device (a few words of control: over MPI on an NCCL
+    communicator, no device round trip); returns the table, shape ``(n, length)``.
     """
-    rec = xp.zeros(length, dtype=dtype)
+    rec = np.zeros(length, dtype=dtype)
     if problem is None:
         pos = 1
         for f in fields:
@@ -68,7 +69,7 @@ def exchange_records(comm: Communicator, xp: Any, fields: list[Any], length: int
                 pos += 1
             else:
                 size = int(f.size)
-                rec[pos:pos + size] = f
+                rec[pos:pos + size] = to_host(f)     # a cupy field: its one device-to-host copy
                 pos += size
         assert pos <= length, (pos, length)
     else:
@@ -76,7 +77,7 @@ def exchange_records(comm: Communicator, xp: Any, fields: list[Any], length: int
     table = comm.allgather(rec, tag=f"{who}:counts")
     if traffic is not None:
         traffic.allgather(comm.size * length * np.dtype(dtype).itemsize)
-    table = to_host(table).reshape(comm.size, length)
+    table = table.reshape(comm.size, length)
     bad = [r for r in range(comm.size) if table[r, 0] != STATUS_OK]
     if bad:
         mine = f"; this rank ({comm.rank}): {problem}" if problem else ""

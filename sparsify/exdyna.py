@@ -120,8 +120,8 @@ class PartitionedThreshold(Selector):
         fields: list[Any] = []
         if problem is None:
             lo, hi = self.partitions.range(self.partition_of(comm.rank))
-            fields = [self.xp.asarray(sample_tail(self.xp, acc[lo:hi], self.density))]
-        table = exchange_records(comm, self.xp, fields, length, problem, f"{self.name}:init",
+            fields = [sample_tail(self.xp, acc[lo:hi], self.density)]
+        table = exchange_records(comm, fields, length, problem, f"{self.name}:init",
                                  traffic, dtype="float64")
         self.policy.threshold = solve_initial(table[:, 1:], self.density, float(self.k))
 
@@ -139,7 +139,7 @@ class PartitionedThreshold(Selector):
         if problem is None:
             pos, mags, bins, fields = scan_partition(xp, acc[lo:hi], policy)
         select_s = time.perf_counter() - t0
-        table = exchange_records(comm, xp, fields, 1 + max(policy.record_len, 1), problem,
+        table = exchange_records(comm, fields, 1 + max(policy.record_len, 1), problem,
                                  self.name, traffic)
         t0 = time.perf_counter()
         pos, counts, thr, chosen, hist = take_chosen(xp, policy, self.k, table, comm.rank, pos, mags, bins)

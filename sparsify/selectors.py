@@ -46,7 +46,7 @@ class TopK(Selector):
         t0 = time.perf_counter()
         idx = top_k(xp, acc, self.k, self.index_dtype) if problem is None else None
         select_s = time.perf_counter() - t0
-        table = exchange_records(comm, xp, [int(self.k)], 2, problem, self.name, traffic)
+        table = exchange_records(comm, [int(self.k)], 2, problem, self.name, traffic)
         counts = [int(c) for c in table[:, 1]]
         gathered = gather_indices(comm, idx, counts, self.name, traffic)
         union = xp.unique(gathered).astype(self.index_dtype, copy=False)
@@ -77,7 +77,7 @@ class RandomK(Selector):
             host = np.sort(rng.choice(self.numel, self.k, replace=False)).astype(self.index_dtype)
             idx = host if xp is np else xp.asarray(host)
         select_s = time.perf_counter() - t0
-        exchange_records(comm, xp, [], 1, problem, self.name, traffic)
+        exchange_records(comm, [], 1, problem, self.name, traffic)
         values = average_at(comm, acc, idx, self.name, traffic)
         stats = self._stats(idx.size, idx.size, idx.size * comm.size, select_s)
         return Reduced(idx, values, idx, stats)
@@ -111,8 +111,8 @@ class HardThreshold(Selector):
     def _reduce(self, acc: Any, problem: str | None, traffic: Traffic) -> Reduced:
         comm, xp = self.comm, self.xp
         if self.policy.needs_init:
-            fields = [] if problem else [xp.asarray(sample_tail(xp, acc, self.density))]
-            table = exchange_records(comm, xp, fields, 2 + len(INIT_FRACTIONS), problem,
+            fields = [] if problem else [sample_tail(xp, acc, self.density)]
+            table = exchange_records(comm, fields, 2 + len(INIT_FRACTIONS), problem,
                                      f"{self.name}:init", traffic, dtype="float64")
             problem = None
             # every rank scans the whole vector: n k selections in all
@@ -124,7 +124,7 @@ class HardThreshold(Selector):
             pos, _ = threshold_scan(xp, acc, thr)
             idx = pos.astype(self.index_dtype, copy=False)
         select_s = time.perf_counter() - t0
-        table = exchange_records(comm, xp, [0 if idx is None else int(idx.size)], 2, problem,
+        table = exchange_records(comm, [0 if idx is None else int(idx.size)], 2, problem,
                                  self.name, traffic)
         counts = [int(c) for c in table[:, 1]]
         gathered = gather_indices(comm, idx, counts, self.name, traffic)
@@ -161,7 +161,7 @@ class CLTK(Selector):
             else:
                 idx = xp.empty(self.k, dtype=self.index_dtype)
         select_s = time.perf_counter() - t0
-        exchange_records(comm, xp, [], 1, problem, self.name, traffic)
+        exchange_records(comm, [], 1, problem, self.name, traffic)
         idx = comm.broadcast(idx, leader, tag=f"{self.name}:indices")     # in place
         traffic.broadcast(idx.nbytes)
         values = average_at(comm, acc, idx, self.name, traffic)
@@ -179,8 +179,8 @@ class Dense(Selector):
         super().__init__(density)
 
     def _reduce(self, acc: Any, problem: str | None, traffic: Traffic) -> Reduced:
-        comm, xp = self.comm, self.xp
-        exchange_records(comm, xp, [], 1, problem, self.name, traffic)
+        comm = self.comm
+        exchange_records(comm, [], 1, problem, self.name, traffic)
         values = acc.copy()
         comm.allreduce(values, "avg", out=values, tag=f"{self.name}:values")
         traffic.allreduce(values.nbytes)

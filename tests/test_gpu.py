@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 import commlib
 
-from conftest import HAVE_GPU, NO_GPU_REASON, SIZES, all_inputs, assert_close, rank_input, reference
+from conftest import HAVE_GPU, NO_GPU_REASON, SIZES, SMALL, all_inputs, assert_close, rank_input, reference
 
 pytestmark = pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64", "complex64", "complex128"]
@@ -195,7 +195,7 @@ def test_torch_cuda_training_matches_single_process(strategy, dtype):
         torch.nn.functional.mse_loss(ref(x), y).backward()
         ref_opt.step()
     model, base = model_and_opt(c.rank)          # rank 0's start is the reference's
-    strat = AllReduce(cap_mb=0.001) if strategy == "allreduce" else DeAR(cap_mb=0.001)
+    strat = AllReduce(**SMALL) if strategy == "allreduce" else DeAR(**SMALL)
     opt = DistributedOptimizer(base, model, strategy=strat, comm=c)
     assert len(opt.buckets) >= 2
     for step in range(steps):

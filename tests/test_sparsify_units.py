@@ -228,6 +228,28 @@ def test_gpu_scan_equals_the_host_scan(n, dtype, floor):
             np.testing.assert_array_equal(cupy.asnumpy(bins)[order], hb)
 
 
+@pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("n", [0, 5, 128 * 5 + 3, 1 << 20])
+def test_gpu_split_at_the_boundary_bin_keeps_the_host_selection(n, dtype):
+    """take_above with the sizes from the histogram (the GPU kernel, no read-back) keeps the host's
+    positions: every candidate above the boundary bin and the ``take`` largest in it, for a
+    boundary at the bottom, middle and top of the grid and ``take`` of none, some and all."""
+    import cupy
+
+    x = np.random.default_rng([n, 5]).standard_normal(n).astype(dtype) * 2
+    d = cupy.asarray(x)
+    pos, mags, bins, hist = scan_binned(cupy, d, 0.5, 8, 33, 33)
+    hp, hm, hb, _ = scan_binned(np, x, 0.5, 8, 33, 33)
+    for j in (0, 9, 32):
+        n_at = int(hist[j])
+        for take in sorted({0, n_at // 3, n_at}):
+            got = take_above(cupy, pos, mags, bins, j, take, (int(hist[j + 1:].sum()), n_at))
+            want = take_above(np, hp, hm, hb, j, take)
+            assert got.size == want.size == int(hist[j + 1:].sum()) + take
+            np.testing.assert_array_equal(np.sort(cupy.asnumpy(got)), np.sort(want))
+
+
 def test_top_k_is_exact():
     x = np.random.default_rng(1).standard_normal(10_000)
     idx = top_k(np, x, 37, np.int32)

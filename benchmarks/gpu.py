@@ -14,7 +14,8 @@ Three parts, each with its contenders side by side in one run:
   one rank, after ``--settle`` steps of real reductions (error feedback
   included) so the threshold holds the density; the local selection (the
   one-pass scan with its histogram, the boundary choice, the take of the
-  boundary bin) against ``torch.topk`` of ``|g|`` with the same k, in time
+  boundary bin; the scan and the rest also timed alone) against
+  ``torch.topk`` of ``|g|`` with the same k, in time
   and GB/s of gradient read, with the ratio to one read at the copy ceiling.
   Targets (issue 14): selection <= 3x one read, >= 10x faster than topk.
 
@@ -153,11 +154,15 @@ def selection(comm: Any, cupy: Any, numel: int, density: float, settle: int, rou
         return scan_partition(cupy, acc, policy)
 
     t_scan = wall(scan, sync, 20, rounds)
+    pos, mags, bins, fields = scan()
+    table = np.concatenate(([0], np.asarray(fields[0]).ravel()))[None, :]
+    t_take = wall(lambda: take_chosen(cupy, policy, sel.k, table, 0, pos, mags, bins)[0], sync, 20, rounds)
     t_select = wall(lambda: select(cupy, acc), sync, 20, rounds)
     row: dict[str, Any] = {"numel": numel, "density": density, "k": sel.k,
                            "selected": int(picked.size), "matches_host": same,
                            "settle_density_last": densities[-1] if densities else None,
-                           "scan_s": t_scan, "select_s": t_select}
+                           "candidates": int(pos.size), "scan_s": t_scan, "take_s": t_take,
+                           "select_s": t_select}
     try:
         import torch
         t = torch.as_tensor(acc, device="cuda")
@@ -214,13 +219,16 @@ def report(doc: dict[str, Any]) -> str:
     rows = [["one read at the copy ceiling", sel["one_read_s"] * 1e6, 1.0, ""],
             ["ExDyna scan (one pass + histogram)", sel["scan_s"] * 1e6, sel["scan_s"] / sel["one_read_s"],
              4 * sel["numel"] / sel["scan_s"] / 1e9],
+            ["ExDyna choose + take (after the scan)", sel["take_s"] * 1e6, sel["take_s"] / sel["one_read_s"],
+             ""],
             ["ExDyna selection (scan, choose, take)", sel["select_s"] * 1e6, sel["select_over_read"],
              sel["read_GBps"]]]
     if sel.get("topk_s"):
         rows.append(["torch.topk(|g|, k)", sel["topk_s"] * 1e6, sel["topk_s"] / sel["one_read_s"],
                      4 * sel["numel"] / sel["topk_s"] / 1e9])
     out.append(bc.markdown_table(["what", "us", "x one read", "GB/s of gradient read"], rows))
-    out += ["", f"selected {sel['selected']:,} (the host rule picks the same: {sel['matches_host']}); "
+    out += ["", f"candidates in the scan's window: {sel['candidates']:,}; "
+            f"selected {sel['selected']:,} (the host rule picks the same: {sel['matches_host']}); "
             f"selection / one read = {sel['select_over_read']:.2f} (target <= {READ_TARGET:g}: "
             f"{'met' if sel['meets_read'] else 'NOT met'}); topk / selection = "
             f"{bc.fmt(sel['topk_over_select'])} (target >= {TOPK_TARGET:g}: "

@@ -6,7 +6,7 @@ than whole-array passes and needs no partition-sized scratch buffer.
 
 On the GPU (float32 and float64) the scan is one kernel that reads the
 partition once: each block compacts its candidates with one global atomic add
-per round of 1024 elements (:func:`block_reserve` in the source), and, for
+per round of 4096 elements (``block_reserve`` in the source), and, for
 histogram threshold rules, bins each candidate on the rule's log2 grid and
 counts the bins in shared memory (:func:`scan_binned`).  The only host
 synchronisation is one small copy (the count and the histogram), which the
@@ -111,6 +111,8 @@ def scan_binned(xp: Any, seg: Any, floor: float, resolution: float, points: int,
 
 # ------------------------------------------------------------------ the GPU scan
 _GPU_TYPES = {"float32": "float", "float64": "double"}
+#: elements per thread per round of the scan (PER_LANE in the source)
+_PER_LANE = 16
 _GPU_SOURCE = r"""
 // Each thread of a block has `want` elements to write (0-4): reserve room for the whole block's
 // with ONE global atomic on `counter` (an atomic per warp on one address serialises at the L2:
@@ -142,6 +144,8 @@ __device__ __forceinline__ unsigned long long block_reserve(unsigned int want,
     return first;
 }
 
+#define PER_LANE 16                            // elements per thread per round (bits of `want`)
+
 template<typename T>
 __global__ void scan_select(const T* __restrict__ x, long long n, T floor_v, float floor_f,
                             float resolution, int points, long long cap,
@@ -155,15 +159,16 @@ __global__ void scan_select(const T* __restrict__ x, long long n, T floor_v, flo
     for (int j = threadIdx.x; j < points; j += blockDim.x) hist[j] = 0;
     __syncthreads();
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    // a round: each warp takes 4 x 32 consecutive elements (four coalesced loads in flight);
-    // the block's rounds are uniform, so every thread reaches block_reserve's barriers
-    const long long tile = (long long)blockDim.x * 4;
+    // a round: each warp takes PER_LANE x 32 consecutive elements (as many coalesced loads in
+    // flight, and one block_reserve per 4096 elements); the block's rounds are uniform, so every
+    // thread reaches block_reserve's barriers
+    const long long tile = (long long)blockDim.x * PER_LANE;
     for (long long start = (long long)blockIdx.x * tile; start < n; start += (long long)gridDim.x * tile) {
-        const long long w0 = start + (long long)wid * 128;
-        T a[4];
+        const long long w0 = start + (long long)wid * (32 * PER_LANE);
+        T a[PER_LANE];
         unsigned int want = 0;
         #pragma unroll
-        for (int k = 0; k < 4; ++k) {
+        for (int k = 0; k < PER_LANE; ++k) {
             long long i = w0 + k * 32 + lane;
             T v = i < n ? x[i] : T(0);
             a[k] = v < T(0) ? -v : v;
@@ -172,7 +177,7 @@ __global__ void scan_select(const T* __restrict__ x, long long n, T floor_v, flo
         if (!__syncthreads_or(want != 0u)) continue;     // nothing in the block's tile: no atomics
         unsigned long long slot = block_reserve(__popc(want), head, wsum, &base);
         #pragma unroll
-        for (int k = 0; k < 4; ++k) {
+        for (int k = 0; k < PER_LANE; ++k) {
             if (!((want >> k) & 1u)) continue;
             int b = 0;
             if (points > 0) {
@@ -249,7 +254,7 @@ def _gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int,
         kernel, sms = _gpu_kernel(xp, "scan_select", seg.dtype.name)
         cap = _GPU_CAPACITY.get(n, max(1024, n // 256))
         threads = 256
-        blocks = max(1, min(sms * 8, -(-n // (threads * 4))))
+        blocks = max(1, min(sms * 8, -(-n // (threads * _PER_LANE))))
         while True:
             pos = xp.empty(cap, xp.int64)
             mag = xp.empty(cap, seg.dtype)
@@ -314,7 +319,7 @@ def _gpu_take_above(xp: Any, pos: Any, mags: Any, bins: Any, j: int, take: int, 
         if take == n_at:
             out[n_above:] = at_pos[:n_at]
         elif take > 0:
-            top = xp.argpartition(at_mag[:n_at], n_at - take)[n_at - take:]
+            top = xp.argsort(at_mag[:n_at])[n_at - take:]    # thrust's sort, not cupy's argpartition
             out[n_above:] = at_pos[top]
     return out
 

@@ -222,7 +222,11 @@ class View:
         if self.kind == "jax":
             if self.device == "cpu":
                 return jax_result(data.view(numpy_dtype(self.dtype)))
-            return sys.modules["jax"].numpy.from_dlpack(data)
+            jax = sys.modules["jax"]
+            result = jax.numpy.from_dlpack(data)
+            if self.dtype == "bfloat16":    # cupy holds it as uint16 storage (came back uint16)
+                result = jax.lax.bitcast_convert_type(result, jax.numpy.bfloat16)
+            return result
         raise ValidationError(f"cannot hand back an array of kind {self.kind}")
 
 

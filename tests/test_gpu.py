@@ -218,6 +218,26 @@ def test_torch_cuda_training_matches_single_process(strategy, dtype):
     c.close()
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_jax_gpu_arrays_in_and_out(ranks, tmp_path):
+    """JAX arrays on the GPU (``tests/jobs/jax_gpu.py``, in fresh processes with jax on the GPU:
+    the JAX binding's test modules pin it to the CPU): one rank over NCCL, two over MPI.  Not an
+    ``mpi`` test: it launches its own jobs."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    job = os.path.join(here, "jobs", "jax_gpu.py")
+    proc = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, job, str(tmp_path)],
+                          capture_output=True, text=True, timeout=240, env=env)
+    ok = sorted(name for name in os.listdir(tmp_path) if name.startswith("ok."))
+    assert proc.returncode == 0 and len(ok) == ranks, proc.stdout + proc.stderr
+
+
 @pytest.mark.mpi(min_size=1, max_size=1)
 def test_torch_cuda_bfloat16_through_nccl():
     torch = pytest.importorskip("torch")

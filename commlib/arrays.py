@@ -224,7 +224,7 @@ class View:
                 return jax_result(data.view(numpy_dtype(self.dtype)))
             jax = sys.modules["jax"]
             result = jax.numpy.from_dlpack(data)
-            if self.dtype == "bfloat16":    # cupy holds it as uint16 storage (came back uint16)
+            if self.dtype == "bfloat16":    # cupy holds it as uint16 storage
                 result = jax.lax.bitcast_convert_type(result, jax.numpy.bfloat16)
             return result
         raise ValidationError(f"cannot hand back an array of kind {self.kind}")

@@ -63,6 +63,13 @@ def calibrated(fn: Callable[[], Any], sync: Callable[[], None], target_s: float,
     return wall(fn, sync, iters, rounds)
 
 
+def device_time(cupy: Any, fn: Callable[[], Any], rounds: int) -> float:
+    """Median GPU time of one call of ``fn`` (``cupyx.profiler.benchmark``: events around each call)."""
+    from cupyx.profiler import benchmark
+
+    return float(np.median(benchmark(fn, n_repeat=max(10, rounds), n_warmup=3).gpu_times[0]))
+
+
 def copy_ceiling(cupy: Any, mib: int, rounds: int) -> dict[str, float]:
     """Device-to-device copy: bytes read + written per second (median of event-timed copies)."""
     n = (mib << 20) // 4
@@ -153,16 +160,20 @@ def selection(comm: Any, cupy: Any, numel: int, density: float, settle: int, rou
     def scan() -> Any:
         return scan_partition(cupy, acc, policy)
 
-    t_scan = wall(scan, sync, 20, rounds)
     pos, mags, bins, fields = scan()
     table = np.concatenate(([0], np.asarray(fields[0]).ravel()))[None, :]
-    t_take = wall(lambda: take_chosen(cupy, policy, sel.k, table, 0, pos, mags, bins)[0], sync, 20, rounds)
-    t_select = wall(lambda: select(cupy, acc), sync, 20, rounds)
+    parts = {"scan": scan, "take": lambda: take_chosen(cupy, policy, sel.k, table, 0, pos, mags, bins)[0],
+             "select": lambda: select(cupy, acc)}
+    times = {name: wall(fn, sync, 20, rounds) for name, fn in parts.items()}
+    t_scan, t_take, t_select = times["scan"], times["take"], times["select"]
     row: dict[str, Any] = {"numel": numel, "density": density, "k": sel.k,
                            "selected": int(picked.size), "matches_host": same,
                            "settle_density_last": densities[-1] if densities else None,
                            "candidates": int(pos.size), "scan_s": t_scan, "take_s": t_take,
-                           "select_s": t_select}
+                           "select_s": t_select,
+                           # the GPU's own time of each part (CUDA events, one call at a time), beside
+                           # the host's above: where the two differ, the host waits or launches
+                           **{f"{name}_gpu_s": device_time(cupy, fn, rounds) for name, fn in parts.items()}}
     try:
         import torch
         t = torch.as_tensor(acc, device="cuda")
@@ -190,7 +201,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "cupy": cupy.__version__, "nccl": cupy.cuda.nccl.get_version()},
     }
     doc["copy"] = copy_ceiling(cupy, args.copy_mib, args.rounds)
-    doc["collectives"] = collectives(comm, cupy, args.sizes, args.target_ms / 1e3, args.rounds)
+    doc["collectives"] = ([] if args.no_collectives
+                          else collectives(comm, cupy, args.sizes, args.target_ms / 1e3, args.rounds))
     sel = selection(comm, cupy, args.numel, args.density, args.settle, args.rounds)
     one_read = 4 * args.numel / doc["copy"]["bytes_per_s"]
     sel["one_read_s"] = one_read
@@ -216,17 +228,18 @@ def report(doc: dict[str, Any]) -> str:
                                   "commlib GB/s"], rows))
     out += ["", f"## ExDyna selection, {sel['numel']:,} float32, density {sel['density']} (k = {sel['k']:,})",
             ""]
-    rows = [["one read at the copy ceiling", sel["one_read_s"] * 1e6, 1.0, ""],
-            ["ExDyna scan (one pass + histogram)", sel["scan_s"] * 1e6, sel["scan_s"] / sel["one_read_s"],
-             4 * sel["numel"] / sel["scan_s"] / 1e9],
-            ["ExDyna choose + take (after the scan)", sel["take_s"] * 1e6, sel["take_s"] / sel["one_read_s"],
-             ""],
-            ["ExDyna selection (scan, choose, take)", sel["select_s"] * 1e6, sel["select_over_read"],
-             sel["read_GBps"]]]
+    rows = [["one read at the copy ceiling", sel["one_read_s"] * 1e6, "", 1.0, ""],
+            ["ExDyna scan (one pass + histogram)", sel["scan_s"] * 1e6, sel["scan_gpu_s"] * 1e6,
+             sel["scan_s"] / sel["one_read_s"], 4 * sel["numel"] / sel["scan_s"] / 1e9],
+            ["ExDyna choose + take (after the scan)", sel["take_s"] * 1e6, sel["take_gpu_s"] * 1e6,
+             sel["take_s"] / sel["one_read_s"], ""],
+            ["ExDyna selection (scan, choose, take)", sel["select_s"] * 1e6, sel["select_gpu_s"] * 1e6,
+             sel["select_over_read"], sel["read_GBps"]]]
     if sel.get("topk_s"):
-        rows.append(["torch.topk(|g|, k)", sel["topk_s"] * 1e6, sel["topk_s"] / sel["one_read_s"],
+        rows.append(["torch.topk(|g|, k)", sel["topk_s"] * 1e6, "", sel["topk_s"] / sel["one_read_s"],
                      4 * sel["numel"] / sel["topk_s"] / 1e9])
-    out.append(bc.markdown_table(["what", "us", "x one read", "GB/s of gradient read"], rows))
+    out.append(bc.markdown_table(["what", "us", "GPU us (events)", "x one read", "GB/s of gradient read"],
+                                 rows))
     out += ["", f"candidates in the scan's window: {sel['candidates']:,}; "
             f"selected {sel['selected']:,} (the host rule picks the same: {sel['matches_host']}); "
             f"selection / one read = {sel['select_over_read']:.2f} (target <= {READ_TARGET:g}: "
@@ -245,6 +258,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--copy-mib", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--target-ms", type=float, default=20.0)
+    p.add_argument("--no-collectives", action="store_true",
+                   help="skip the NCCL part (a profile of the selection: .ci/gpu profile)")
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.numel, args.settle, args.copy_mib, args.rounds = [8, 1 << 20], 1 << 20, 5, 64, 3

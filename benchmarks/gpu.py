@@ -147,11 +147,14 @@ def selection(comm: Any, cupy: Any, numel: int, density: float, settle: int, rou
     policy = sel.policy
     sync = cupy.cuda.get_current_stream().synchronize
 
+    def table_of(fields: list[Any]) -> np.ndarray:
+        """The all-gathered counts table of a world of one: this rank's record."""
+        return np.concatenate(([0], np.asarray(fields[0]).ravel()))[None, :]
+
     def select(xp: Any, part: Any) -> Any:
-        """ExDyna's local selection, as one rank of one selects (its counts record is the table)."""
+        """ExDyna's local selection, as one rank of one selects."""
         pos, mags, bins, fields = scan_partition(xp, part, policy)
-        table = np.concatenate(([0], np.asarray(fields[0]).ravel()))[None, :]
-        return take_chosen(xp, policy, sel.k, table, 0, pos, mags, bins)[0]
+        return take_chosen(xp, policy, sel.k, table_of(fields), 0, pos, mags, bins)[0]
 
     picked = select(cupy, acc)
     ref = select(np, cupy.asnumpy(acc))      # the same rule on the host picks the same elements
@@ -161,7 +164,7 @@ def selection(comm: Any, cupy: Any, numel: int, density: float, settle: int, rou
         return scan_partition(cupy, acc, policy)
 
     pos, mags, bins, fields = scan()
-    table = np.concatenate(([0], np.asarray(fields[0]).ravel()))[None, :]
+    table = table_of(fields)
     parts = {"scan": scan, "take": lambda: take_chosen(cupy, policy, sel.k, table, 0, pos, mags, bins)[0],
              "select": lambda: select(cupy, acc)}
     times = {name: wall(fn, sync, 20, rounds) for name, fn in parts.items()}

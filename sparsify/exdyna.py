@@ -73,9 +73,8 @@ def take_chosen(xp: Any, policy: ThresholdPolicy, k: int, table: Any, rank: int,
     hists = table[:, 1:]                      # every rank: the same boundary, every rank's count
     chosen, take = policy.choose(k, hists)
     counts = [int(hists[r, chosen + 1:].sum()) + take[r] for r in range(hists.shape[0])]
-    mine = hists[rank]                        # this rank's own histogram: the sizes of the split
-    kept = take_above(xp, pos, mags, bins, chosen, take[rank],
-                      (int(mine[chosen + 1:].sum()), int(mine[chosen])))
+    kept = take_above(xp, pos, mags, bins, chosen, take[rank],     # sized by this rank's histogram
+                      (counts[rank] - take[rank], int(hists[rank, chosen])))
     return kept, counts, policy.grid_threshold(chosen), chosen, hists.sum(axis=0)
 
 

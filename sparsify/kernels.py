@@ -113,7 +113,9 @@ def scan_binned(xp: Any, seg: Any, floor: float, resolution: float, points: int,
 _GPU_TYPES = {"float32": "float", "float64": "double"}
 #: elements per thread per round of the scan (PER_LANE in the source)
 _PER_LANE = 16
-_GPU_SOURCE = r"""
+#: threads per block of the GPU kernels (``block_reserve`` keeps a word per warp: at most 32 warps)
+_THREADS = 256
+_GPU_SOURCE = f"#define PER_LANE {_PER_LANE}    // elements per thread per round (bits of `want`)\n" + r"""
 // Each thread of a block has `want` elements to write: reserve room for the whole block's
 // with ONE global atomic on `counter` (an atomic per warp on one address serialises at the L2:
 // 780 K of them took 0.6 ms on an H200 for 25 M elements) and return this thread's first slot;
@@ -143,8 +145,6 @@ __device__ __forceinline__ unsigned long long block_reserve(unsigned int want,
     __syncthreads();                           // wsum and base are reused by the next call
     return first;
 }
-
-#define PER_LANE 16                            // elements per thread per round (bits of `want`)
 
 template<typename T>
 __global__ void scan_select(const T* __restrict__ x, long long n, T floor_v, float floor_f,
@@ -244,6 +244,11 @@ def _gpu_kernel(xp: Any, name: str, dtype: str) -> tuple[Any, int]:
     return entry[0].get_function(f"{name}<{_GPU_TYPES[dtype]}>"), entry[1]
 
 
+def _grid(sms: int, n: int, per_block: int) -> tuple[int]:
+    """Blocks for ``n`` elements, ``per_block`` a block each round: at most 8 per multiprocessor."""
+    return (max(1, min(sms * 8, -(-n // per_block))),)
+
+
 def _gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int,
               length: int) -> tuple[Any, Any, Any, Any]:
     """The one-pass GPU scan (see module docs): positions, magnitudes, bins (``None`` when
@@ -253,17 +258,15 @@ def _gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int,
     with seg.device:
         kernel, sms = _gpu_kernel(xp, "scan_select", seg.dtype.name)
         cap = _GPU_CAPACITY.get(n, max(1024, n // 256))
-        threads = 256
-        blocks = max(1, min(sms * 8, -(-n // (threads * _PER_LANE))))
         while True:
             pos = xp.empty(cap, xp.int64)
             mag = xp.empty(cap, seg.dtype)
             bins = xp.empty(cap if points else 1, xp.int32)
             head = xp.zeros(1 + points, xp.uint64)
-            kernel((blocks,), (threads,),
+            kernel(_grid(sms, n, _THREADS * _PER_LANE), (_THREADS,),
                    (seg, np.int64(n), seg.dtype.type(floor), np.float32(floor), np.float32(resolution),
                     np.int32(points), np.int64(cap), pos, mag, bins, head),
-                   shared_mem=4 * (points + threads // 32))
+                   shared_mem=4 * (points + _THREADS // 32))
             counts = head.get()                     # the one host synchronisation
             found = int(counts[0])
             if found <= cap:
@@ -312,10 +315,9 @@ def _gpu_take_above(xp: Any, pos: Any, mags: Any, bins: Any, j: int, take: int, 
         at_pos = xp.empty(max(n_at, 1), xp.int64)
         at_mag = xp.empty(max(n_at, 1), mags.dtype)
         heads = xp.zeros(2, xp.uint64)
-        threads = 256
-        blocks = max(1, min(sms * 8, -(-m // threads)))
-        kernel((blocks,), (threads,), (pos, mags, bins, np.int64(m), np.int32(j), out, np.int64(n_above),
-                                       at_pos, at_mag, np.int64(n_at), heads))
+        kernel(_grid(sms, m, _THREADS), (_THREADS,),
+               (pos, mags, bins, np.int64(m), np.int32(j), out, np.int64(n_above), at_pos, at_mag,
+                np.int64(n_at), heads))
         if take == n_at:
             out[n_above:] = at_pos[:n_at]
         elif take > 0:

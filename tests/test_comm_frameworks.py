@@ -152,46 +152,52 @@ def test_jax_arrays_in_and_out(comm, dtype):
     assert_close(np.asarray(x, dtype=np.float64), all_inputs(comm.size, n, src)[comm.rank], dtype)
 
 
+@pytest.fixture
+def jax_on_the_cpu():
+    """New jax arrays on the CPU for the test (on a GPU machine jax's default device is the GPU)."""
+    import jax
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 @jax_only
 @pytest.mark.mpi(min_size=1)
-def test_jax_host_path_matches_the_reference(comm, monkeypatch):
+def test_jax_host_path_matches_the_reference(comm, monkeypatch, jax_on_the_cpu):
     """Blocking calls on jax arrays on the CPU take numpy's host path through their read-only
     aliases (``host_alias``; ``Runner.call_host`` once per call, one sequence number) once a call
     has met the class of jax's arrays: results are new jax arrays of ``x``'s dtype and shape
     (0-d too), ``x`` unchanged; bfloat16 and a numpy ``out`` keep the general path."""
-    import jax
     import jax.numpy as jnp
 
-    with jax.default_device(jax.devices("cpu")[0]):      # jax arrays on the CPU, on a GPU machine too
-        hosted = []
-        real_call_host = comm._run.call_host
-        monkeypatch.setattr(comm._run, "call_host",
-                            lambda *a, **kw: hosted.append(a[0]) or real_call_host(*a, **kw))
-        n = 12
-        xs = all_inputs(comm.size, n, "float64").astype(np.float32)
-        x = jnp.asarray(xs[comm.rank]).reshape(3, 4)
-        comm.allreduce(jnp.zeros(1))                # the general path first: it learns jax's array class
-        hosted.clear()
-        seq = comm.seq
-        got = comm.allreduce(x, op="avg")
-        assert type(got) is type(x) and got.dtype == x.dtype and got.shape == (3, 4)
-        np.testing.assert_allclose(np.asarray(got).reshape(-1), xs.mean(0), rtol=1e-6)
-        comm.reduce_scatter(x)                      # the first call of a size splits it
-        rs = comm.reduce_scatter(x)
-        np.testing.assert_allclose(np.asarray(rs), np.array_split(xs.sum(0), comm.size)[comm.rank], rtol=1e-6)
-        ag = comm.allgather(x)
-        assert type(ag) is type(x) and ag.shape == (comm.size, 3, 4)
-        np.testing.assert_array_equal(np.asarray(ag).reshape(comm.size, n), xs)
-        z = comm.allreduce(jnp.asarray(1 + 2j, jnp.complex64))
-        assert z.shape == () and z.dtype == jnp.complex64 and complex(z) == comm.size * (1 + 2j)
-        assert comm.seq == seq + 5 and hosted == ["allreduce", "reduce_scatter", "reduce_scatter",
-                                                  "allgather", "allreduce"]
-        np.testing.assert_array_equal(np.asarray(x).reshape(-1), xs[comm.rank])
-        out = np.empty((3, 4), np.float32)
-        assert comm.allreduce(x, out=out) is out
-        assert comm.allreduce(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
-        np.testing.assert_allclose(out.reshape(-1), xs.sum(0), rtol=1e-6)
-        assert len(hosted) == 5
+    hosted = []
+    real_call_host = comm._run.call_host
+    monkeypatch.setattr(comm._run, "call_host",
+                        lambda *a, **kw: hosted.append(a[0]) or real_call_host(*a, **kw))
+    n = 12
+    xs = all_inputs(comm.size, n, "float64").astype(np.float32)
+    x = jnp.asarray(xs[comm.rank]).reshape(3, 4)
+    comm.allreduce(jnp.zeros(1))                # the general path first: it learns jax's array class
+    hosted.clear()
+    seq = comm.seq
+    got = comm.allreduce(x, op="avg")
+    assert type(got) is type(x) and got.dtype == x.dtype and got.shape == (3, 4)
+    np.testing.assert_allclose(np.asarray(got).reshape(-1), xs.mean(0), rtol=1e-6)
+    comm.reduce_scatter(x)                      # the first call of a size splits it
+    rs = comm.reduce_scatter(x)
+    np.testing.assert_allclose(np.asarray(rs), np.array_split(xs.sum(0), comm.size)[comm.rank], rtol=1e-6)
+    ag = comm.allgather(x)
+    assert type(ag) is type(x) and ag.shape == (comm.size, 3, 4)
+    np.testing.assert_array_equal(np.asarray(ag).reshape(comm.size, n), xs)
+    z = comm.allreduce(jnp.asarray(1 + 2j, jnp.complex64))
+    assert z.shape == () and z.dtype == jnp.complex64 and complex(z) == comm.size * (1 + 2j)
+    assert comm.seq == seq + 5 and hosted == ["allreduce", "reduce_scatter", "reduce_scatter",
+                                              "allgather", "allreduce"]
+    np.testing.assert_array_equal(np.asarray(x).reshape(-1), xs[comm.rank])
+    out = np.empty((3, 4), np.float32)
+    assert comm.allreduce(x, out=out) is out and comm.allreduce(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
+    np.testing.assert_allclose(out.reshape(-1), xs.sum(0), rtol=1e-6)
+    assert len(hosted) == 5
 
 
 @jax_only

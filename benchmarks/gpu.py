@@ -138,11 +138,14 @@ def selection(comm: Any, cupy: Any, numel: int, density: float, settle: int, rou
     sel = sparsify.ExDyna(density).setup(comm, numel, cupy)
     fb = sparsify.ErrorFeedback(numel, np.float32, cupy)
     rng = cupy.random.default_rng(7)
-    densities = []
+    densities, rescans, offsets = [], 0, []
     for _ in range(settle):
+        half = sel.policy.half
         out = sel.reduce(fb.accumulate(rng.standard_normal(numel, dtype=cupy.float32)))
         fb.settle(out)
         densities.append(out.stats.density)
+        rescans += bool(out.stats.extra["rescanned"])
+        offsets.append(out.stats.extra["boundary"] - half)
     acc = fb.accumulate(rng.standard_normal(numel, dtype=cupy.float32))
     policy = sel.policy
     sync = cupy.cuda.get_current_stream().synchronize
@@ -153,8 +156,8 @@ def selection(comm: Any, cupy: Any, numel: int, density: float, settle: int, rou
 
     def select(xp: Any, part: Any) -> Any:
         """ExDyna's local selection, as one rank of one selects."""
-        pos, mags, bins, fields = scan_partition(xp, part, policy)
-        return take_chosen(xp, policy, sel.k, table_of(fields), 0, pos, mags, bins)[0]
+        scan, fields = scan_partition(xp, part, policy)
+        return take_chosen(xp, policy, sel.k, table_of(fields), 0, scan)[0]
 
     picked = select(cupy, acc)
     ref = select(np, cupy.asnumpy(acc))      # the same rule on the host picks the same elements
@@ -163,16 +166,20 @@ def selection(comm: Any, cupy: Any, numel: int, density: float, settle: int, rou
     def scan() -> Any:
         return scan_partition(cupy, acc, policy)
 
-    pos, mags, bins, fields = scan()
+    scanned, fields = scan()
     table = table_of(fields)
-    parts = {"scan": scan, "take": lambda: take_chosen(cupy, policy, sel.k, table, 0, pos, mags, bins)[0],
+    parts = {"scan": scan, "take": lambda: take_chosen(cupy, policy, sel.k, table, 0, scanned)[0],
              "select": lambda: select(cupy, acc)}
     times = {name: wall(fn, sync, 20, rounds) for name, fn in parts.items()}
     t_scan, t_take, t_select = times["scan"], times["take"], times["select"]
     row: dict[str, Any] = {"numel": numel, "density": density, "k": sel.k,
                            "selected": int(picked.size), "matches_host": same,
                            "settle_density_last": densities[-1] if densities else None,
-                           "candidates": int(pos.size), "scan_s": t_scan, "take_s": t_take,
+                           # the settling steps: how often the boundary fell below the bins the
+                           # scan kept (a second scan), and where it fell (bins from the prediction)
+                           "settle_rescans": rescans, "settle_boundary_offsets": offsets,
+                           "window_candidates": int(scanned.hist.sum()),
+                           "candidates": int(scanned.pos.size), "scan_s": t_scan, "take_s": t_take,
                            "select_s": t_select,
                            # the GPU's own time of each part (CUDA events, one call at a time), beside
                            # the host's above: where the two differ, the host waits or launches
@@ -243,7 +250,9 @@ def report(doc: dict[str, Any]) -> str:
                      4 * sel["numel"] / sel["topk_s"] / 1e9])
     out.append(bc.markdown_table(["what", "us", "GPU us (events)", "x one read", "GB/s of gradient read"],
                                  rows))
-    out += ["", f"candidates in the scan's window: {sel['candidates']:,}; "
+    out += ["", f"candidates in the scan's window: {sel['window_candidates']:,}, kept by the scan: "
+            f"{sel['candidates']:,}; second scans in the {len(sel['settle_boundary_offsets'])} settling "
+            f"steps: {sel['settle_rescans']}; "
             f"selected {sel['selected']:,} (the host rule picks the same: {sel['matches_host']}); "
             f"selection / one read = {sel['select_over_read']:.2f} (target <= {READ_TARGET:g}: "
             f"{'met' if sel['meets_read'] else 'NOT met'}); topk / selection = "

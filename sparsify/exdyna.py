@@ -33,48 +33,49 @@ from typing import Any
 
 from .base import Reduced, Selector
 from .exchange import Traffic, average_at, exchange_records, gather_indices
-from .kernels import scan_binned, take_above, threshold_scan
+from .kernels import Scan, scan_binned, take_scan, threshold_scan
 from .partitions import DEFAULT_BALANCE, BlockPartitions, EqualPartitions, Partitions, imbalance
 from .threshold import INIT_FRACTIONS, ThresholdPolicy, make_policy, sample_tail, solve_initial
 
 
-def scan_partition(xp: Any, seg: Any, policy: ThresholdPolicy) -> tuple[Any, Any, Any, list[Any]]:
+def scan_partition(xp: Any, seg: Any, policy: ThresholdPolicy) -> tuple[Scan, list[Any]]:
     """One rank's candidates in its partition ``seg`` under ``policy``'s window, and its counts record.
 
-    Returns ``(positions, magnitudes, bins, fields)``: histogram rules bin the
-    candidates and their histogram is the record (one pass on the GPU,
+    Returns ``(scan, fields)``: histogram rules bin the candidates and their
+    histogram is the record (one pass on the GPU, keeping the candidates from
+    the policy's :meth:`~sparsify.threshold.ThresholdPolicy.store_from` bin up;
     :func:`~sparsify.kernels.scan_binned`); plain rules record the count
-    (``bins`` is ``None``).
+    (``scan.bins`` and ``scan.hist`` are ``None``).
 
     Example:
-        >>> pos, mags, bins, fields = scan_partition(np, acc[lo:hi], sel.policy)
+        >>> scan, fields = scan_partition(np, acc[lo:hi], sel.policy)
     """
     floor, _ = policy.window()
     if policy.record_len > 0:
-        pos, mags, bins, hist = scan_binned(xp, seg, floor, *policy.grid(), policy.record_len)
-        return pos, mags, bins, [hist]
+        scan = scan_binned(xp, seg, floor, *policy.grid(), policy.record_len, policy.store_from())
+        return scan, [scan.hist]
     pos, mags = threshold_scan(xp, seg, floor)
-    return pos, mags, None, [int(pos.size)]
+    return Scan(pos, mags, None, None, seg, floor, 0.0, 0, 0), [int(pos.size)]
 
 
-def take_chosen(xp: Any, policy: ThresholdPolicy, k: int, table: Any, rank: int, pos: Any, mags: Any,
-                bins: Any) -> tuple[Any, list[int], float, int | None, Any]:
+def take_chosen(xp: Any, policy: ThresholdPolicy, k: int, table: Any, rank: int,
+                scan: Scan) -> tuple[Any, list[int], float, int | None, Any]:
     """From every rank's counts record (``table``, all-gathered), what rank ``rank`` keeps of the
-    candidates :func:`scan_partition` found, identically decided on every rank.
+    candidates of its :func:`scan_partition`, identically decided on every rank.
 
     Returns ``(positions kept, every rank's count, threshold, boundary bin, summed histogram)``;
     plain rules keep every candidate (boundary and histogram ``None``).
 
     Example:
-        >>> kept, counts, thr, chosen, hist = take_chosen(np, sel.policy, sel.k, table, 0, pos, mags, bins)
+        >>> kept, counts, thr, chosen, hist = take_chosen(np, sel.policy, sel.k, table, 0, scan)
     """
     if policy.record_len == 0:
-        return pos, [int(c) for c in table[:, 1]], policy.window()[1], None, None
+        return scan.pos, [int(c) for c in table[:, 1]], policy.window()[1], None, None
     hists = table[:, 1:]                      # every rank: the same boundary, every rank's count
     chosen, take = policy.choose(k, hists)
-    counts = [int(hists[r, chosen + 1:].sum()) + take[r] for r in range(hists.shape[0])]
-    kept = take_above(xp, pos, mags, bins, chosen, take[rank],     # sized by this rank's histogram
-                      (counts[rank] - take[rank], int(hists[rank, chosen])))
+    counts = [int(c) for c in hists[:, chosen + 1:].sum(axis=1)]
+    counts = [c + t for c, t in zip(counts, take)]
+    kept = take_scan(xp, scan, chosen, take[rank])
     return kept, counts, policy.grid_threshold(chosen), chosen, hists.sum(axis=0)
 
 
@@ -135,15 +136,15 @@ class PartitionedThreshold(Selector):
         p = self.partition_of(comm.rank)
         lo, hi = self.partitions.range(p)
         t0 = time.perf_counter()
-        pos = mags = bins = None
+        scan = None
         fields: list[Any] = []
         if problem is None:
-            pos, mags, bins, fields = scan_partition(xp, acc[lo:hi], policy)
+            scan, fields = scan_partition(xp, acc[lo:hi], policy)
         select_s = time.perf_counter() - t0
         table = exchange_records(comm, fields, 1 + max(policy.record_len, 1), problem,
                                  self.name, traffic)
         t0 = time.perf_counter()
-        pos, counts, thr, chosen, hist = take_chosen(xp, policy, self.k, table, comm.rank, pos, mags, bins)
+        pos, counts, thr, chosen, hist = take_chosen(xp, policy, self.k, table, comm.rank, scan)
         pos += lo
         idx = pos.astype(self.index_dtype, copy=False)
         select_s += time.perf_counter() - t0
@@ -158,7 +159,9 @@ class PartitionedThreshold(Selector):
         moves = self.partitions.rebalance(by_partition) if self.rebalance else 0
         stats = self._stats(idx.size, total, total, select_s, threshold=thr,
                             imbalance=imbalance(by_partition),
-                            extra={"partition": p, "moves": moves, "next_threshold": policy.threshold})
+                            extra={"partition": p, "moves": moves, "next_threshold": policy.threshold,
+                                   "boundary": chosen, "rescanned": chosen is not None
+                                   and chosen < scan.stored_from})
         return Reduced(union, values, idx, stats)
 
     def rescale(self, factor: float) -> None:

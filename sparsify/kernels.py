@@ -5,20 +5,22 @@ On the host the threshold scan runs in cache-sized chunks (abs, compare and
 than whole-array passes and needs no partition-sized scratch buffer.
 
 On the GPU (float32 and float64) the scan is one kernel that reads the
-partition once: each block compacts its candidates with one global atomic add
-per round of 4096 elements (``block_reserve`` in the source), and, for
-histogram threshold rules, bins each candidate on the rule's log2 grid and
-counts the bins in shared memory (:func:`scan_binned`).  The only host
+partition once: for histogram threshold rules it bins each candidate on the
+rule's log2 grid and counts the bins in shared memory, and it keeps (compacts)
+only the candidates of the bins near the predicted boundary (``store_from``),
+each block with one global atomic add per round of 4096 elements
+(``block_reserve`` in the source; :func:`scan_binned`).  The only host
 synchronisation is one small copy (the count and the histogram), which the
-exchange needs anyway.  The histogram then sizes the split at the boundary bin
-exactly (:func:`take_above` with ``sizes``: one more kernel, no read-back).
-The candidates come in no particular order (the exchange needs none).  Other
-dtypes take whole-array cupy operations.
+exchange needs anyway.  The take (:func:`take_scan`) is then one single-block
+kernel over the kept candidates, sized by the histogram: everything above the
+boundary bin, and the boundary bin's largest by a radix select, no sort and no
+read-back.  The candidates come in no particular order (the exchange needs
+none).  Other dtypes take whole-array cupy operations.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -36,7 +38,7 @@ def threshold_scan(xp: Any, seg: Any, floor: float, chunk: int = HOST_CHUNK) -> 
     f = seg.dtype.type(floor)
     if xp is not np:
         if seg.dtype.name in _GPU_TYPES:
-            pos, mag, _, _ = _gpu_scan(xp, seg, floor, 0.0, 0, 0)
+            pos, mag, _ = _gpu_scan(xp, seg, floor, 0.0, 0, 0)
             return pos, mag
         mag = xp.abs(seg)
         pos = xp.flatnonzero(mag >= f)
@@ -89,33 +91,84 @@ def bin_counts(xp: Any, bins: Any, length: int) -> Any:
     return xp.bincount(bins, minlength=length)[:length].astype(xp.int64, copy=False)
 
 
-def scan_binned(xp: Any, seg: Any, floor: float, resolution: float, points: int,
-                length: int) -> tuple[Any, Any, Any, Any]:
+class Scan(NamedTuple):
+    """A partition's scan (:func:`scan_binned`): the candidates ``|seg| >= floor`` and their grid.
+
+    ``pos``/``mags``: the candidates kept (positions relative to ``seg``, in no
+    particular order on the GPU); ``bins``: each one's grid bin (host; ``None`` on
+    the GPU, where the take recomputes it); ``hist``: the histogram of every
+    candidate (a host array); ``stored_from``: the lowest bin whose candidates
+    were kept (0 on the host; on the GPU the scan keeps the bins near the
+    predicted boundary only, and :func:`take_scan` scans again when the boundary
+    falls below them).
+    """
+
+    pos: Any
+    mags: Any
+    bins: Any
+    hist: Any
+    seg: Any
+    floor: float
+    resolution: float
+    points: int
+    stored_from: int
+
+
+def scan_binned(xp: Any, seg: Any, floor: float, resolution: float, points: int, length: int,
+                store_from: int = 0) -> Scan:
     """:func:`threshold_scan` plus each candidate's :func:`log2_bins` bin and the :func:`bin_counts`
     histogram (length ``length``): one pass over ``seg`` on the GPU.
 
-    Returns ``(positions, magnitudes, bins, histogram)``; the histogram is a
-    host (numpy) array on the GPU path, ready for the exchange.
+    ``store_from``: on the GPU (float32, float64), keep only the candidates of bins
+    ``>= store_from`` (the histogram still counts all of them): where the boundary
+    is expected near the top of the window, this keeps a few times k candidates
+    instead of the window's tens of times k.  The host keeps every candidate.
 
     Example:
-        >>> pos, mags, bins, hist = scan_binned(np, np.array([1.0, 0.1, 2.0]), 1.0, 1, 3, 4)
-        >>> pos, bins, hist
+        >>> s = scan_binned(np, np.array([1.0, 0.1, 2.0]), 1.0, 1, 3, 4)
+        >>> s.pos, s.bins, s.hist
         (array([0, 2]), array([0, 1]), array([1, 1, 0, 0]))
     """
     if xp is not np and seg.dtype.name in _GPU_TYPES:
-        return _gpu_scan(xp, seg, floor, resolution, points, length)
+        store_from = min(max(int(store_from), 0), max(points - 1, 0))
+        pos, mags, hist = _gpu_scan(xp, seg, floor, resolution, points, length, store_from)
+        return Scan(pos, mags, None, hist, seg, floor, resolution, points, store_from)
     pos, mags = threshold_scan(xp, seg, floor)
     bins = log2_bins(xp, mags, floor, resolution, points)
-    return pos, mags, bins, bin_counts(xp, bins, length)
+    return Scan(pos, mags, bins, bin_counts(xp, bins, length), seg, floor, resolution, points, 0)
 
 
-# ------------------------------------------------------------------ the GPU scan
+def take_scan(xp: Any, scan: Scan, j: int, take: int) -> Any:
+    """Positions (relative to the scanned ``seg``) of the candidates of ``scan`` in bins above
+    ``j`` plus the ``take`` largest of bin ``j`` (:func:`take_above`'s rule).
+
+    On the GPU one single-block kernel does it from the kept candidates (bins
+    recomputed, the ``take``-th largest of bin ``j`` found by a radix select,
+    no read-back), sized by the histogram; when ``j`` lies below the bins the
+    scan kept, the partition is scanned again from bin ``j`` first.  The result
+    comes in no particular order there (equal magnitudes at the cut: any of them).
+
+    Example:
+        >>> s = scan_binned(np, np.array([1.0, 5.0, 2.0, 3.0]), 1.0, 1, 3, 3)
+        >>> take_scan(np, s, 1, 1)
+        array([1, 3])
+    """
+    if scan.bins is None:
+        return _gpu_take(xp, scan, int(j), int(take))
+    return take_above(xp, scan.pos, scan.mags, scan.bins, j, take)
+
+
+# ------------------------------------------------------------------ the GPU kernels
 _GPU_TYPES = {"float32": "float", "float64": "double"}
 #: elements per thread per round of the scan (PER_LANE in the source)
 _PER_LANE = 16
-#: threads per block of the GPU kernels (``block_reserve`` keeps a word per warp: at most 32 warps)
+#: threads per block of the scan (``block_reserve`` keeps a word per warp: at most 32 warps)
 _THREADS = 256
+#: threads of the take's one block
+_TAKE_THREADS = 1024
 _GPU_SOURCE = f"#define PER_LANE {_PER_LANE}    // elements per thread per round (bits of `want`)\n" + r"""
+#define FULL 0xffffffffu
+
 // Each thread of a block has `want` elements to write: reserve room for the whole block's
 // with ONE global atomic on `counter` (an atomic per warp on one address serialises at the L2:
 // 780 K of them took 0.6 ms on an H200 for 25 M elements) and return this thread's first slot;
@@ -130,7 +183,7 @@ __device__ __forceinline__ unsigned long long block_reserve(unsigned int want,
     unsigned int incl = want;                  // inclusive prefix sum over the warp's lanes
     #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
-        unsigned int y = __shfl_up_sync(0xffffffffu, incl, d);
+        unsigned int y = __shfl_up_sync(FULL, incl, d);
         if (lane >= d) incl += y;
     }
     if (lane == 31) wsum[wid] = incl;          // the warp's total
@@ -146,13 +199,45 @@ __device__ __forceinline__ unsigned long long block_reserve(unsigned int want,
     return first;
 }
 
+// This lane's slot among its warp's lanes that `want`, after one atomic add (by the first of
+// them) on a counter; every lane of the warp must call it.
+__device__ __forceinline__ unsigned int warp_append(bool want, unsigned int* counter)
+{
+    const unsigned int mask = __ballot_sync(FULL, want);
+    if (!mask) return 0u;
+    const int lane = threadIdx.x & 31, leader = __ffs(mask) - 1;
+    unsigned int base = 0u;
+    if (lane == leader) base = atomicAdd(counter, (unsigned int)__popc(mask));
+    base = __shfl_sync(FULL, base, leader);
+    return base + __popc(mask & ((1u << lane) - 1u));
+}
+
+// The grid bin of magnitude a: floor(log2(a / floor) * resolution) clipped to [0, points)
+// (float32 arithmetic, as the host's log2_bins; the scan and the take compute it alike).
+__device__ __forceinline__ int grid_bin(float a, float floor_f, float resolution, int points)
+{
+    float q = floorf(log2f(a / floor_f) * resolution);
+    return q < 0.0f ? 0 : (q > (float)(points - 1) ? points - 1 : (int)q);
+}
+
+// A magnitude's bits as an unsigned key: non-negative floats order as their keys.
+template<typename T> struct Key;
+template<> struct Key<float> {
+    typedef unsigned int U;
+    __device__ static U of(float v) { return __float_as_uint(v); }
+};
+template<> struct Key<double> {
+    typedef unsigned long long U;
+    __device__ static U of(double v) { return (U)__double_as_longlong(v); }
+};
+
 template<typename T>
 __global__ void scan_select(const T* __restrict__ x, long long n, T floor_v, float floor_f,
-                            float resolution, int points, long long cap,
-                            long long* __restrict__ pos, T* __restrict__ mag, int* __restrict__ bins,
+                            float resolution, int points, int store_from, long long cap,
+                            long long* __restrict__ pos, T* __restrict__ mag,
                             unsigned long long* __restrict__ head)
 {
-    // head[0]: candidates found; head[1 + j]: candidates in bin j (points > 0)
+    // head[0]: candidates kept (bins >= store_from); head[1 + j]: candidates in bin j (points > 0)
     extern __shared__ unsigned int hist[];     // points counters, then one per warp
     __shared__ unsigned long long base;
     unsigned int* wsum = hist + points;
@@ -166,29 +251,31 @@ __global__ void scan_select(const T* __restrict__ x, long long n, T floor_v, flo
     for (long long start = (long long)blockIdx.x * tile; start < n; start += (long long)gridDim.x * tile) {
         const long long w0 = start + (long long)wid * (32 * PER_LANE);
         T a[PER_LANE];
-        unsigned int want = 0;
         #pragma unroll
         for (int k = 0; k < PER_LANE; ++k) {
             long long i = w0 + k * 32 + lane;
             T v = i < n ? x[i] : T(0);
             a[k] = v < T(0) ? -v : v;
-            if (i < n && a[k] >= floor_v) want |= 1u << k;
         }
-        if (!__syncthreads_or(want != 0u)) continue;     // nothing in the block's tile: no atomics
+        unsigned int want = 0;
+        #pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) {
+            if (!(w0 + k * 32 + lane < n && a[k] >= floor_v)) continue;
+            if (points > 0) {
+                int b = grid_bin((float)a[k], floor_f, resolution, points);
+                atomicAdd(&hist[b], 1u);
+                if (b < store_from) continue;
+            }
+            want |= 1u << k;
+        }
+        if (!__syncthreads_or(want != 0u)) continue;     // nothing kept in the block's tile
         unsigned long long slot = block_reserve(__popc(want), head, wsum, &base);
         #pragma unroll
         for (int k = 0; k < PER_LANE; ++k) {
             if (!((want >> k) & 1u)) continue;
-            int b = 0;
-            if (points > 0) {
-                float q = floorf(log2f((float)a[k] / floor_f) * resolution);
-                b = q < 0.0f ? 0 : (q > (float)(points - 1) ? points - 1 : (int)q);
-                atomicAdd(&hist[b], 1u);
-            }
             if (slot < (unsigned long long)cap) {
                 pos[slot] = w0 + k * 32 + lane;
                 mag[slot] = a[k];
-                if (points > 0) bins[slot] = b;
             }
             ++slot;
         }
@@ -198,47 +285,97 @@ __global__ void scan_select(const T* __restrict__ x, long long n, T floor_v, flo
         if (hist[j]) atomicAdd(&head[1 + j], (unsigned long long)hist[j]);
 }
 
-// Split the candidates at boundary bin j: those above it to `above` (all kept), those in it to
-// `at_pos`/`at_mag` (the largest of them are kept).  The host knows both counts from the
-// histogram, so the buffers are sized exactly and nothing is read back.
+// One block: of the m kept candidates (all of bin j and above among them), write to `out` the
+// positions of those above bin j and the `take` largest of bin j (n_at of them in all):
+// out[0, n_out - ties) in any order, then the ties at the cut.  The take-th largest key of bin
+// j is found by a radix select, 8 bits a round from the top, over the candidates (L2-resident).
 template<typename T>
-__global__ void split_at_bin(const long long* __restrict__ pos, const T* __restrict__ mag,
-                             const int* __restrict__ bins, long long m, int j,
-                             long long* __restrict__ above, long long n_above,
-                             long long* __restrict__ at_pos, T* __restrict__ at_mag, long long n_at,
-                             unsigned long long* __restrict__ heads)
+__global__ void take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag,
+                              long long m, float floor_f, float resolution, int points, int j,
+                              long long take, long long n_at, long long* __restrict__ out,
+                              long long n_out)
 {
-    __shared__ unsigned int wsum[32];
-    __shared__ unsigned long long base;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long start = (long long)blockIdx.x * blockDim.x; start < m; start += stride) {
-        long long i = start + threadIdx.x;
-        int b = i < m ? bins[i] : -1;
-        unsigned int up = b > j, at = b == j;
-        if (!__syncthreads_or(up | at)) continue;
-        unsigned long long s_up = block_reserve(up, &heads[0], wsum, &base);
-        unsigned long long s_at = block_reserve(at, &heads[1], wsum, &base);
-        if (up && s_up < (unsigned long long)n_above) above[s_up] = pos[i];   // (bounds: never
-        if (at && s_at < (unsigned long long)n_at) {                            //  past the sizes)
-            at_pos[s_at] = pos[i];
-            at_mag[s_at] = mag[i];
+    typedef typename Key<T>::U U;
+    __shared__ unsigned int digits[256];
+    __shared__ unsigned int s_digit, s_kept, s_ties;
+    __shared__ long long s_need;
+    U prefix = 0, mask = 0;                    // high digits of the take-th largest key of bin j
+    long long need = take;                     // of the elements matching prefix, how many to take
+    const bool all_at = take >= n_at, select = take > 0 && !all_at;
+    if (threadIdx.x == 0) { s_kept = 0u; s_ties = 0u; }
+    __syncthreads();
+    for (int shift = 8 * (int)sizeof(U) - 8; select && shift >= 0; shift -= 8) {
+        for (int d = threadIdx.x; d < 256; d += blockDim.x) digits[d] = 0u;
+        if (threadIdx.x == 0) { s_digit = 0u; s_need = 0; }
+        __syncthreads();
+        for (long long i = threadIdx.x; i < m; i += blockDim.x) {
+            const T a = mag[i];
+            if (grid_bin((float)a, floor_f, resolution, points) != j) continue;
+            const U key = Key<T>::of(a);
+            if ((key & mask) == prefix) atomicAdd(&digits[(unsigned int)(key >> shift) & 255u], 1u);
         }
+        __syncthreads();
+        if (threadIdx.x < 32) {                // warp 0: the digit holding the need-th from the top
+            const int lane = threadIdx.x;
+            unsigned int c[8], sum = 0u;
+            #pragma unroll
+            for (int e = 0; e < 8; ++e) { c[e] = digits[255 - 8 * lane - e]; sum += c[e]; }
+            unsigned int incl = sum;           // this lane's digits and every higher lane's
+            #pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                unsigned int y = __shfl_up_sync(FULL, incl, d);
+                if (lane >= d) incl += y;
+            }
+            long long run = (long long)(incl - sum);
+            if (run < need && need <= (long long)incl) {
+                for (int e = 0; e < 8; ++e) {
+                    if (run + c[e] >= need) { s_digit = 255u - 8u * lane - e; s_need = need - run; break; }
+                    run += c[e];
+                }
+            }
+        }
+        __syncthreads();
+        prefix |= (U)s_digit << shift;
+        mask |= (U)255u << shift;
+        need = s_need;
+        __syncthreads();                       // digits, s_digit and s_need are reset next round
+    }
+    // prefix is now the cut's key; `need` elements equal to it are taken (the ties)
+    const long long kept_cap = n_out - (select ? need : 0);
+    for (long long s = 0; s < m; s += blockDim.x) {
+        const long long i = s + threadIdx.x;
+        bool keep = false, tie = false;
+        if (i < m) {
+            const T a = mag[i];
+            const int b = grid_bin((float)a, floor_f, resolution, points);
+            if (b > j) keep = true;
+            else if (b == j && all_at) keep = take > 0;
+            else if (b == j && select) {
+                const U key = Key<T>::of(a);
+                keep = key > prefix;
+                tie = key == prefix;
+            }
+        }
+        const unsigned int slot = warp_append(keep, &s_kept);
+        const unsigned int tslot = warp_append(tie, &s_ties);
+        if (keep && (long long)slot < kept_cap) out[slot] = pos[i];
+        if (tie && (long long)tslot < need) out[kept_cap + tslot] = pos[i];
     }
 }
 """
 #: by device: the compiled kernels and the device's multiprocessor count
 _GPU_MODULES: dict[int, tuple[Any, int]] = {}
-#: capacity of the candidate buffers, by partition size (grown when a scan finds more)
+#: capacity of the candidate buffers, by partition size (grown when a scan keeps more)
 _GPU_CAPACITY: dict[int, int] = {}
 
 
 def _gpu_kernel(xp: Any, name: str, dtype: str) -> tuple[Any, int]:
-    """Kernel ``name`` (``scan_select``, ``split_at_bin``) for ``dtype`` on the current device, and
+    """Kernel ``name`` (``scan_select``, ``take_boundary``) for ``dtype`` on the current device, and
     the device's multiprocessor count."""
     dev = xp.cuda.Device()
     entry = _GPU_MODULES.get(dev.id)
     if entry is None:
-        names = [f"{k}<{t}>" for k in ("scan_select", "split_at_bin") for t in _GPU_TYPES.values()]
+        names = [f"{k}<{t}>" for k in ("scan_select", "take_boundary") for t in _GPU_TYPES.values()]
         mod = xp.RawModule(code=_GPU_SOURCE, options=("-std=c++14",), name_expressions=names)
         entry = _GPU_MODULES[dev.id] = (mod, int(dev.attributes["MultiProcessorCount"]))
     return entry[0].get_function(f"{name}<{_GPU_TYPES[dtype]}>"), entry[1]
@@ -249,10 +386,11 @@ def _grid(sms: int, n: int, per_block: int) -> tuple[int]:
     return (max(1, min(sms * 8, -(-n // per_block))),)
 
 
-def _gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int,
-              length: int) -> tuple[Any, Any, Any, Any]:
-    """The one-pass GPU scan (see module docs): positions, magnitudes, bins (``None`` when
-    ``points`` is 0) and the host histogram of length ``length`` (``None`` when 0)."""
+def _gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, length: int,
+              store_from: int = 0) -> tuple[Any, Any, Any]:
+    """The one-pass GPU scan (see module docs): positions and magnitudes of the candidates of
+    bins ``>= store_from``, and the host histogram of every candidate, length ``length``
+    (``None`` when 0)."""
     n = int(seg.size)
     seg = xp.ascontiguousarray(seg)
     with seg.device:
@@ -261,11 +399,10 @@ def _gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int,
         while True:
             pos = xp.empty(cap, xp.int64)
             mag = xp.empty(cap, seg.dtype)
-            bins = xp.empty(cap if points else 1, xp.int32)
             head = xp.zeros(1 + points, xp.uint64)
             kernel(_grid(sms, n, _THREADS * _PER_LANE), (_THREADS,),
                    (seg, np.int64(n), seg.dtype.type(floor), np.float32(floor), np.float32(resolution),
-                    np.int32(points), np.int64(cap), pos, mag, bins, head),
+                    np.int32(points), np.int32(store_from), np.int64(cap), pos, mag, head),
                    shared_mem=4 * (points + _THREADS // 32))
             counts = head.get()                     # the one host synchronisation
             found = int(counts[0])
@@ -276,23 +413,39 @@ def _gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int,
     if length:
         hist = np.zeros(length, np.int64)
         hist[:points] = counts[1:1 + points]
-    return pos[:found], mag[:found], (bins[:found] if points else None), hist
+    return pos[:found], mag[:found], hist
 
 
-def take_above(xp: Any, pos: Any, mags: Any, bins: Any, j: int, take: int,
-               sizes: tuple[int, int] | None = None) -> Any:
-    """``pos`` of the candidates in bins above ``j`` plus the ``take`` largest of bin ``j``.
+def _gpu_take(xp: Any, scan: Scan, j: int, take: int) -> Any:
+    """:func:`take_scan` on the GPU: one block over the kept candidates (a second scan first
+    when bin ``j`` lies below the kept bins)."""
+    hist = scan.hist
+    n_at = int(hist[j])
+    take = min(max(take, 0), n_at)
+    n_out = int(hist[j + 1:scan.points].sum()) + take
+    out = xp.empty(n_out, xp.int64)
+    pos, mags = scan.pos, scan.mags
+    if n_out == 0:
+        return out
+    with scan.seg.device:
+        if j < scan.stored_from:                # the boundary fell below the kept bins
+            pos, mags, _ = _gpu_scan(xp, scan.seg, scan.floor, scan.resolution, scan.points, 0, j)
+        kernel, _ = _gpu_kernel(xp, "take_boundary", mags.dtype.name)
+        kernel((1,), (_TAKE_THREADS,),
+               (pos, mags, np.int64(pos.size), np.float32(scan.floor), np.float32(scan.resolution),
+                np.int32(scan.points), np.int32(j), np.int64(take), np.int64(n_at), out,
+                np.int64(n_out)))
+    return out
 
-    ``sizes``: how many candidates lie above bin ``j`` and in it, when known (from the
-    histogram): on the GPU one kernel then splits the candidates with no read-back.  On the host
-    the result keeps the candidates' order; on the GPU it comes in no particular order.
+
+def take_above(xp: Any, pos: Any, mags: Any, bins: Any, j: int, take: int) -> Any:
+    """``pos`` of the candidates in bins above ``j`` plus the ``take`` largest of bin ``j``
+    (in the candidates' order).
 
     Example:
         >>> take_above(np, np.arange(4), np.array([1.0, 5.0, 2.0, 3.0]), np.array([0, 2, 1, 1]), 1, 1)
         array([1, 3])
     """
-    if sizes is not None and xp is not np and mags.dtype.name in _GPU_TYPES:
-        return _gpu_take_above(xp, pos, mags, bins, j, take, *sizes)
     above = bins > j
     if take > 0:
         at = xp.flatnonzero(bins == j)
@@ -300,30 +453,6 @@ def take_above(xp: Any, pos: Any, mags: Any, bins: Any, j: int, take: int,
             at = at[xp.argpartition(mags[at], at.size - take)[at.size - take:]]
         above[at] = True
     return pos[above]
-
-
-def _gpu_take_above(xp: Any, pos: Any, mags: Any, bins: Any, j: int, take: int, n_above: int,
-                    n_at: int) -> Any:
-    """:func:`take_above` on the GPU with the sizes known: the kept positions, above-bin ones first."""
-    m = int(pos.size)
-    take = min(max(int(take), 0), n_at)
-    out = xp.empty(n_above + take, xp.int64)
-    if m == 0 or n_above + n_at == 0:
-        return out
-    with pos.device:
-        kernel, sms = _gpu_kernel(xp, "split_at_bin", mags.dtype.name)
-        at_pos = xp.empty(max(n_at, 1), xp.int64)
-        at_mag = xp.empty(max(n_at, 1), mags.dtype)
-        heads = xp.zeros(2, xp.uint64)
-        kernel(_grid(sms, m, _THREADS), (_THREADS,),
-               (pos, mags, bins, np.int64(m), np.int32(j), out, np.int64(n_above), at_pos, at_mag,
-                np.int64(n_at), heads))
-        if take == n_at:
-            out[n_above:] = at_pos[:n_at]
-        elif take > 0:
-            top = xp.argsort(at_mag[:n_at])[n_at - take:]    # thrust's sort, not cupy's argpartition
-            out[n_above:] = at_pos[top]
-    return out
 
 
 def top_k(xp: Any, acc: Any, k: int, idx_dtype: Any) -> Any:

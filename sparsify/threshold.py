@@ -108,6 +108,11 @@ class ThresholdPolicy:
         :meth:`bins` uses (``sparsify.kernels.log2_bins``); ``None`` for plain rules."""
         return None
 
+    def store_from(self) -> int:
+        """Histogram rules: the lowest grid bin whose candidates a GPU scan keeps (the histogram
+        counts every bin; a boundary below this bin costs a second scan): 0, all of them."""
+        return 0
+
     def bins(self, xp: Any, mags: Any, floor: float) -> Any:
         """Grid bin of each candidate magnitude (histogram rules)."""
         raise NotImplementedError
@@ -245,6 +250,12 @@ class CountCurveThreshold(ThresholdPolicy):
     def grid(self) -> tuple[float, int]:
         return float(self.resolution), self.points
 
+    def store_from(self) -> int:
+        """1/16 octave (at least one bin) under the predicted threshold (bin ``half``): in steady
+        state the boundary moves less than that in a step, and the bins under it hold most of
+        the window's candidates (error feedback piles the residual up under the threshold)."""
+        return max(0, self.half - max(1, self.resolution // 16))
+
     def bins(self, xp: Any, mags: Any, floor: float) -> Any:
         return log2_bins(xp, mags, floor, self.resolution, self.points)
 
@@ -261,14 +272,14 @@ class CountCurveThreshold(ThresholdPolicy):
         there, by largest remainder in integers: every rank computes the same.
         """
         h = np.asarray(table, dtype=np.int64)[:, :self.points]
-        per_bin = h.sum(axis=0)
+        per_bin = h.sum(axis=0) if h.shape[0] > 1 else h[0]
         cum = np.cumsum(per_bin[::-1])[::-1]                 # cum[j]: global count in bins >= j
         k = int(k)
         if cum[0] <= k:                                      # fewer candidates than k: take all
-            return 0, [int(c) for c in h[:, 0]]
-        j = int(np.nonzero(cum >= k)[0][-1])                 # cum[j] >= k > cum[j + 1]
+            return 0, h[:, 0].tolist()
+        j = int(np.searchsorted(-cum, -k, side="right")) - 1    # cum[j] >= k > cum[j + 1]
         need = k - (int(cum[j + 1]) if j + 1 < cum.size else 0)
-        col, total = [int(c) for c in h[:, j]], int(per_bin[j])     # Python ints: no overflow
+        col, total = h[:, j].tolist(), int(per_bin[j])       # Python ints: no overflow
         share = [c * need // total for c in col]
         rem = [c * need % total for c in col]
         left = need - sum(share)

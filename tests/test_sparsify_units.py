@@ -20,7 +20,7 @@ from commlib.sparsify import (
 )
 from commlib.sparsify._arrays import index_dtype, read_as, write_as
 from commlib.sparsify.base import check_density
-from commlib.sparsify.kernels import scan_binned, take_above, threshold_scan, top_k
+from commlib.sparsify.kernels import scan_binned, take_above, take_scan, threshold_scan, top_k
 from commlib.sparsify.threshold import quantize, sample_tail, solve_initial
 
 from conftest import HAVE_GPU, NO_GPU_REASON
@@ -205,49 +205,83 @@ def test_threshold_scan_chunked_equals_whole():
 @pytest.mark.parametrize("n", [0, 1, 127, 128 * 5 + 3, 1 << 20])
 @pytest.mark.parametrize("floor", [0.0, 2.5])      # 0: every element, past the first capacity
 def test_gpu_scan_equals_the_host_scan(n, dtype, floor):
-    """The one-pass GPU kernel finds the host's candidates, magnitudes, bins and histogram
-    (in its own order); the output is poisoned first so an unwritten slot shows."""
+    """The one-pass GPU kernel finds the host's candidates, magnitudes and histogram (in its own
+    order), and keeps exactly those of bins >= store_from."""
     import cupy
 
     x = np.random.default_rng([n, 3]).standard_normal(n).astype(dtype) * 2
     d = cupy.asarray(x)
-    for res, points, length in [(8, 0, 0), (8, 33, 41)]:
-        if points:
-            pos, mags, bins, hist = scan_binned(cupy, d, floor or 1e-3, res, points, length)
-            hp, hm, hb, hh = scan_binned(np, x, floor or 1e-3, res, points, length)
-            np.testing.assert_array_equal(hist, hh)
-        else:
-            pos, mags = threshold_scan(cupy, d, floor)
-            hp, hm = threshold_scan(np, x, floor)
-        pos, mags = cupy.asnumpy(pos), cupy.asnumpy(mags)
-        order = np.argsort(pos)
-        np.testing.assert_array_equal(pos[order], hp)
-        np.testing.assert_array_equal(mags[order], hm)
-        assert mags.dtype == x.dtype
-        if points:
-            np.testing.assert_array_equal(cupy.asnumpy(bins)[order], hb)
+    pos, mags = threshold_scan(cupy, d, floor)
+    hp, hm = threshold_scan(np, x, floor)
+    _assert_same_candidates(pos, mags, hp, hm, x.dtype)
+    host = scan_binned(np, x, floor or 1e-3, 8, 33, 41)
+    for store_from in (0, 9, 32):
+        got = scan_binned(cupy, d, floor or 1e-3, 8, 33, 41, store_from)
+        assert got.bins is None and got.stored_from == store_from
+        np.testing.assert_array_equal(got.hist, host.hist)
+        kept = host.bins >= store_from
+        _assert_same_candidates(got.pos, got.mags, host.pos[kept], host.mags[kept], x.dtype)
+
+
+def _assert_same_candidates(pos, mags, want_pos, want_mags, dtype):
+    pos, mags = cupy_asnumpy(pos), cupy_asnumpy(mags)
+    order = np.argsort(pos)
+    np.testing.assert_array_equal(pos[order], want_pos)
+    np.testing.assert_array_equal(mags[order], want_mags)
+    assert mags.dtype == dtype
+
+
+def cupy_asnumpy(a):
+    import cupy
+
+    return cupy.asnumpy(a)
 
 
 @pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("n", [0, 5, 128 * 5 + 3, 1 << 20])
-def test_gpu_split_at_the_boundary_bin_keeps_the_host_selection(n, dtype):
-    """take_above with the sizes from the histogram (the GPU kernel, no read-back) keeps the host's
+def test_gpu_take_keeps_the_host_selection(n, dtype):
+    """take_scan on the GPU (one block: radix select of the boundary bin) keeps the host's
     positions: every candidate above the boundary bin and the ``take`` largest in it, for a
-    boundary at the bottom, middle and top of the grid and ``take`` of none, some and all."""
+    boundary at the bottom, middle and top of the grid, ``take`` of none, some and all, and a
+    boundary below the bins the scan kept (a second scan)."""
     import cupy
 
     x = np.random.default_rng([n, 5]).standard_normal(n).astype(dtype) * 2
     d = cupy.asarray(x)
-    pos, mags, bins, hist = scan_binned(cupy, d, 0.5, 8, 33, 33)
-    hp, hm, hb, _ = scan_binned(np, x, 0.5, 8, 33, 33)
-    for j in (0, 9, 32):
-        n_at = int(hist[j])
-        for take in sorted({0, n_at // 3, n_at}):
-            got = take_above(cupy, pos, mags, bins, j, take, (int(hist[j + 1:].sum()), n_at))
-            want = take_above(np, hp, hm, hb, j, take)
-            assert got.size == want.size == int(hist[j + 1:].sum()) + take
-            np.testing.assert_array_equal(np.sort(cupy.asnumpy(got)), np.sort(want))
+    host = scan_binned(np, x, 0.5, 8, 33, 33)
+    for store_from in (0, 12):
+        scan = scan_binned(cupy, d, 0.5, 8, 33, 33, store_from)
+        for j in (0, 9, 12, 20, 32):
+            n_at = int(host.hist[j])
+            for take in sorted({0, 1, n_at // 3, n_at - 1, n_at} & set(range(n_at + 1))):
+                got = cupy.asnumpy(take_scan(cupy, scan, j, take))
+                want = take_scan(np, host, j, take)
+                assert got.size == want.size == int(host.hist[j + 1:].sum()) + take
+                np.testing.assert_array_equal(np.sort(got), np.sort(want))
+
+
+@pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gpu_take_with_ties_at_the_cut(dtype):
+    """Magnitudes on a coarse lattice: many equal at the cut.  The GPU take keeps exactly
+    ``take`` of the boundary bin, every one at least as large as every one it leaves."""
+    import cupy
+
+    n = 200_003
+    x = (np.random.default_rng(9).integers(-40, 41, n) * 0.125).astype(dtype)
+    host = scan_binned(np, x, 0.5, 4, 17, 17)
+    scan = scan_binned(cupy, cupy.asarray(x), 0.5, 4, 17, 17, 3)
+    for j in (3, 8, 12):
+        at = host.pos[host.bins == j]
+        for take in (1, at.size // 2, at.size - 1):
+            got = cupy.asnumpy(take_scan(cupy, scan, j, take))
+            assert got.size == np.unique(got).size == int(host.hist[j + 1:].sum()) + take
+            assert set(host.pos[host.bins > j].tolist()) <= set(got.tolist())
+            taken = np.intersect1d(got, at)
+            left = np.setdiff1d(at, got)
+            assert taken.size == take
+            assert np.abs(x[taken]).min() >= np.abs(x[left]).max()
 
 
 def test_top_k_is_exact():

@@ -178,12 +178,12 @@ def test_jax_host_path_matches_the_reference(comm, monkeypatch, jax_on_the_cpu):
     xs = all_inputs(comm.size, n, "float64").astype(np.float32)
     x = jnp.asarray(xs[comm.rank]).reshape(3, 4)
     comm.allreduce(jnp.zeros(1))                # the general path first: it learns jax's array class
-    hosted.clear()
+    comm.reduce_scatter(x)                      # the first call of a size splits it (general path,
+    hosted.clear()                              # unless an earlier test on this comm had that size)
     seq = comm.seq
     got = comm.allreduce(x, op="avg")
     assert type(got) is type(x) and got.dtype == x.dtype and got.shape == (3, 4)
     np.testing.assert_allclose(np.asarray(got).reshape(-1), xs.mean(0), rtol=1e-6)
-    comm.reduce_scatter(x)                      # the first call of a size splits it
     rs = comm.reduce_scatter(x)
     np.testing.assert_allclose(np.asarray(rs), np.array_split(xs.sum(0), comm.size)[comm.rank], rtol=1e-6)
     ag = comm.allgather(x)
@@ -191,13 +191,12 @@ def test_jax_host_path_matches_the_reference(comm, monkeypatch, jax_on_the_cpu):
     np.testing.assert_array_equal(np.asarray(ag).reshape(comm.size, n), xs)
     z = comm.allreduce(jnp.asarray(1 + 2j, jnp.complex64))
     assert z.shape == () and z.dtype == jnp.complex64 and complex(z) == comm.size * (1 + 2j)
-    assert comm.seq == seq + 5 and hosted == ["allreduce", "reduce_scatter", "reduce_scatter",
-                                              "allgather", "allreduce"]
+    assert comm.seq == seq + 4 and hosted == ["allreduce", "reduce_scatter", "allgather", "allreduce"]
     np.testing.assert_array_equal(np.asarray(x).reshape(-1), xs[comm.rank])
     out = np.empty((3, 4), np.float32)
     assert comm.allreduce(x, out=out) is out and comm.allreduce(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
     np.testing.assert_allclose(out.reshape(-1), xs.sum(0), rtol=1e-6)
-    assert len(hosted) == 5
+    assert len(hosted) == 4
 
 
 @jax_only

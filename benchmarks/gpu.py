@@ -130,7 +130,26 @@ def collectives(comm: Any, cupy: Any, sizes: list[int], target_s: float, rounds:
     return rows
 
 
-def selection(comm: Any, cupy: Any, numel: int, density: float, settle: int, rounds: int) -> dict:
+def host_profile(fn: Callable[[], Any], calls: int, top: int = 12) -> list[dict[str, Any]]:
+    """Where the host's time goes in ``calls`` calls of ``fn`` (cProfile): the ``top`` functions by
+    their own time, in microseconds per call of ``fn``."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    stats = pstats.Stats(prof).stats                  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{name} ({file.rsplit('/', 1)[-1]}:{line})", "calls": nc / calls,
+             "own_us": 1e6 * tt / calls, "cumulative_us": 1e6 * ct / calls}
+            for (file, line, name), (_, nc, tt, ct, _) in rows]
+
+
+def selection(comm: Any, cupy: Any, numel: int, density: float, settle: int, rounds: int,
+              profile_calls: int = 0) -> dict:
     """ExDyna's local selection on the GPU against torch.topk (see module docs)."""
     from commlib import sparsify
     from commlib.sparsify.exdyna import scan_partition, take_chosen
@@ -184,6 +203,9 @@ def selection(comm: Any, cupy: Any, numel: int, density: float, settle: int, rou
                            # the GPU's own time of each part (CUDA events, one call at a time), beside
                            # the host's above: where the two differ, the host waits or launches
                            **{f"{name}_gpu_s": device_time(cupy, fn, rounds) for name, fn in parts.items()}}
+    if profile_calls:
+        row["host_profile"] = host_profile(parts["select"], profile_calls)
+        sync()
     try:
         import torch
         t = torch.as_tensor(acc, device="cuda")
@@ -213,7 +235,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     doc["copy"] = copy_ceiling(cupy, args.copy_mib, args.rounds)
     doc["collectives"] = ([] if args.no_collectives
                           else collectives(comm, cupy, args.sizes, args.target_ms / 1e3, args.rounds))
-    sel = selection(comm, cupy, args.numel, args.density, args.settle, args.rounds)
+    sel = selection(comm, cupy, args.numel, args.density, args.settle, args.rounds, args.host_profile)
     one_read = 4 * args.numel / doc["copy"]["bytes_per_s"]
     sel["one_read_s"] = one_read
     sel["select_over_read"] = sel["select_s"] / one_read
@@ -258,6 +280,11 @@ def report(doc: dict[str, Any]) -> str:
             f"{'met' if sel['meets_read'] else 'NOT met'}); topk / selection = "
             f"{bc.fmt(sel['topk_over_select'])} (target >= {TOPK_TARGET:g}: "
             f"{'met' if sel['meets_topk'] else 'NOT met'})"]
+    if sel.get("host_profile"):
+        out += ["", "## Where the host's time goes in one selection (cProfile, us per selection)", ""]
+        out.append(bc.markdown_table(["function", "calls", "own us", "cumulative us"],
+                                     [[r["function"], r["calls"], r["own_us"], r["cumulative_us"]]
+                                      for r in sel["host_profile"]]))
     return "\n".join(out)
 
 
@@ -270,11 +297,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--copy-mib", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--target-ms", type=float, default=20.0)
+    p.add_argument("--host-profile", type=int, default=200, metavar="CALLS",
+                   help="profile the host's part of this many selections (cProfile; 0: none)")
     p.add_argument("--no-collectives", action="store_true",
                    help="skip the NCCL part (a profile of the selection: .ci/gpu profile)")
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.numel, args.settle, args.copy_mib, args.rounds = [8, 1 << 20], 1 << 20, 5, 64, 3
+        args.host_profile = min(args.host_profile, 20)
     return args
 
 

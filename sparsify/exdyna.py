@@ -73,9 +73,8 @@ def take_chosen(xp: Any, policy: ThresholdPolicy, k: int, table: Any, rank: int,
         return scan.pos, [int(c) for c in table[:, 1]], policy.window()[1], None, None
     hists = table[:, 1:]                      # every rank: the same boundary, every rank's count
     chosen, take = policy.choose(k, hists)
-    counts = [int(c) for c in hists[:, chosen + 1:].sum(axis=1)]
-    counts = [c + t for c, t in zip(counts, take)]
-    kept = take_scan(xp, scan, chosen, take[rank])
+    kept = take_scan(xp, scan, chosen, take[rank])         # (queued first: the GPU works meanwhile)
+    counts = [int(c) + t for c, t in zip(hists[:, chosen + 1:].sum(axis=1), take)]
     return kept, counts, policy.grid_threshold(chosen), chosen, hists.sum(axis=0)
 
 

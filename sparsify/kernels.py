@@ -162,11 +162,10 @@ def take_scan(xp: Any, scan: Scan, j: int, take: int) -> Any:
 _GPU_TYPES = {"float32": "float", "float64": "double"}
 #: elements per thread per round of the scan (PER_LANE in the source)
 _PER_LANE = 16
-#: threads per block of the scan (``block_reserve`` keeps a word per warp: at most 32 warps)
+#: threads per block of the GPU kernels (``block_reserve`` keeps a word per warp: at most 32 warps)
 _THREADS = 256
-#: threads of the take's one block
-_TAKE_THREADS = 1024
-_GPU_SOURCE = f"#define PER_LANE {_PER_LANE}    // elements per thread per round (bits of `want`)\n" + r"""
+_GPU_SOURCE = (f"#define PER_LANE {_PER_LANE}    // elements per thread per round (bits of `want`)\n"
+               f"#define WARPS {_THREADS // 32}         // warps per block of the scan\n") + r"""
 #define FULL 0xffffffffu
 
 // Each thread of a block has `want` elements to write: reserve room for the whole block's
@@ -240,10 +239,17 @@ __global__ void scan_select(const T* __restrict__ x, long long n, T floor_v, flo
     // head[0]: candidates kept (bins >= store_from); head[1 + j]: candidates in bin j (points > 0)
     extern __shared__ unsigned int hist[];     // points counters, then one per warp
     __shared__ unsigned long long base;
+    // each warp's candidates of a round, staged so that all its lanes bin them (a candidate is
+    // a few in a hundred elements: binned where found, a warp would run with one lane in 32)
+    __shared__ T st_val[WARPS][32 * PER_LANE];
+    __shared__ unsigned short st_off[WARPS][32 * PER_LANE];
     unsigned int* wsum = hist + points;
     for (int j = threadIdx.x; j < points; j += blockDim.x) hist[j] = 0;
     __syncthreads();
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const unsigned int below = (1u << lane) - 1u;
+    T* sv = st_val[wid];
+    unsigned short* so = st_off[wid];
     // a round: each warp takes PER_LANE x 32 consecutive elements (as many coalesced loads in
     // flight, and one block_reserve per 4096 elements); the block's rounds are uniform, so every
     // thread reaches block_reserve's barriers
@@ -259,126 +265,203 @@ __global__ void scan_select(const T* __restrict__ x, long long n, T floor_v, flo
         }
         unsigned int want = 0;
         #pragma unroll
-        for (int k = 0; k < PER_LANE; ++k) {
-            if (!(w0 + k * 32 + lane < n && a[k] >= floor_v)) continue;
-            if (points > 0) {
-                int b = grid_bin((float)a[k], floor_f, resolution, points);
-                atomicAdd(&hist[b], 1u);
-                if (b < store_from) continue;
-            }
-            want |= 1u << k;
-        }
-        if (!__syncthreads_or(want != 0u)) continue;     // nothing kept in the block's tile
-        unsigned long long slot = block_reserve(__popc(want), head, wsum, &base);
+        for (int k = 0; k < PER_LANE; ++k)
+            if (w0 + k * 32 + lane < n && a[k] >= floor_v) want |= 1u << k;
+        // stage the warp's candidates: this lane's from its offset among the warp's
+        const unsigned int mine = __popc(want);
+        unsigned int incl = mine;
         #pragma unroll
-        for (int k = 0; k < PER_LANE; ++k) {
-            if (!((want >> k) & 1u)) continue;
-            if (slot < (unsigned long long)cap) {
-                pos[slot] = w0 + k * 32 + lane;
-                mag[slot] = a[k];
-            }
-            ++slot;
+        for (int d = 1; d < 32; d <<= 1) {
+            unsigned int y = __shfl_up_sync(FULL, incl, d);
+            if (lane >= d) incl += y;
         }
+        const unsigned int total = __shfl_sync(FULL, incl, 31);
+        unsigned int at = incl - mine;
+        #pragma unroll
+        for (int k = 0; k < PER_LANE; ++k)
+            if ((want >> k) & 1u) { sv[at] = a[k]; so[at] = (unsigned short)(k * 32 + lane); ++at; }
+        __syncwarp();
+        // bin them with every lane, and compact the kept ones (bins >= store_from) in place
+        unsigned int kept = 0;
+        for (unsigned int s0 = 0; s0 < total; s0 += 32) {
+            const unsigned int s = s0 + lane;
+            bool keep = false;
+            T v = T(0);
+            unsigned short o = 0;
+            if (s < total) {
+                v = sv[s];
+                o = so[s];
+                keep = true;
+                if (points > 0) {
+                    int b = grid_bin((float)v, floor_f, resolution, points);
+                    atomicAdd(&hist[b], 1u);
+                    keep = b >= store_from;
+                }
+            }
+            __syncwarp();                      // every lane has read before any writes
+            const unsigned int m = __ballot_sync(FULL, keep);
+            if (keep) { unsigned int d = kept + __popc(m & below); sv[d] = v; so[d] = o; }
+            kept += __popc(m);
+            __syncwarp();
+        }
+        if (!__syncthreads_or(kept != 0u)) continue;     // nothing kept in the block's tile
+        unsigned long long first = block_reserve(lane == 0 ? kept : 0u, head, wsum, &base);
+        first = __shfl_sync(FULL, first, 0);   // the warp's first slot
+        for (unsigned int s = lane; s < kept; s += 32) {
+            if (first + s < (unsigned long long)cap) {
+                pos[first + s] = w0 + so[s];
+                mag[first + s] = sv[s];
+            }
+        }
+        __syncwarp();                          // the stage is refilled next round
     }
     __syncthreads();
     for (int j = threadIdx.x; j < points; j += blockDim.x)
         if (hist[j]) atomicAdd(&head[1 + j], (unsigned long long)hist[j]);
 }
 
-// One block: of the m kept candidates (all of bin j and above among them), write to `out` the
-// positions of those above bin j and the `take` largest of bin j (n_at of them in all):
-// out[0, n_out - ties) in any order, then the ties at the cut.  The take-th largest key of bin
-// j is found by a radix select, 8 bits a round from the top, over the candidates (L2-resident).
+// The take, over the m kept candidates (all of bin j and above among them).  Every block writes
+// the positions of those above bin j to out[0, n_above) (and bin j's too when all of it is
+// taken), and stages bin j's (position, key) when only `take` of its n_at are.  The last block
+// to finish then finds the take-th largest key of the stage by a radix select (8 bits a round,
+// over the key's offset from the stage's smallest, so float32 takes 2 or 3 rounds) and writes
+// the stage's larger ones and the ties it needs to out[n_above, n_above + take).
+// heads: [0] above written, [1] staged, [2] max of ~key (the min), [3] max key, [4] blocks done.
 template<typename T>
 __global__ void take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag,
                               long long m, float floor_f, float resolution, int points, int j,
-                              long long take, long long n_at, long long* __restrict__ out,
-                              long long n_out)
+                              long long take, long long n_at, long long n_above,
+                              long long* __restrict__ out, long long* __restrict__ at_pos,
+                              typename Key<T>::U* __restrict__ at_key,
+                              unsigned long long* __restrict__ heads)
 {
     typedef typename Key<T>::U U;
+    __shared__ unsigned int wsum[32];
+    __shared__ unsigned long long base, s_lo_inv, s_hi;
     __shared__ unsigned int digits[256];
-    __shared__ unsigned int s_digit, s_kept, s_ties;
+    __shared__ unsigned int s_last, s_digit, s_kept, s_ties;
     __shared__ long long s_need;
-    U prefix = 0, mask = 0;                    // high digits of the take-th largest key of bin j
-    long long need = take;                     // of the elements matching prefix, how many to take
     const bool all_at = take >= n_at, select = take > 0 && !all_at;
-    if (threadIdx.x == 0) { s_kept = 0u; s_ties = 0u; }
+    const long long up_cap = n_above + (all_at ? n_at : 0);
+    if (threadIdx.x == 0) { s_lo_inv = 0ull; s_hi = 0ull; s_kept = 0u; s_ties = 0u; }
     __syncthreads();
-    for (int shift = 8 * (int)sizeof(U) - 8; select && shift >= 0; shift -= 8) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long start = (long long)blockIdx.x * blockDim.x; start < m; start += stride) {
+        const long long i = start + threadIdx.x;
+        bool up = false, at = false;
+        U key = 0;
+        if (i < m) {
+            const T a = mag[i];
+            const int b = grid_bin((float)a, floor_f, resolution, points);
+            up = b > j || (b == j && all_at);
+            at = b == j && select;
+            key = Key<T>::of(a);
+        }
+        if (!__syncthreads_or(up || at)) continue;
+        const unsigned long long s_up = block_reserve(up, &heads[0], wsum, &base);
+        const unsigned long long s_at = block_reserve(at, &heads[1], wsum, &base);
+        if (up && s_up < (unsigned long long)up_cap) out[s_up] = pos[i];
+        if (at && s_at < (unsigned long long)n_at) {
+            at_pos[s_at] = pos[i];
+            at_key[s_at] = key;
+            atomicMax(&s_hi, (unsigned long long)key);
+            atomicMax(&s_lo_inv, ~(unsigned long long)key);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && select && s_hi) {
+        atomicMax(&heads[3], s_hi);
+        atomicMax(&heads[2], s_lo_inv);
+    }
+    __threadfence();                           // this block's writes, before it counts as done
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(&heads[4], 1ull) == (unsigned long long)(gridDim.x - 1);
+    __syncthreads();
+    if (!s_last || !select) return;
+    __threadfence();
+    // the last block: every block's stage is written
+    const long long staged = min((long long)*(volatile unsigned long long*)&heads[1], n_at);
+    const unsigned long long lo = ~*(volatile unsigned long long*)&heads[2];
+    const unsigned long long span = *(volatile unsigned long long*)&heads[3] - lo;
+    const int bits = span ? 64 - __clzll((long long)span) : 0;
+    unsigned long long prefix = 0ull, mask = 0ull;   // high digits of the take-th largest offset
+    long long need = take;                     // of the offsets matching prefix, how many to take
+    for (int shift = ((bits + 7) / 8 - 1) * 8; shift >= 0; shift -= 8) {
         for (int d = threadIdx.x; d < 256; d += blockDim.x) digits[d] = 0u;
         if (threadIdx.x == 0) { s_digit = 0u; s_need = 0; }
         __syncthreads();
-        for (long long i = threadIdx.x; i < m; i += blockDim.x) {
-            const T a = mag[i];
-            if (grid_bin((float)a, floor_f, resolution, points) != j) continue;
-            const U key = Key<T>::of(a);
-            if ((key & mask) == prefix) atomicAdd(&digits[(unsigned int)(key >> shift) & 255u], 1u);
+        for (long long s = threadIdx.x; s < staged; s += blockDim.x) {
+            const unsigned long long off = (unsigned long long)__ldcg(&at_key[s]) - lo;
+            if ((off & mask) == prefix) atomicAdd(&digits[(unsigned int)(off >> shift) & 255u], 1u);
         }
         __syncthreads();
         if (threadIdx.x < 32) {                // warp 0: the digit holding the need-th from the top
-            const int lane = threadIdx.x;
+            const int ln = threadIdx.x;
             unsigned int c[8], sum = 0u;
             #pragma unroll
-            for (int e = 0; e < 8; ++e) { c[e] = digits[255 - 8 * lane - e]; sum += c[e]; }
-            unsigned int incl = sum;           // this lane's digits and every higher lane's
+            for (int e = 0; e < 8; ++e) { c[e] = digits[255 - 8 * ln - e]; sum += c[e]; }
+            unsigned int inc = sum;            // this lane's digits and every higher lane's
             #pragma unroll
             for (int d = 1; d < 32; d <<= 1) {
-                unsigned int y = __shfl_up_sync(FULL, incl, d);
-                if (lane >= d) incl += y;
+                unsigned int y = __shfl_up_sync(FULL, inc, d);
+                if (ln >= d) inc += y;
             }
-            long long run = (long long)(incl - sum);
-            if (run < need && need <= (long long)incl) {
+            long long run = (long long)(inc - sum);
+            if (run < need && need <= (long long)inc) {
                 for (int e = 0; e < 8; ++e) {
-                    if (run + c[e] >= need) { s_digit = 255u - 8u * lane - e; s_need = need - run; break; }
+                    if (run + c[e] >= need) { s_digit = 255u - 8u * ln - e; s_need = need - run; break; }
                     run += c[e];
                 }
             }
         }
         __syncthreads();
-        prefix |= (U)s_digit << shift;
-        mask |= (U)255u << shift;
+        prefix |= (unsigned long long)s_digit << shift;
+        mask |= 255ull << shift;
         need = s_need;
         __syncthreads();                       // digits, s_digit and s_need are reset next round
     }
-    // prefix is now the cut's key; `need` elements equal to it are taken (the ties)
-    const long long kept_cap = n_out - (select ? need : 0);
-    for (long long s = 0; s < m; s += blockDim.x) {
-        const long long i = s + threadIdx.x;
+    // prefix is the cut's offset: the larger ones all, and `need` of those equal to it
+    const long long larger = take - need;
+    for (long long s0 = 0; s0 < staged; s0 += blockDim.x) {
+        const long long s = s0 + threadIdx.x;
         bool keep = false, tie = false;
-        if (i < m) {
-            const T a = mag[i];
-            const int b = grid_bin((float)a, floor_f, resolution, points);
-            if (b > j) keep = true;
-            else if (b == j && all_at) keep = take > 0;
-            else if (b == j && select) {
-                const U key = Key<T>::of(a);
-                keep = key > prefix;
-                tie = key == prefix;
-            }
+        if (s < staged) {
+            const unsigned long long off = (unsigned long long)__ldcg(&at_key[s]) - lo;
+            keep = off > prefix;
+            tie = off == prefix;
         }
         const unsigned int slot = warp_append(keep, &s_kept);
         const unsigned int tslot = warp_append(tie, &s_ties);
-        if (keep && (long long)slot < kept_cap) out[slot] = pos[i];
-        if (tie && (long long)tslot < need) out[kept_cap + tslot] = pos[i];
+        if (keep && (long long)slot < larger) out[n_above + slot] = __ldcg(&at_pos[s]);
+        if (tie && (long long)tslot < need) out[n_above + larger + tslot] = __ldcg(&at_pos[s]);
     }
 }
 """
-#: by device: the compiled kernels and the device's multiprocessor count
+#: by device: the compiled module and the device's multiprocessor count
 _GPU_MODULES: dict[int, tuple[Any, int]] = {}
+#: by (device, kernel, dtype): the kernel and the device's multiprocessor count
+_GPU_KERNELS: dict[tuple[int, str, str], tuple[Any, int]] = {}
 #: capacity of the candidate buffers, by partition size (grown when a scan keeps more)
 _GPU_CAPACITY: dict[int, int] = {}
+#: shared memory a block may take without opting in (the scan's stage and histogram)
+_SHARED_LIMIT = 48 << 10
 
 
 def _gpu_kernel(xp: Any, name: str, dtype: str) -> tuple[Any, int]:
     """Kernel ``name`` (``scan_select``, ``take_boundary``) for ``dtype`` on the current device, and
-    the device's multiprocessor count."""
-    dev = xp.cuda.Device()
-    entry = _GPU_MODULES.get(dev.id)
+    the device's multiprocessor count (compiled once per device, looked up once per kernel)."""
+    dev = xp.cuda.runtime.getDevice()
+    entry = _GPU_KERNELS.get((dev, name, dtype))
     if entry is None:
-        names = [f"{k}<{t}>" for k in ("scan_select", "take_boundary") for t in _GPU_TYPES.values()]
-        mod = xp.RawModule(code=_GPU_SOURCE, options=("-std=c++14",), name_expressions=names)
-        entry = _GPU_MODULES[dev.id] = (mod, int(dev.attributes["MultiProcessorCount"]))
-    return entry[0].get_function(f"{name}<{_GPU_TYPES[dtype]}>"), entry[1]
+        module = _GPU_MODULES.get(dev)
+        if module is None:
+            names = [f"{k}<{t}>" for k in ("scan_select", "take_boundary") for t in _GPU_TYPES.values()]
+            mod = xp.RawModule(code=_GPU_SOURCE, options=("-std=c++14",), name_expressions=names)
+            sms = int(xp.cuda.Device(dev).attributes["MultiProcessorCount"])
+            module = _GPU_MODULES[dev] = (mod, sms)
+        entry = (module[0].get_function(f"{name}<{_GPU_TYPES[dtype]}>"), module[1])
+        _GPU_KERNELS[(dev, name, dtype)] = entry
+    return entry
 
 
 def _grid(sms: int, n: int, per_block: int) -> tuple[int]:
@@ -391,11 +474,19 @@ def _gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, l
     """The one-pass GPU scan (see module docs): positions and magnitudes of the candidates of
     bins ``>= store_from``, and the host histogram of every candidate, length ``length``
     (``None`` when 0)."""
+    import cupyx
+
     n = int(seg.size)
     seg = xp.ascontiguousarray(seg)
+    shared = 4 * (points + _THREADS // 32)
+    if shared + (seg.itemsize + 2) * _THREADS * _PER_LANE > _SHARED_LIMIT:
+        raise ValueError(f"a threshold grid of {points} points does not fit the GPU scan's shared "
+                         f"memory ({_SHARED_LIMIT} bytes a block): use a coarser resolution or a "
+                         f"narrower max_width")
     with seg.device:
         kernel, sms = _gpu_kernel(xp, "scan_select", seg.dtype.name)
         cap = _GPU_CAPACITY.get(n, max(1024, n // 256))
+        counts = cupyx.empty_pinned(1 + points, np.uint64)
         while True:
             pos = xp.empty(cap, xp.int64)
             mag = xp.empty(cap, seg.dtype)
@@ -403,8 +494,8 @@ def _gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, l
             kernel(_grid(sms, n, _THREADS * _PER_LANE), (_THREADS,),
                    (seg, np.int64(n), seg.dtype.type(floor), np.float32(floor), np.float32(resolution),
                     np.int32(points), np.int32(store_from), np.int64(cap), pos, mag, head),
-                   shared_mem=4 * (points + _THREADS // 32))
-            counts = head.get()                     # the one host synchronisation
+                   shared_mem=shared)
+            head.get(out=counts)                    # the one host synchronisation
             found = int(counts[0])
             if found <= cap:
                 break
@@ -417,24 +508,29 @@ def _gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, l
 
 
 def _gpu_take(xp: Any, scan: Scan, j: int, take: int) -> Any:
-    """:func:`take_scan` on the GPU: one block over the kept candidates (a second scan first
+    """:func:`take_scan` on the GPU: one kernel over the kept candidates (a second scan first
     when bin ``j`` lies below the kept bins)."""
     hist = scan.hist
     n_at = int(hist[j])
     take = min(max(take, 0), n_at)
-    n_out = int(hist[j + 1:scan.points].sum()) + take
-    out = xp.empty(n_out, xp.int64)
-    pos, mags = scan.pos, scan.mags
-    if n_out == 0:
+    n_above = int(hist[j + 1:scan.points].sum())
+    out = xp.empty(n_above + take, xp.int64)
+    if n_above + take == 0:
         return out
+    pos, mags = scan.pos, scan.mags
     with scan.seg.device:
         if j < scan.stored_from:                # the boundary fell below the kept bins
             pos, mags, _ = _gpu_scan(xp, scan.seg, scan.floor, scan.resolution, scan.points, 0, j)
-        kernel, _ = _gpu_kernel(xp, "take_boundary", mags.dtype.name)
-        kernel((1,), (_TAKE_THREADS,),
-               (pos, mags, np.int64(pos.size), np.float32(scan.floor), np.float32(scan.resolution),
-                np.int32(scan.points), np.int32(j), np.int64(take), np.int64(n_at), out,
-                np.int64(n_out)))
+        kernel, sms = _gpu_kernel(xp, "take_boundary", mags.dtype.name)
+        staged = n_at if 0 < take < n_at else 1
+        at_pos = xp.empty(staged, xp.int64)
+        at_key = xp.empty(staged, xp.uint32 if mags.itemsize == 4 else xp.uint64)
+        heads = xp.zeros(5, xp.uint64)
+        m = int(pos.size)
+        kernel(_grid(sms, m, _THREADS), (_THREADS,),
+               (pos, mags, np.int64(m), np.float32(scan.floor), np.float32(scan.resolution),
+                np.int32(scan.points), np.int32(j), np.int64(take), np.int64(n_at), np.int64(n_above),
+                out, at_pos, at_key, heads))
     return out
 
 

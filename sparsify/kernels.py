@@ -37,8 +37,8 @@ def threshold_scan(xp: Any, seg: Any, floor: float, chunk: int = HOST_CHUNK) -> 
     """
     f = seg.dtype.type(floor)
     if xp is not np:
-        if seg.dtype.name in _GPU_TYPES:
-            pos, mag, _ = _gpu_scan(xp, seg, floor, 0.0, 0, 0)
+        if seg.dtype.char in _GPU_TYPES:
+            pos, mag, _, _ = _gpu_scan(xp, seg, floor, 0.0, 0, 0)
             return pos, mag
         mag = xp.abs(seg)
         pos = xp.flatnonzero(mag >= f)
@@ -100,7 +100,8 @@ class Scan(NamedTuple):
     candidate (a host array); ``stored_from``: the lowest bin whose candidates
     were kept (0 on the host; on the GPU the scan keeps the bins near the
     predicted boundary only, and :func:`take_scan` scans again when the boundary
-    falls below them).
+    falls below them); ``work``: on the GPU, the take's device counters (zeroed by the scan,
+    and again by each take).
     """
 
     pos: Any
@@ -112,6 +113,7 @@ class Scan(NamedTuple):
     resolution: float
     points: int
     stored_from: int
+    work: Any = None
 
 
 def scan_binned(xp: Any, seg: Any, floor: float, resolution: float, points: int, length: int,
@@ -129,10 +131,10 @@ def scan_binned(xp: Any, seg: Any, floor: float, resolution: float, points: int,
         >>> s.pos, s.bins, s.hist
         (array([0, 2]), array([0, 1]), array([1, 1, 0, 0]))
     """
-    if xp is not np and seg.dtype.name in _GPU_TYPES:
+    if xp is not np and seg.dtype.char in _GPU_TYPES:
         store_from = min(max(int(store_from), 0), max(points - 1, 0))
-        pos, mags, hist = _gpu_scan(xp, seg, floor, resolution, points, length, store_from)
-        return Scan(pos, mags, None, hist, seg, floor, resolution, points, store_from)
+        pos, mags, hist, work = _gpu_scan(xp, seg, floor, resolution, points, length, store_from)
+        return Scan(pos, mags, None, hist, seg, floor, resolution, points, store_from, work)
     pos, mags = threshold_scan(xp, seg, floor)
     bins = log2_bins(xp, mags, floor, resolution, points)
     return Scan(pos, mags, bins, bin_counts(xp, bins, length), seg, floor, resolution, points, 0)
@@ -159,11 +161,16 @@ def take_scan(xp: Any, scan: Scan, j: int, take: int) -> Any:
 
 
 # ------------------------------------------------------------------ the GPU kernels
-_GPU_TYPES = {"float32": "float", "float64": "double"}
+#: the GPU kernels' dtypes, by numpy type character (float32, float64): their CUDA type
+_GPU_TYPES = {"f": "float", "d": "double"}
 #: elements per thread per round of the scan (PER_LANE in the source)
 _PER_LANE = 16
-#: threads per block of the GPU kernels (``block_reserve`` keeps a word per warp: at most 32 warps)
+#: threads per block of the scan (``block_reserve`` keeps a word per warp: at most 32 warps)
 _THREADS = 256
+#: threads per block of the take (its last block's radix select runs on one block)
+_TAKE_THREADS = 1024
+#: the take's device counters (``heads`` in the source), allocated with the scan's
+_TAKE_COUNTERS = 5
 _GPU_SOURCE = (f"#define PER_LANE {_PER_LANE}    // elements per thread per round (bits of `want`)\n"
                f"#define WARPS {_THREADS // 32}         // warps per block of the scan\n") + r"""
 #define FULL 0xffffffffu
@@ -253,20 +260,35 @@ __global__ void scan_select(const T* __restrict__ x, long long n, T floor_v, flo
     // a round: each warp takes PER_LANE x 32 consecutive elements (as many coalesced loads in
     // flight, and one block_reserve per 4096 elements); the block's rounds are uniform, so every
     // thread reaches block_reserve's barriers
-    const long long tile = (long long)blockDim.x * PER_LANE;
-    for (long long start = (long long)blockIdx.x * tile; start < n; start += (long long)gridDim.x * tile) {
+    const long long tile = (long long)blockDim.x * PER_LANE, stride = (long long)gridDim.x * tile;
+    const long long mine0 = (long long)wid * (32 * PER_LANE) + lane;   // this lane's first in a tile
+    // the next round's elements are loaded before this round's are processed (the loads stay in
+    // flight through the staging and the block's barriers: without it the scan ran at a quarter
+    // of the memory's bandwidth)
+    T nx[PER_LANE];
+    #pragma unroll
+    for (int k = 0; k < PER_LANE; ++k) {
+        const long long i = (long long)blockIdx.x * tile + mine0 + k * 32;
+        nx[k] = i < n ? x[i] : T(0);
+    }
+    for (long long start = (long long)blockIdx.x * tile; start < n; start += stride) {
         const long long w0 = start + (long long)wid * (32 * PER_LANE);
         T a[PER_LANE];
         #pragma unroll
-        for (int k = 0; k < PER_LANE; ++k) {
-            long long i = w0 + k * 32 + lane;
-            T v = i < n ? x[i] : T(0);
-            a[k] = v < T(0) ? -v : v;
+        for (int k = 0; k < PER_LANE; ++k) a[k] = nx[k];
+        if (start + stride < n) {
+            #pragma unroll
+            for (int k = 0; k < PER_LANE; ++k) {
+                const long long i = start + stride + mine0 + k * 32;
+                nx[k] = i < n ? x[i] : T(0);
+            }
         }
         unsigned int want = 0;
         #pragma unroll
-        for (int k = 0; k < PER_LANE; ++k)
+        for (int k = 0; k < PER_LANE; ++k) {
+            a[k] = a[k] < T(0) ? -a[k] : a[k];
             if (w0 + k * 32 + lane < n && a[k] >= floor_v) want |= 1u << k;
+        }
         // stage the warp's candidates: this lane's from its offset among the warp's
         const unsigned int mine = __popc(want);
         unsigned int incl = mine;
@@ -326,7 +348,8 @@ __global__ void scan_select(const T* __restrict__ x, long long n, T floor_v, flo
 // to finish then finds the take-th largest key of the stage by a radix select (8 bits a round,
 // over the key's offset from the stage's smallest, so float32 takes 2 or 3 rounds) and writes
 // the stage's larger ones and the ties it needs to out[n_above, n_above + take).
-// heads: [0] above written, [1] staged, [2] max of ~key (the min), [3] max key, [4] blocks done.
+// heads: [0] above written, [1] staged, [2] max of ~key (the min), [3] max key, [4] blocks done;
+// zero at the start (the scan's), and the last block zeroes them again.
 template<typename T>
 __global__ void take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag,
                               long long m, float floor_f, float resolution, int points, int j,
@@ -336,6 +359,8 @@ __global__ void take_boundary(const long long* __restrict__ pos, const T* __rest
                               unsigned long long* __restrict__ heads)
 {
     typedef typename Key<T>::U U;
+    const long long KEY_CACHE = (32 << 10) / sizeof(U);
+    __shared__ U s_keys[(32 << 10) / sizeof(U)];   // the last block's copy of the stage's keys
     __shared__ unsigned int wsum[32];
     __shared__ unsigned long long base, s_lo_inv, s_hi;
     __shared__ unsigned int digits[256];
@@ -377,10 +402,22 @@ __global__ void take_boundary(const long long* __restrict__ pos, const T* __rest
     __syncthreads();
     if (threadIdx.x == 0) s_last = atomicAdd(&heads[4], 1ull) == (unsigned long long)(gridDim.x - 1);
     __syncthreads();
-    if (!s_last || !select) return;
+    if (!s_last) return;
+    if (!select) {                             // the last block leaves the counters zeroed for the
+        if (threadIdx.x < 5) heads[threadIdx.x] = 0ull;        // next take on this scan
+        return;
+    }
     __threadfence();
-    // the last block: every block's stage is written
+    // the last block: every block's stage is written; its keys are read once (into shared memory
+    // when they fit: the rounds then cost no global latency)
     const long long staged = min((long long)*(volatile unsigned long long*)&heads[1], n_at);
+    const bool cached = staged <= KEY_CACHE;
+    if (cached) {
+        #pragma unroll 4
+        for (long long s = threadIdx.x; s < staged; s += blockDim.x) s_keys[s] = __ldcg(&at_key[s]);
+        __syncthreads();
+    }
+    auto key_at = [&](long long s) -> U { return cached ? s_keys[s] : __ldcg(&at_key[s]); };
     const unsigned long long lo = ~*(volatile unsigned long long*)&heads[2];
     const unsigned long long span = *(volatile unsigned long long*)&heads[3] - lo;
     const int bits = span ? 64 - __clzll((long long)span) : 0;
@@ -391,7 +428,7 @@ __global__ void take_boundary(const long long* __restrict__ pos, const T* __rest
         if (threadIdx.x == 0) { s_digit = 0u; s_need = 0; }
         __syncthreads();
         for (long long s = threadIdx.x; s < staged; s += blockDim.x) {
-            const unsigned long long off = (unsigned long long)__ldcg(&at_key[s]) - lo;
+            const unsigned long long off = (unsigned long long)key_at(s) - lo;
             if ((off & mask) == prefix) atomicAdd(&digits[(unsigned int)(off >> shift) & 255u], 1u);
         }
         __syncthreads();
@@ -426,7 +463,7 @@ __global__ void take_boundary(const long long* __restrict__ pos, const T* __rest
         const long long s = s0 + threadIdx.x;
         bool keep = false, tie = false;
         if (s < staged) {
-            const unsigned long long off = (unsigned long long)__ldcg(&at_key[s]) - lo;
+            const unsigned long long off = (unsigned long long)key_at(s) - lo;
             keep = off > prefix;
             tie = off == prefix;
         }
@@ -435,6 +472,8 @@ __global__ void take_boundary(const long long* __restrict__ pos, const T* __rest
         if (keep && (long long)slot < larger) out[n_above + slot] = __ldcg(&at_pos[s]);
         if (tie && (long long)tslot < need) out[n_above + larger + tslot] = __ldcg(&at_pos[s]);
     }
+    __syncthreads();                           // every thread has read the counters
+    if (threadIdx.x < 5) heads[threadIdx.x] = 0ull;
 }
 """
 #: by device: the compiled module and the device's multiprocessor count
@@ -448,7 +487,8 @@ _SHARED_LIMIT = 48 << 10
 
 
 def _gpu_kernel(xp: Any, name: str, dtype: str) -> tuple[Any, int]:
-    """Kernel ``name`` (``scan_select``, ``take_boundary``) for ``dtype`` on the current device, and
+    """Kernel ``name`` (``scan_select``, ``take_boundary``) for ``dtype`` (a type character of
+    :data:`_GPU_TYPES`) on the current device, and
     the device's multiprocessor count (compiled once per device, looked up once per kernel)."""
     dev = xp.cuda.runtime.getDevice()
     entry = _GPU_KERNELS.get((dev, name, dtype))
@@ -470,10 +510,10 @@ def _grid(sms: int, n: int, per_block: int) -> tuple[int]:
 
 
 def _gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, length: int,
-              store_from: int = 0) -> tuple[Any, Any, Any]:
+              store_from: int = 0) -> tuple[Any, Any, Any, Any]:
     """The one-pass GPU scan (see module docs): positions and magnitudes of the candidates of
-    bins ``>= store_from``, and the host histogram of every candidate, length ``length``
-    (``None`` when 0)."""
+    bins ``>= store_from``, the host histogram of every candidate, length ``length`` (``None``
+    when 0), and the take's zeroed counters (zeroed with the scan's: one fill, not two)."""
     import cupyx
 
     n = int(seg.size)
@@ -484,13 +524,13 @@ def _gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, l
                          f"memory ({_SHARED_LIMIT} bytes a block): use a coarser resolution or a "
                          f"narrower max_width")
     with seg.device:
-        kernel, sms = _gpu_kernel(xp, "scan_select", seg.dtype.name)
+        kernel, sms = _gpu_kernel(xp, "scan_select", seg.dtype.char)
         cap = _GPU_CAPACITY.get(n, max(1024, n // 256))
-        counts = cupyx.empty_pinned(1 + points, np.uint64)
+        counts = cupyx.empty_pinned(1 + points + _TAKE_COUNTERS, np.uint64)
         while True:
             pos = xp.empty(cap, xp.int64)
             mag = xp.empty(cap, seg.dtype)
-            head = xp.zeros(1 + points, xp.uint64)
+            head = xp.zeros(1 + points + _TAKE_COUNTERS, xp.uint64)
             kernel(_grid(sms, n, _THREADS * _PER_LANE), (_THREADS,),
                    (seg, np.int64(n), seg.dtype.type(floor), np.float32(floor), np.float32(resolution),
                     np.int32(points), np.int32(store_from), np.int64(cap), pos, mag, head),
@@ -504,7 +544,7 @@ def _gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, l
     if length:
         hist = np.zeros(length, np.int64)
         hist[:points] = counts[1:1 + points]
-    return pos[:found], mag[:found], hist
+    return pos[:found], mag[:found], hist, head[1 + points:]
 
 
 def _gpu_take(xp: Any, scan: Scan, j: int, take: int) -> Any:
@@ -520,17 +560,16 @@ def _gpu_take(xp: Any, scan: Scan, j: int, take: int) -> Any:
     pos, mags = scan.pos, scan.mags
     with scan.seg.device:
         if j < scan.stored_from:                # the boundary fell below the kept bins
-            pos, mags, _ = _gpu_scan(xp, scan.seg, scan.floor, scan.resolution, scan.points, 0, j)
-        kernel, sms = _gpu_kernel(xp, "take_boundary", mags.dtype.name)
+            pos, mags, _, _ = _gpu_scan(xp, scan.seg, scan.floor, scan.resolution, scan.points, 0, j)
+        kernel, sms = _gpu_kernel(xp, "take_boundary", mags.dtype.char)
         staged = n_at if 0 < take < n_at else 1
         at_pos = xp.empty(staged, xp.int64)
         at_key = xp.empty(staged, xp.uint32 if mags.itemsize == 4 else xp.uint64)
-        heads = xp.zeros(5, xp.uint64)
         m = int(pos.size)
-        kernel(_grid(sms, m, _THREADS), (_THREADS,),
+        kernel(_grid(sms, m, _TAKE_THREADS), (_TAKE_THREADS,),
                (pos, mags, np.int64(m), np.float32(scan.floor), np.float32(scan.resolution),
                 np.int32(scan.points), np.int32(j), np.int64(take), np.int64(n_at), np.int64(n_above),
-                out, at_pos, at_key, heads))
+                out, at_pos, at_key, scan.work))
     return out
 
 

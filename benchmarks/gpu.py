@@ -16,7 +16,10 @@ Three parts, each with its contenders side by side in one run:
   one-pass scan with its histogram, the boundary choice, the take of the
   boundary bin; the scan and the rest also timed alone) against
   ``torch.topk`` of ``|g|`` with the same k, in time
-  and GB/s of gradient read, with the ratio to one read at the copy ceiling.
+  and GB/s of gradient read, with the ratio to one read at the copy ceiling;
+  and the same two kernels alone, queued behind a hold kernel so that the
+  host's launches never leave the GPU waiting (the GPU's time of the
+  selection), against topk's GPU time likewise.
   Targets (issue 14): selection <= 3x one read, >= 10x faster than topk.
 
 Example (on a GPU machine; one rank):
@@ -148,10 +151,46 @@ def host_profile(fn: Callable[[], Any], calls: int, top: int = 12) -> list[dict[
             for (file, line, name), (_, nc, tt, ct, _) in rows]
 
 
+#: a kernel that keeps the GPU busy for ``ns`` nanoseconds (one thread): queued ahead of the calls
+#: timed by :func:`queued_time`, so that the host's launches never leave the GPU waiting
+_HOLD_SOURCE = r"""
+extern "C" __global__ void hold(unsigned long long ns)
+{
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+}
+"""
+
+
+def queued_time(cupy: Any, fn: Callable[[], Any], calls: int, hold_ms: float = 30.0) -> dict[str, Any]:
+    """GPU time per call of ``fn`` with the host ahead of the GPU: a hold kernel first, then
+    ``calls`` calls queued behind it between two CUDA events (what the calls cost the GPU where the
+    host keeps ahead, as in a training step; ``host_ahead`` says whether it did here)."""
+    hold = cupy.RawKernel(_HOLD_SOURCE, "hold")
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    fn()
+    cupy.cuda.get_current_stream().synchronize()
+    hold((1,), (1,), (np.uint64(hold_ms * 1e6),))
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(calls):
+        fn()
+    stop.record()
+    queued_s = time.perf_counter() - t0
+    stop.synchronize()
+    return {"gpu_s": cupy.cuda.get_elapsed_time(start, stop) / 1e3 / calls,
+            "host_ahead": queued_s < hold_ms / 1e3}
+
+
 def selection(comm: Any, cupy: Any, numel: int, density: float, settle: int, rounds: int,
               profile_calls: int = 0) -> dict:
     """ExDyna's local selection on the GPU against torch.topk (see module docs)."""
     from commlib import sparsify
+    from commlib.sparsify import kernels as kernels_mod
     from commlib.sparsify.exdyna import scan_partition, take_chosen
 
     sel = sparsify.ExDyna(density).setup(comm, numel, cupy)
@@ -206,12 +245,31 @@ def selection(comm: Any, cupy: Any, numel: int, density: float, settle: int, rou
     if profile_calls:
         row["host_profile"] = host_profile(parts["select"], profile_calls)
         sync()
+    # the two kernels alone, queued behind a hold (the same work as the selection's)
+    floor, _ = policy.window()
+    resolution, points = policy.grid()
+    j, take = policy.choose(sel.k, table[:, 1:])
+    hist, found = scanned.hist, int(scanned.pos.size)
+    n_above, n_at = int(hist[j + 1:points].sum()), int(hist[j])
+
+    def kernels() -> Any:
+        pos, mag, head = kernels_mod.queue_scan(cupy, acc, floor, resolution, points,
+                                                policy.store_from(), 2 * found + 1024)
+        return kernels_mod.queue_take(cupy, pos[:found], mag[:found], floor, resolution, points, j,
+                                      take[0], n_at, n_above, head[1 + points:])
+
+    same_kernels = bool(np.array_equal(np.sort(cupy.asnumpy(kernels())), np.sort(ref)))
+    queued = queued_time(cupy, kernels, 100)
+    row.update({"kernels_gpu_s": queued["gpu_s"], "kernels_host_ahead": queued["host_ahead"],
+                "kernels_match_host": same_kernels})
     try:
         import torch
         t = torch.as_tensor(acc, device="cuda")
         k = int(sel.k)
         topk = lambda: torch.topk(t.abs(), k, sorted=False)  # noqa: E731 - a contender
         row["topk_s"] = wall(topk, torch.cuda.synchronize, 5, rounds)
+        if torch.cuda.current_stream().cuda_stream == cupy.cuda.get_current_stream().ptr:
+            row["topk_gpu_s"] = queued_time(cupy, topk, 20)["gpu_s"]    # (one stream: the hold first)
     except ImportError as exc:
         row["topk_s"] = None
         row["topk_why"] = str(exc)
@@ -243,6 +301,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sel["topk_over_select"] = sel["topk_s"] / sel["select_s"] if sel.get("topk_s") else None
     sel["meets_read"] = sel["select_over_read"] <= READ_TARGET
     sel["meets_topk"] = bool(sel["topk_over_select"] and sel["topk_over_select"] >= TOPK_TARGET)
+    # the same targets on the GPU's time (the kernels queued behind a hold, topk likewise)
+    sel["kernels_over_read"] = sel["kernels_gpu_s"] / one_read
+    sel["topk_gpu_over_kernels"] = (sel["topk_gpu_s"] / sel["kernels_gpu_s"]
+                                    if sel.get("topk_gpu_s") else None)
+    sel["kernels_meet_read"] = sel["kernels_over_read"] <= READ_TARGET
+    sel["kernels_meet_topk"] = bool(sel["topk_gpu_over_kernels"]
+                                    and sel["topk_gpu_over_kernels"] >= TOPK_TARGET)
     doc["selection"] = sel
     comm.close()
     return doc
@@ -267,9 +332,13 @@ def report(doc: dict[str, Any]) -> str:
              sel["take_s"] / sel["one_read_s"], ""],
             ["ExDyna selection (scan, choose, take)", sel["select_s"] * 1e6, sel["select_gpu_s"] * 1e6,
              sel["select_over_read"], sel["read_GBps"]]]
+    rows.append(["ExDyna's two kernels alone, queued (GPU time)", sel["kernels_gpu_s"] * 1e6,
+                 sel["kernels_gpu_s"] * 1e6, sel["kernels_over_read"],
+                 4 * sel["numel"] / sel["kernels_gpu_s"] / 1e9])
     if sel.get("topk_s"):
-        rows.append(["torch.topk(|g|, k)", sel["topk_s"] * 1e6, "", sel["topk_s"] / sel["one_read_s"],
-                     4 * sel["numel"] / sel["topk_s"] / 1e9])
+        topk_gpu = 1e6 * sel["topk_gpu_s"] if sel.get("topk_gpu_s") else None
+        rows.append(["torch.topk(|g|, k)", sel["topk_s"] * 1e6, bc.fmt(topk_gpu),
+                     sel["topk_s"] / sel["one_read_s"], 4 * sel["numel"] / sel["topk_s"] / 1e9])
     out.append(bc.markdown_table(["what", "us", "GPU us (events)", "x one read", "GB/s of gradient read"],
                                  rows))
     out += ["", f"candidates in the scan's window: {sel['window_candidates']:,}, kept by the scan: "
@@ -279,7 +348,11 @@ def report(doc: dict[str, Any]) -> str:
             f"selection / one read = {sel['select_over_read']:.2f} (target <= {READ_TARGET:g}: "
             f"{'met' if sel['meets_read'] else 'NOT met'}); topk / selection = "
             f"{bc.fmt(sel['topk_over_select'])} (target >= {TOPK_TARGET:g}: "
-            f"{'met' if sel['meets_topk'] else 'NOT met'})"]
+            f"{'met' if sel['meets_topk'] else 'NOT met'}).  On the GPU's time (kernels queued, the "
+            f"host ahead: {sel['kernels_host_ahead']}; they pick the host's: {sel['kernels_match_host']}): "
+            f"kernels / one read = {sel['kernels_over_read']:.2f} "
+            f"({'met' if sel['kernels_meet_read'] else 'NOT met'}); topk / kernels = "
+            f"{bc.fmt(sel['topk_gpu_over_kernels'])} ({'met' if sel['kernels_meet_topk'] else 'NOT met'})"]
     if sel.get("host_profile"):
         out += ["", "## Where the host's time goes in one selection (cProfile, us per selection)", ""]
         out.append(bc.markdown_table(["function", "calls", "own us", "cumulative us"],

@@ -20,6 +20,8 @@ none).  Other dtypes take whole-array cupy operations.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -266,28 +268,34 @@ __global__ void scan_select(const T* __restrict__ x, long long n, T floor_v, flo
     // flight through the staging and the block's barriers: without it the scan ran at a quarter
     // of the memory's bandwidth)
     T nx[PER_LANE];
-    #pragma unroll
-    for (int k = 0; k < PER_LANE; ++k) {
-        const long long i = (long long)blockIdx.x * tile + mine0 + k * 32;
-        nx[k] = i < n ? x[i] : T(0);
+    {
+        const long long first = (long long)blockIdx.x * tile;
+        const bool full = first + tile <= n;   // (a tile inside the array: no bounds per element)
+        #pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) {
+            const long long i = first + mine0 + k * 32;
+            nx[k] = full || i < n ? x[i] : T(0);
+        }
     }
     for (long long start = (long long)blockIdx.x * tile; start < n; start += stride) {
         const long long w0 = start + (long long)wid * (32 * PER_LANE);
+        const bool full = start + tile <= n;
         T a[PER_LANE];
         #pragma unroll
         for (int k = 0; k < PER_LANE; ++k) a[k] = nx[k];
         if (start + stride < n) {
+            const bool next_full = start + stride + tile <= n;
             #pragma unroll
             for (int k = 0; k < PER_LANE; ++k) {
                 const long long i = start + stride + mine0 + k * 32;
-                nx[k] = i < n ? x[i] : T(0);
+                nx[k] = next_full || i < n ? x[i] : T(0);
             }
         }
         unsigned int want = 0;
         #pragma unroll
         for (int k = 0; k < PER_LANE; ++k) {
             a[k] = a[k] < T(0) ? -a[k] : a[k];
-            if (w0 + k * 32 + lane < n && a[k] >= floor_v) want |= 1u << k;
+            if ((full || w0 + k * 32 + lane < n) && a[k] >= floor_v) want |= 1u << k;
         }
         // stage the warp's candidates: this lane's from its offset among the warp's
         const unsigned int mine = __popc(want);
@@ -346,7 +354,7 @@ __global__ void scan_select(const T* __restrict__ x, long long n, T floor_v, flo
 // the positions of those above bin j to out[0, n_above) (and bin j's too when all of it is
 // taken), and stages bin j's (position, key) when only `take` of its n_at are.  The last block
 // to finish then finds the take-th largest key of the stage by a radix select (8 bits a round,
-// over the key's offset from the stage's smallest, so float32 takes 2 or 3 rounds) and writes
+// over the key's offset from the stage's smallest, so float32 takes 3 rounds) and writes
 // the stage's larger ones and the ties it needs to out[n_above, n_above + take).
 // heads: [0] above written, [1] staged, [2] max of ~key (the min), [3] max key, [4] blocks done;
 // zero at the start (the scan's), and the last block zeroes them again.
@@ -354,11 +362,12 @@ template<typename T>
 __global__ void take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag,
                               long long m, float floor_f, float resolution, int points, int j,
                               long long take, long long n_at, long long n_above,
-                              long long* __restrict__ out, long long* __restrict__ at_pos,
-                              typename Key<T>::U* __restrict__ at_key,
+                              long long* __restrict__ out, long long* __restrict__ at_buf,
                               unsigned long long* __restrict__ heads)
 {
     typedef typename Key<T>::U U;
+    long long* const at_pos = at_buf;          // the stage: n_at positions, then n_at keys
+    U* const at_key = reinterpret_cast<U*>(at_buf + n_at);
     const long long KEY_CACHE = (32 << 10) / sizeof(U);
     __shared__ U s_keys[(32 << 10) / sizeof(U)];   // the last block's copy of the stage's keys
     __shared__ unsigned int wsum[32];
@@ -423,7 +432,11 @@ __global__ void take_boundary(const long long* __restrict__ pos, const T* __rest
     const int bits = span ? 64 - __clzll((long long)span) : 0;
     unsigned long long prefix = 0ull, mask = 0ull;   // high digits of the take-th largest offset
     long long need = take;                     // of the offsets matching prefix, how many to take
-    for (int shift = ((bits + 7) / 8 - 1) * 8; shift >= 0; shift -= 8) {
+    // rounds from the span's top bits down (a last round may overlap the one before: the digits
+    // of the offsets that match the prefix agree with it there), so the first round's digits
+    // spread (the offsets' top byte would put the whole stage on a few shared counters)
+    for (int r = 0; r < (bits + 7) / 8; ++r) {
+        const int shift = max(bits - 8 * (r + 1), 0);
         for (int d = threadIdx.x; d < 256; d += blockDim.x) digits[d] = 0u;
         if (threadIdx.x == 0) { s_digit = 0u; s_need = 0; }
         __syncthreads();
@@ -482,6 +495,8 @@ _GPU_MODULES: dict[int, tuple[Any, int]] = {}
 _GPU_KERNELS: dict[tuple[int, str, str], tuple[Any, int]] = {}
 #: capacity of the candidate buffers, by partition size (grown when a scan keeps more)
 _GPU_CAPACITY: dict[int, int] = {}
+#: each thread's page-locked buffer for the scan's counts (:func:`_pinned_counts`)
+_PINNED = threading.local()
 #: shared memory a block may take without opting in (the scan's stage and histogram)
 _SHARED_LIMIT = 48 << 10
 
@@ -509,32 +524,84 @@ def _grid(sms: int, n: int, per_block: int) -> tuple[int]:
     return (max(1, min(sms * 8, -(-n // per_block))),)
 
 
+def _on_device(xp: Any, a: Any) -> Any:
+    """A context on the device of cupy array ``a``: none to enter when it is the current one."""
+    dev = a.data.device_id
+    return contextlib.nullcontext() if dev == xp.cuda.runtime.getDevice() else xp.cuda.Device(dev)
+
+
+def _pinned_counts(length: int) -> np.ndarray:
+    """This thread's page-locked host buffer for a scan's counts (the copy is then one DMA)."""
+    buf = getattr(_PINNED, "counts", None)
+    if buf is None or buf.size < length:
+        import cupyx
+
+        buf = _PINNED.counts = cupyx.empty_pinned(max(length, 512), np.uint64)
+    return buf[:length]
+
+
+def queue_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, store_from: int,
+               cap: int) -> tuple[Any, Any, Any]:
+    """Queue the GPU scan kernel on the current stream (nothing waits) over contiguous ``seg``:
+    room for ``cap`` candidates in ``(positions, magnitudes)``, and ``head``: [0] the candidates
+    of bins ``>= store_from`` (all of them were kept if it is ``<= cap``), [1 + j] those of bin
+    ``j``, then the take's counters (zero).  :func:`scan_binned` is the whole scan; this is its
+    kernel alone, for benchmarks and profiles.
+
+    Example:
+        >>> pos, mag, head = queue_scan(cupy, seg, 0.5, 32, 33, 16, 1 << 16)
+    """
+    kernel, sms = _gpu_kernel(xp, "scan_select", seg.dtype.char)
+    n = int(seg.size)
+    pos = xp.empty(cap, xp.int64)
+    mag = xp.empty(cap, seg.dtype)
+    head = xp.zeros(1 + points + _TAKE_COUNTERS, xp.uint64)
+    kernel(_grid(sms, n, _THREADS * _PER_LANE), (_THREADS,),
+           (seg, np.int64(n), seg.dtype.type(floor), np.float32(floor), np.float32(resolution),
+            np.int32(points), np.int32(store_from), np.int64(cap), pos, mag, head),
+           shared_mem=4 * (points + _THREADS // 32))
+    return pos, mag, head
+
+
+def queue_take(xp: Any, pos: Any, mags: Any, floor: float, resolution: float, points: int, j: int,
+               take: int, n_at: int, n_above: int, work: Any) -> Any:
+    """Queue the GPU take kernel on the current stream (nothing waits): of the candidates
+    ``(pos, mags)`` (all of bin ``j`` and above among them), the positions of the ``n_above``
+    above bin ``j`` and the ``take`` largest of bin ``j``'s ``n_at``, in a new array.  ``work``:
+    the take's zeroed counters (:func:`queue_scan`'s ``head`` past the histogram; the kernel
+    leaves them zeroed).  :func:`take_scan` is the whole take; this is its kernel alone.
+
+    Example:
+        >>> out = queue_take(cupy, pos, mag, 0.5, 32, 33, 17, 90, 300, 24_910, head[34:])
+    """
+    out = xp.empty(n_above + take, xp.int64)
+    if n_above + take == 0:
+        return out
+    kernel, sms = _gpu_kernel(xp, "take_boundary", mags.dtype.char)
+    stage = xp.empty(2 * n_at if 0 < take < n_at else 1, xp.int64)   # positions, then keys
+    m = int(pos.size)
+    kernel(_grid(sms, m, _TAKE_THREADS), (_TAKE_THREADS,),
+           (pos, mags, np.int64(m), np.float32(floor), np.float32(resolution), np.int32(points),
+            np.int32(j), np.int64(take), np.int64(n_at), np.int64(n_above), out, stage, work))
+    return out
+
+
 def _gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, length: int,
               store_from: int = 0) -> tuple[Any, Any, Any, Any]:
     """The one-pass GPU scan (see module docs): positions and magnitudes of the candidates of
     bins ``>= store_from``, the host histogram of every candidate, length ``length`` (``None``
     when 0), and the take's zeroed counters (zeroed with the scan's: one fill, not two)."""
-    import cupyx
-
     n = int(seg.size)
     seg = xp.ascontiguousarray(seg)
-    shared = 4 * (points + _THREADS // 32)
-    if shared + (seg.itemsize + 2) * _THREADS * _PER_LANE > _SHARED_LIMIT:
+    if 4 * (points + _THREADS // 32) + (seg.itemsize + 2) * _THREADS * _PER_LANE > _SHARED_LIMIT:
         raise ValueError(f"a threshold grid of {points} points does not fit the GPU scan's shared "
                          f"memory ({_SHARED_LIMIT} bytes a block): use a coarser resolution or a "
                          f"narrower max_width")
-    with seg.device:
-        kernel, sms = _gpu_kernel(xp, "scan_select", seg.dtype.char)
+    counts = _pinned_counts(1 + points + _TAKE_COUNTERS)
+    with _on_device(xp, seg):
         cap = _GPU_CAPACITY.get(n, max(1024, n // 256))
-        counts = cupyx.empty_pinned(1 + points + _TAKE_COUNTERS, np.uint64)
         while True:
-            pos = xp.empty(cap, xp.int64)
-            mag = xp.empty(cap, seg.dtype)
-            head = xp.zeros(1 + points + _TAKE_COUNTERS, xp.uint64)
-            kernel(_grid(sms, n, _THREADS * _PER_LANE), (_THREADS,),
-                   (seg, np.int64(n), seg.dtype.type(floor), np.float32(floor), np.float32(resolution),
-                    np.int32(points), np.int32(store_from), np.int64(cap), pos, mag, head),
-                   shared_mem=shared)
+            pos, mag, head = queue_scan(xp, seg, floor, resolution, points, store_from, cap)
             head.get(out=counts)                    # the one host synchronisation
             found = int(counts[0])
             if found <= cap:
@@ -554,23 +621,12 @@ def _gpu_take(xp: Any, scan: Scan, j: int, take: int) -> Any:
     n_at = int(hist[j])
     take = min(max(take, 0), n_at)
     n_above = int(hist[j + 1:scan.points].sum())
-    out = xp.empty(n_above + take, xp.int64)
-    if n_above + take == 0:
-        return out
     pos, mags = scan.pos, scan.mags
-    with scan.seg.device:
-        if j < scan.stored_from:                # the boundary fell below the kept bins
+    with _on_device(xp, scan.seg):
+        if j < scan.stored_from and n_above + take:     # the boundary fell below the kept bins
             pos, mags, _, _ = _gpu_scan(xp, scan.seg, scan.floor, scan.resolution, scan.points, 0, j)
-        kernel, sms = _gpu_kernel(xp, "take_boundary", mags.dtype.char)
-        staged = n_at if 0 < take < n_at else 1
-        at_pos = xp.empty(staged, xp.int64)
-        at_key = xp.empty(staged, xp.uint32 if mags.itemsize == 4 else xp.uint64)
-        m = int(pos.size)
-        kernel(_grid(sms, m, _TAKE_THREADS), (_TAKE_THREADS,),
-               (pos, mags, np.int64(m), np.float32(scan.floor), np.float32(scan.resolution),
-                np.int32(scan.points), np.int32(j), np.int64(take), np.int64(n_at), np.int64(n_above),
-                out, at_pos, at_key, scan.work))
-    return out
+        return queue_take(xp, pos, mags, scan.floor, scan.resolution, scan.points, j, take, n_at,
+                          n_above, scan.work)
 
 
 def take_above(xp: Any, pos: Any, mags: Any, bins: Any, j: int, take: int) -> Any:

@@ -273,12 +273,13 @@ class CountCurveThreshold(ThresholdPolicy):
         """
         h = np.asarray(table, dtype=np.int64)[:, :self.points]
         per_bin = h.sum(axis=0) if h.shape[0] > 1 else h[0]
-        cum = np.cumsum(per_bin[::-1])[::-1]                 # cum[j]: global count in bins >= j
+        top = np.cumsum(per_bin[::-1])                       # top[i]: global count in the top i + 1 bins
         k = int(k)
-        if cum[0] <= k:                                      # fewer candidates than k: take all
+        if top[-1] <= k:                                     # fewer candidates than k: take all
             return 0, h[:, 0].tolist()
-        j = int(np.searchsorted(-cum, -k, side="right")) - 1    # cum[j] >= k > cum[j + 1]
-        need = k - (int(cum[j + 1]) if j + 1 < cum.size else 0)
+        i = int(np.searchsorted(top, k))                     # top[i] >= k > top[i - 1]
+        j = self.points - 1 - i
+        need = k - (int(top[i - 1]) if i else 0)
         col, total = h[:, j].tolist(), int(per_bin[j])       # Python ints: no overflow
         share = [c * need // total for c in col]
         rem = [c * need % total for c in col]

@@ -21,6 +21,7 @@ none).  Other dtypes take whole-array cupy operations.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from typing import Any, NamedTuple
 
@@ -171,10 +172,15 @@ _PER_LANE = 16
 _THREADS = 256
 #: threads per block of the take (its last block's radix select runs on one block)
 _TAKE_THREADS = 1024
-#: the take's device counters (``heads`` in the source), allocated with the scan's
-_TAKE_COUNTERS = 5
+#: the take's fine buckets of the boundary bin (FINE in the source)
+_FINE = 2048
+#: the take's device counters (``heads`` in the source: 4 and the boundary bin's fine histogram
+#: of FINE buckets), allocated and zeroed with the scan's
+_TAKE_COUNTERS = 4 + _FINE
 _GPU_SOURCE = (f"#define PER_LANE {_PER_LANE}    // elements per thread per round (bits of `want`)\n"
-               f"#define WARPS {_THREADS // 32}         // warps per block of the scan\n") + r"""
+               f"#define WARPS {_THREADS // 32}         // warps per block of the scan\n"
+               f"#define TAKE_THREADS {_TAKE_THREADS}  // threads per block of the take\n"
+               f"#define FINE {_FINE}          // the take's buckets of the boundary bin\n") + r"""
 #define FULL 0xffffffffu
 
 // Each thread of a block has `want` elements to write: reserve room for the whole block's
@@ -350,34 +356,100 @@ __global__ void scan_select(const T* __restrict__ x, long long n, T floor_v, flo
         if (hist[j]) atomicAdd(&head[1 + j], (unsigned long long)hist[j]);
 }
 
+// The need-th largest offset (key - lo, lo at most the smallest) among the members of a set of
+// N keys, by a radix select, 8 bits a round from the span's top bits down (a last round may
+// overlap the one before: the digits of the offsets that match the prefix agree with it there).
+// Returns it, and in `ties` how many of the members equal to it are taken.  The whole block
+// calls it (it synchronises the block).
+template<typename U, typename KeyAt, typename Member>
+__device__ unsigned long long radix_select(long long N, KeyAt key_at, Member member,
+                                           unsigned long long lo, unsigned long long span,
+                                           long long need, unsigned int* digits,
+                                           unsigned int* s_digit, long long* s_need, long long* ties)
+{
+    const int bits = span ? 64 - __clzll((long long)span) : 0;
+    unsigned long long prefix = 0ull, mask = 0ull;   // high digits of the need-th largest offset
+    for (int r = 0; r < (bits + 7) / 8; ++r) {
+        const int shift = max(bits - 8 * (r + 1), 0);
+        for (int d = threadIdx.x; d < 256; d += blockDim.x) digits[d] = 0u;
+        if (threadIdx.x == 0) { *s_digit = 0u; *s_need = 0; }
+        __syncthreads();
+        for (long long i = threadIdx.x; i < N; i += blockDim.x) {
+            const U key = key_at(i);
+            if (!member(key)) continue;
+            const unsigned long long off = (unsigned long long)key - lo;
+            if ((off & mask) == prefix) atomicAdd(&digits[(unsigned int)(off >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {                // warp 0: the digit holding the need-th from the top
+            const int ln = threadIdx.x;
+            unsigned int c[8], sum = 0u;
+            #pragma unroll
+            for (int e = 0; e < 8; ++e) { c[e] = digits[255 - 8 * ln - e]; sum += c[e]; }
+            unsigned int inc = sum;            // this lane's digits and every higher lane's
+            #pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                unsigned int y = __shfl_up_sync(FULL, inc, d);
+                if (ln >= d) inc += y;
+            }
+            long long run = (long long)(inc - sum);
+            if (run < need && need <= (long long)inc) {
+                for (int e = 0; e < 8; ++e) {
+                    if (run + c[e] >= need) { *s_digit = 255u - 8u * ln - e; *s_need = need - run; break; }
+                    run += c[e];
+                }
+            }
+        }
+        __syncthreads();
+        prefix |= (unsigned long long)*s_digit << shift;
+        mask |= 255ull << shift;
+        need = *s_need;
+        __syncthreads();                       // digits, s_digit and s_need are reset next round
+    }
+    *ties = need;
+    return prefix;
+}
+
 // The take, over the m kept candidates (all of bin j and above among them).  Every block writes
 // the positions of those above bin j to out[0, n_above) (and bin j's too when all of it is
-// taken), and stages bin j's (position, key) when only `take` of its n_at are.  The last block
-// to finish then finds the take-th largest key of the stage by a radix select (8 bits a round,
-// over the key's offset from the stage's smallest, so float32 takes 3 rounds) and writes
-// the stage's larger ones and the ties it needs to out[n_above, n_above + take).
-// heads: [0] above written, [1] staged, [2] max of ~key (the min), [3] max key, [4] blocks done;
-// zero at the start (the scan's), and the last block zeroes them again.
+// taken), and, when only `take` of bin j's n_at are, stages bin j's (position, key) and counts
+// them in FINE buckets of the key (monotonic: (key - fine_base) >> fine_shift, clipped; the
+// host spreads the bin's key range over them).  The last block to finish finds the bucket
+// where the count from the top reaches `take`, writes the stage's members of the buckets above
+// it, and the exact largest of that bucket's members (a few in a thousand of the stage, kept in
+// shared memory) by a radix select, to out[n_above, n_above + take).
+// heads: [0] above written, [1] staged, [2] blocks done, [3] unused, [4, 4 + FINE) the fine
+// histogram; zero at the start (the scan's), and the last block zeroes them again.
+#define LIST_CAP 2048
 template<typename T>
-__global__ void take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag,
-                              long long m, float floor_f, float resolution, int points, int j,
-                              long long take, long long n_at, long long n_above,
-                              long long* __restrict__ out, long long* __restrict__ at_buf,
-                              unsigned long long* __restrict__ heads)
+__global__ void __launch_bounds__(TAKE_THREADS)
+take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag, long long m,
+              float floor_f, float resolution, int points, int j, long long take, long long n_at,
+              long long n_above, unsigned long long fine_base, int fine_shift,
+              long long* __restrict__ out, long long* __restrict__ at_buf,
+              unsigned long long* __restrict__ heads)
 {
     typedef typename Key<T>::U U;
     long long* const at_pos = at_buf;          // the stage: n_at positions, then n_at keys
     U* const at_key = reinterpret_cast<U*>(at_buf + n_at);
-    const long long KEY_CACHE = (32 << 10) / sizeof(U);
-    __shared__ U s_keys[(32 << 10) / sizeof(U)];   // the last block's copy of the stage's keys
-    __shared__ unsigned int wsum[32];
+    __shared__ unsigned int fine[FINE];
+    __shared__ U s_lkey[LIST_CAP];             // the last block: the crossing bucket's members
+    __shared__ unsigned int s_lidx[LIST_CAP];
+    __shared__ unsigned int wsum[32], digits[256];
     __shared__ unsigned long long base, s_lo_inv, s_hi;
-    __shared__ unsigned int digits[256];
-    __shared__ unsigned int s_last, s_digit, s_kept, s_ties;
+    __shared__ unsigned int s_last, s_digit, s_kept, s_listed, s_kept2, s_ties;
     __shared__ long long s_need;
     const bool all_at = take >= n_at, select = take > 0 && !all_at;
     const long long up_cap = n_above + (all_at ? n_at : 0);
-    if (threadIdx.x == 0) { s_lo_inv = 0ull; s_hi = 0ull; s_kept = 0u; s_ties = 0u; }
+    auto bucket = [&](U key) -> unsigned int {
+        const unsigned long long d = (unsigned long long)key < fine_base
+            ? 0ull : ((unsigned long long)key - fine_base) >> fine_shift;
+        return d > FINE - 1 ? FINE - 1 : (unsigned int)d;
+    };
+    for (int d = threadIdx.x; d < FINE; d += blockDim.x) fine[d] = 0u;
+    if (threadIdx.x == 0) {
+        s_lo_inv = 0ull; s_hi = 0ull; s_kept = 0u; s_listed = 0u; s_kept2 = 0u; s_ties = 0u;
+    }
     __syncthreads();
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long start = (long long)blockIdx.x * blockDim.x; start < m; start += stride) {
@@ -398,95 +470,113 @@ __global__ void take_boundary(const long long* __restrict__ pos, const T* __rest
         if (at && s_at < (unsigned long long)n_at) {
             at_pos[s_at] = pos[i];
             at_key[s_at] = key;
-            atomicMax(&s_hi, (unsigned long long)key);
-            atomicMax(&s_lo_inv, ~(unsigned long long)key);
+            atomicAdd(&fine[bucket(key)], 1u);
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0 && select && s_hi) {
-        atomicMax(&heads[3], s_hi);
-        atomicMax(&heads[2], s_lo_inv);
-    }
+    if (select)
+        for (int d = threadIdx.x; d < FINE; d += blockDim.x)
+            if (fine[d]) atomicAdd(&heads[4 + d], (unsigned long long)fine[d]);
     __threadfence();                           // this block's writes, before it counts as done
     __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicAdd(&heads[4], 1ull) == (unsigned long long)(gridDim.x - 1);
+    if (threadIdx.x == 0) s_last = atomicAdd(&heads[2], 1ull) == (unsigned long long)(gridDim.x - 1);
     __syncthreads();
     if (!s_last) return;
     if (!select) {                             // the last block leaves the counters zeroed for the
-        if (threadIdx.x < 5) heads[threadIdx.x] = 0ull;        // next take on this scan
+        if (threadIdx.x < 3) heads[threadIdx.x] = 0ull;        // next take on this scan
         return;
     }
     __threadfence();
-    // the last block: every block's stage is written; its keys are read once (into shared memory
-    // when they fit: the rounds then cost no global latency)
+    // the last block: every block's stage and counts are written
     const long long staged = min((long long)*(volatile unsigned long long*)&heads[1], n_at);
-    const bool cached = staged <= KEY_CACHE;
-    if (cached) {
-        #pragma unroll 4
-        for (long long s = threadIdx.x; s < staged; s += blockDim.x) s_keys[s] = __ldcg(&at_key[s]);
-        __syncthreads();
-    }
-    auto key_at = [&](long long s) -> U { return cached ? s_keys[s] : __ldcg(&at_key[s]); };
-    const unsigned long long lo = ~*(volatile unsigned long long*)&heads[2];
-    const unsigned long long span = *(volatile unsigned long long*)&heads[3] - lo;
-    const int bits = span ? 64 - __clzll((long long)span) : 0;
-    unsigned long long prefix = 0ull, mask = 0ull;   // high digits of the take-th largest offset
-    long long need = take;                     // of the offsets matching prefix, how many to take
-    // rounds from the span's top bits down (a last round may overlap the one before: the digits
-    // of the offsets that match the prefix agree with it there), so the first round's digits
-    // spread (the offsets' top byte would put the whole stage on a few shared counters)
-    for (int r = 0; r < (bits + 7) / 8; ++r) {
-        const int shift = max(bits - 8 * (r + 1), 0);
-        for (int d = threadIdx.x; d < 256; d += blockDim.x) digits[d] = 0u;
-        if (threadIdx.x == 0) { s_digit = 0u; s_need = 0; }
-        __syncthreads();
-        for (long long s = threadIdx.x; s < staged; s += blockDim.x) {
-            const unsigned long long off = (unsigned long long)key_at(s) - lo;
-            if ((off & mask) == prefix) atomicAdd(&digits[(unsigned int)(off >> shift) & 255u], 1u);
+    for (int d = threadIdx.x; d < FINE; d += blockDim.x)
+        fine[d] = (unsigned int)*(volatile unsigned long long*)&heads[4 + d];
+    if (threadIdx.x == 0) { s_digit = 0u; s_need = 0; }
+    __syncthreads();
+    if (threadIdx.x < 32) {                    // warp 0: the bucket holding the take-th from the top
+        const int ln = threadIdx.x, per = FINE / 32;
+        unsigned int sum = 0u;
+        for (int e = 0; e < per; ++e) sum += fine[FINE - 1 - per * ln - e];
+        unsigned int inc = sum;
+        #pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            unsigned int y = __shfl_up_sync(FULL, inc, d);
+            if (ln >= d) inc += y;
         }
-        __syncthreads();
-        if (threadIdx.x < 32) {                // warp 0: the digit holding the need-th from the top
-            const int ln = threadIdx.x;
-            unsigned int c[8], sum = 0u;
-            #pragma unroll
-            for (int e = 0; e < 8; ++e) { c[e] = digits[255 - 8 * ln - e]; sum += c[e]; }
-            unsigned int inc = sum;            // this lane's digits and every higher lane's
-            #pragma unroll
-            for (int d = 1; d < 32; d <<= 1) {
-                unsigned int y = __shfl_up_sync(FULL, inc, d);
-                if (ln >= d) inc += y;
+        long long run = (long long)(inc - sum);
+        if (run < take && take <= (long long)inc) {
+            for (int e = 0; e < per; ++e) {
+                const unsigned int c = fine[FINE - 1 - per * ln - e];
+                if (run + c >= take) { s_digit = FINE - 1 - per * ln - e; s_need = take - run; break; }
+                run += c;
             }
-            long long run = (long long)(inc - sum);
-            if (run < need && need <= (long long)inc) {
-                for (int e = 0; e < 8; ++e) {
-                    if (run + c[e] >= need) { s_digit = 255u - 8u * ln - e; s_need = need - run; break; }
-                    run += c[e];
+        }
+    }
+    __syncthreads();
+    const unsigned int cut = s_digit;          // the crossing bucket
+    const long long need = s_need;             // how many of its members are taken
+    const bool whole = need >= (long long)fine[cut];
+    // one pass over the stage (4 keys a thread in flight): the buckets above the cut go out; the
+    // cut's members are listed
+    for (long long s0 = 0; s0 < staged; s0 += 4 * (long long)blockDim.x) {
+        U k4[4];
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const long long s = s0 + e * (long long)blockDim.x + threadIdx.x;
+            k4[e] = s < staged ? __ldcg(&at_key[s]) : U(0);
+        }
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const long long s = s0 + e * (long long)blockDim.x + threadIdx.x;
+            bool keep = false, member = false;
+            if (s < staged) {
+                const unsigned int d = bucket(k4[e]);
+                keep = d > cut || (d == cut && whole);
+                member = d == cut && !whole;
+            }
+            const unsigned int slot = warp_append(keep, &s_kept);
+            const unsigned int lslot = warp_append(member, &s_listed);
+            if (keep && (long long)slot < take) out[n_above + slot] = __ldcg(&at_pos[s]);
+            if (member) {
+                if (lslot < LIST_CAP) { s_lkey[lslot] = k4[e]; s_lidx[lslot] = (unsigned int)s; }
+                atomicMax(&s_hi, (unsigned long long)k4[e]);
+                atomicMax(&s_lo_inv, ~(unsigned long long)k4[e]);
+            }
+        }
+    }
+    __syncthreads();
+    if (!whole) {
+        // the need largest of the cut's members: from the list (or the stage, when they overflow it)
+        const bool listed = s_listed <= LIST_CAP;
+        const long long N = listed ? (long long)s_listed : staged;
+        auto key_at = [&](long long i) -> U { return listed ? s_lkey[i] : __ldcg(&at_key[i]); };
+        auto is_member = [&](U key) -> bool { return listed || bucket(key) == cut; };
+        const unsigned long long lo = ~s_lo_inv;
+        long long ties = 0;
+        const unsigned long long kth = radix_select<U>(N, key_at, is_member, lo, s_hi - lo, need,
+                                                       digits, &s_digit, &s_need, &ties);
+        const long long first = n_above + take - need, larger = need - ties;
+        for (long long i0 = 0; i0 < N; i0 += blockDim.x) {
+            const long long i = i0 + threadIdx.x;
+            bool keep = false, tie = false;
+            if (i < N) {
+                const U key = key_at(i);
+                if (is_member(key)) {
+                    const unsigned long long off = (unsigned long long)key - lo;
+                    keep = off > kth;
+                    tie = off == kth;
                 }
             }
+            const unsigned int slot = warp_append(keep, &s_kept2);
+            const unsigned int tslot = warp_append(tie, &s_ties);
+            const long long at = listed ? (long long)s_lidx[i < N ? i : 0] : i;
+            if (keep && (long long)slot < larger) out[first + slot] = __ldcg(&at_pos[at]);
+            if (tie && (long long)tslot < ties) out[first + larger + tslot] = __ldcg(&at_pos[at]);
         }
-        __syncthreads();
-        prefix |= (unsigned long long)s_digit << shift;
-        mask |= 255ull << shift;
-        need = s_need;
-        __syncthreads();                       // digits, s_digit and s_need are reset next round
-    }
-    // prefix is the cut's offset: the larger ones all, and `need` of those equal to it
-    const long long larger = take - need;
-    for (long long s0 = 0; s0 < staged; s0 += blockDim.x) {
-        const long long s = s0 + threadIdx.x;
-        bool keep = false, tie = false;
-        if (s < staged) {
-            const unsigned long long off = (unsigned long long)key_at(s) - lo;
-            keep = off > prefix;
-            tie = off == prefix;
-        }
-        const unsigned int slot = warp_append(keep, &s_kept);
-        const unsigned int tslot = warp_append(tie, &s_ties);
-        if (keep && (long long)slot < larger) out[n_above + slot] = __ldcg(&at_pos[s]);
-        if (tie && (long long)tslot < need) out[n_above + larger + tslot] = __ldcg(&at_pos[s]);
     }
     __syncthreads();                           // every thread has read the counters
-    if (threadIdx.x < 5) heads[threadIdx.x] = 0ull;
+    if (threadIdx.x < 3) heads[threadIdx.x] = 0ull;
+    for (int d = threadIdx.x; d < FINE; d += blockDim.x) heads[4 + d] = 0ull;
 }
 """
 #: by device: the compiled module and the device's multiprocessor count
@@ -580,10 +670,22 @@ def queue_take(xp: Any, pos: Any, mags: Any, floor: float, resolution: float, po
     kernel, sms = _gpu_kernel(xp, "take_boundary", mags.dtype.char)
     stage = xp.empty(2 * n_at if 0 < take < n_at else 1, xp.int64)   # positions, then keys
     m = int(pos.size)
+    base, shift = _fine_buckets(mags.dtype, floor, resolution, points, j)
     kernel(_grid(sms, m, _TAKE_THREADS), (_TAKE_THREADS,),
            (pos, mags, np.int64(m), np.float32(floor), np.float32(resolution), np.int32(points),
-            np.int32(j), np.int64(take), np.int64(n_at), np.int64(n_above), out, stage, work))
+            np.int32(j), np.int64(take), np.int64(n_at), np.int64(n_above), np.uint64(base),
+            np.int32(shift), out, stage, work))
     return out
+
+
+def _fine_buckets(dtype: np.dtype, floor: float, resolution: float, points: int, j: int) -> tuple[int, int]:
+    """The take's fine buckets of grid bin ``j``: ``(key - base) >> shift`` spreads the keys (the
+    magnitudes' bits) of the bin's range over ``_FINE`` buckets (the top bin's range reaches the
+    format's largest value: coarser)."""
+    top = floor * 2.0 ** ((j + 1) / resolution) if j < points - 1 else math.inf
+    edges = np.array([floor * 2.0 ** (j / resolution), min(top, float(np.finfo(dtype).max))], dtype)
+    lo, hi = (int(v) for v in edges.view(np.uint32 if dtype.itemsize == 4 else np.uint64))
+    return lo, max(0, (hi - lo).bit_length() - (_FINE.bit_length() - 1))
 
 
 def _gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, length: int,

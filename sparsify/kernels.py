@@ -6,16 +6,18 @@ than whole-array passes and needs no partition-sized scratch buffer.
 
 On the GPU (float32 and float64) the scan is one kernel that reads the
 partition once: for histogram threshold rules it bins each candidate on the
-rule's log2 grid and counts the bins in shared memory, and it keeps (compacts)
-only the candidates of the bins near the predicted boundary (``store_from``),
-each block with one global atomic add per round of 4096 elements
-(``block_reserve`` in the source; :func:`scan_binned`).  The only host
+rule's log2 grid (each warp stages its candidates in shared memory so that all
+its lanes bin them) and counts the bins in shared memory, and it keeps
+(compacts) only the candidates of the bins near the predicted boundary
+(``store_from``), each block with one global atomic add per round of 4096
+elements (``block_reserve`` in the source; :func:`scan_binned`).  The only host
 synchronisation is one small copy (the count and the histogram), which the
-exchange needs anyway.  The take (:func:`take_scan`) is then one single-block
-kernel over the kept candidates, sized by the histogram: everything above the
-boundary bin, and the boundary bin's largest by a radix select, no sort and no
-read-back.  The candidates come in no particular order (the exchange needs
-none).  Other dtypes take whole-array cupy operations.
+exchange needs anyway.  The take (:func:`take_scan`) is then one kernel over
+the kept candidates, sized by the histogram: everything above the boundary bin,
+and the boundary bin's largest by fine buckets and a radix select in its last
+block, no sort and no read-back.  The candidates come in no particular order
+(the exchange needs none).  Other dtypes take whole-array cupy operations.
+:func:`queue_scan` and :func:`queue_take` are the two kernels alone.
 """
 
 from __future__ import annotations
@@ -147,9 +149,10 @@ def take_scan(xp: Any, scan: Scan, j: int, take: int) -> Any:
     """Positions (relative to the scanned ``seg``) of the candidates of ``scan`` in bins above
     ``j`` plus the ``take`` largest of bin ``j`` (:func:`take_above`'s rule).
 
-    On the GPU one single-block kernel does it from the kept candidates (bins
-    recomputed, the ``take``-th largest of bin ``j`` found by a radix select,
-    no read-back), sized by the histogram; when ``j`` lies below the bins the
+    On the GPU one kernel does it from the kept candidates, sized by the
+    histogram, no read-back (bins recomputed; bin ``j``'s candidates staged and
+    counted in fine buckets of their magnitudes, and the last block to finish
+    radix-selects the crossing bucket's); when ``j`` lies below the bins the
     scan kept, the partition is scanned again from bin ``j`` first.  The result
     comes in no particular order there (equal magnitudes at the cut: any of them).
 

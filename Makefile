@@ -12,6 +12,8 @@ RATE    ?= 1gbit
 CLUSTER ?=
 # a hung MPI test run is killed after this many seconds
 MPI_TEST_TIMEOUT ?= 900
+# processes of the single-process run (pytest-xdist; each its own world of one)
+TEST_WORKERS ?= 2
 
 .PHONY: setup test test-serial test-mpi lint bench bench-local bench-cluster bench-train clean
 
@@ -28,7 +30,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 test-serial: $(STAMP)
-	$(PY) -m pytest --with-mpi -q -p no:cacheprovider
+	$(PY) -m pytest --with-mpi -q -p no:cacheprovider -n $(TEST_WORKERS)
 
 test-mpi: $(STAMP)
 	PYTHON=$(abspath $(PY)) timeout -k 10 $(MPI_TEST_TIMEOUT) $(MPIEXEC) -n 2 tests/mpi_pytest.sh -q

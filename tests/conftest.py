@@ -8,6 +8,7 @@ Every skip condition here is the same on every rank, so ranks never diverge.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import ml_dtypes
@@ -30,6 +31,22 @@ def _have_gpu() -> bool:
 
 HAVE_GPU = _have_gpu()
 README = Path(__file__).resolve().parent.parent / "README.md"
+
+#: ranks in this run, from the launcher's environment (importing mpi4py here would initialize MPI
+#: in the processes that tests spawn and that import this module): 1 in the single-process run
+WORLD_SIZE = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+
+
+def ranks_at_most(n: int, why: str) -> pytest.MarkDecorator:
+    """Skip a test in runs of more than ``n`` ranks (the same on every rank); ``why``: what a
+    larger run would only repeat.  For tests whose cost is each rank's own compiling or spawning,
+    which CI's 2 cores pay n times over at 4 ranks.
+
+    Example:
+        >>> @ranks_at_most(2, "the benchmark's quick run covers its code at 2 ranks")
+        ... def test_quick_run(): ...
+    """
+    return pytest.mark.skipif(WORLD_SIZE > n, reason=f"runs at up to {n} ranks: {why}")
 
 #: bucket caps that spread the tests' tiny models over several buckets
 SMALL = {"cap_mb": 0.0002, "first_cap_mb": 0.0001}

@@ -38,6 +38,8 @@ from commlib.bindings.jax import (  # noqa: E402
 )
 from commlib.collectives import AllReduce, DeAR, SelSync  # noqa: E402
 
+from conftest import WORLD_SIZE  # noqa: E402
+
 pytestmark = pytest.mark.mpi(min_size=1)
 
 STEPS = 5
@@ -109,7 +111,9 @@ def restored(loop: dict, tx, saved, params):
     return saved
 
 
-@settings(max_examples=6, deadline=None, derandomize=True, database=None,
+# derandomized: the 4-rank run draws the first 3 of the 6 loops the smaller runs draw (each loop's
+# XLA compiles, paid by every rank, took 57 s of CI's suite at 4 ranks on its 2 cores)
+@settings(max_examples=6 if WORLD_SIZE <= 2 else 3, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(loop=LOOPS)
 def test_an_optax_loop_of_ordinary_features_trains_as_one_process(comm, loop):

@@ -190,7 +190,7 @@ def selection(comm: Any, cupy: Any, numel: int, density: float, settle: int, rou
               profile_calls: int = 0) -> dict:
     """ExDyna's local selection on the GPU against torch.topk (see module docs)."""
     from commlib import sparsify
-    from commlib.sparsify import kernels as kernels_mod
+    from commlib.sparsify import gpu_select
     from commlib.sparsify.exdyna import scan_partition, take_chosen
 
     sel = sparsify.ExDyna(density).setup(comm, numel, cupy)
@@ -253,10 +253,10 @@ def selection(comm: Any, cupy: Any, numel: int, density: float, settle: int, rou
     n_above, n_at = int(hist[j + 1:points].sum()), int(hist[j])
 
     def kernels() -> Any:
-        pos, mag, head = kernels_mod.queue_scan(cupy, acc, floor, resolution, points,
-                                                policy.store_from(), 2 * found + 1024)
-        return kernels_mod.queue_take(cupy, pos[:found], mag[:found], floor, resolution, points, j,
-                                      take[0], n_at, n_above, head[1 + points:])
+        pos, mag, head = gpu_select.queue_scan(cupy, acc, floor, resolution, points,
+                                               policy.store_from(), 2 * found + 1024)
+        return gpu_select.queue_take(cupy, pos[:found], mag[:found], floor, resolution, points, j,
+                                     take[0], n_at, n_above, head[1 + points:])
 
     same_kernels = bool(np.array_equal(np.sort(cupy.asnumpy(kernels())), np.sort(ref)))
     queued = queued_time(cupy, kernels, 100)

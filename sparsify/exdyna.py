@@ -160,7 +160,7 @@ class PartitionedThreshold(Selector):
                             imbalance=imbalance(by_partition),
                             extra={"partition": p, "moves": moves, "next_threshold": policy.threshold,
                                    "boundary": chosen, "rescanned": chosen is not None
-                                   and chosen < scan.stored_from})
+                                   and not scan.kept(chosen)})
         return Reduced(union, values, idx, stats)
 
     def rescale(self, factor: float) -> None:

@@ -53,6 +53,8 @@ def test_wheel_installs_one_name_beside_namesakes(tmp_path):
     code = ("import commlib, commlib.collectives, commlib.sparsify, commlib.bindings.torch, "
             "commlib.bindings.jax, commlib.torch, commlib.jax, commlib.horovod.torch; "
             f"assert commlib.__file__.startswith({purelib!r}), commlib.__file__; "
+            # the GPU selection's CUDA source ships beside its module (read at first GPU use)
+            "from commlib.sparsify.gpu_select import gpu_source; assert '__global__' in gpu_source(); "
             + "; ".join(f"import {n}; assert {n}.OWNER == 'not commlib: {n}'" for n in namesakes))
     # the mpich wheel's libmpi sits under this venv's prefix, where mpi4py finds it by its own prefix
     libdir = os.path.join(sys.prefix, "lib")

@@ -224,17 +224,14 @@ def test_gpu_scan_equals_the_host_scan(n, dtype, floor):
 
 
 def _assert_same_candidates(pos, mags, want_pos, want_mags, dtype):
-    pos, mags = cupy_asnumpy(pos), cupy_asnumpy(mags)
+    """The GPU's candidates (in its own order) are the host's."""
+    import cupy
+
+    pos, mags = cupy.asnumpy(pos), cupy.asnumpy(mags)
     order = np.argsort(pos)
     np.testing.assert_array_equal(pos[order], want_pos)
     np.testing.assert_array_equal(mags[order], want_mags)
     assert mags.dtype == dtype
-
-
-def cupy_asnumpy(a):
-    import cupy
-
-    return cupy.asnumpy(a)
 
 
 @pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)

@@ -1,0 +1,399 @@
+// ExDyna's GPU selection kernels (sparsify/gpu_select.py compiles them with NVRTC, after the
+// defines it writes from its constants: PER_LANE, WARPS, TAKE_THREADS, FINE).
+#define FULL 0xffffffffu
+
+// Each thread of a block has `want` elements to write: reserve room for the whole block's
+// with ONE global atomic on `counter` (an atomic per warp on one address serialises at the L2:
+// 780 K of them took 0.6 ms on an H200 for 25 M elements) and return this thread's first slot;
+// a thread's elements take consecutive slots.  Every thread of the block must call it (it
+// synchronises the block); `wsum` holds one word per warp.
+__device__ __forceinline__ unsigned long long block_reserve(unsigned int want,
+                                                            unsigned long long* counter,
+                                                            unsigned int* wsum,
+                                                            unsigned long long* base)
+{
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    unsigned int incl = want;                  // inclusive prefix sum over the warp's lanes
+    #pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        unsigned int y = __shfl_up_sync(FULL, incl, d);
+        if (lane >= d) incl += y;
+    }
+    if (lane == 31) wsum[wid] = incl;          // the warp's total
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int run = 0;
+        for (int w = 0; w < nwarps; ++w) { unsigned int c = wsum[w]; wsum[w] = run; run += c; }
+        *base = run ? atomicAdd(counter, (unsigned long long)run) : 0ull;
+    }
+    __syncthreads();
+    unsigned long long first = *base + wsum[wid] + (incl - want);
+    __syncthreads();                           // wsum and base are reused by the next call
+    return first;
+}
+
+// This lane's slot among its warp's lanes that `want`, after one atomic add (by the first of
+// them) on a counter; every lane of the warp must call it.
+__device__ __forceinline__ unsigned int warp_append(bool want, unsigned int* counter)
+{
+    const unsigned int mask = __ballot_sync(FULL, want);
+    if (!mask) return 0u;
+    const int lane = threadIdx.x & 31, leader = __ffs(mask) - 1;
+    unsigned int base = 0u;
+    if (lane == leader) base = atomicAdd(counter, (unsigned int)__popc(mask));
+    base = __shfl_sync(FULL, base, leader);
+    return base + __popc(mask & ((1u << lane) - 1u));
+}
+
+// The grid bin of magnitude a: floor(log2(a / floor) * resolution) clipped to [0, points)
+// (float32 arithmetic, as the host's log2_bins; the scan and the take compute it alike).
+__device__ __forceinline__ int grid_bin(float a, float floor_f, float resolution, int points)
+{
+    float q = floorf(log2f(a / floor_f) * resolution);
+    return q < 0.0f ? 0 : (q > (float)(points - 1) ? points - 1 : (int)q);
+}
+
+// A magnitude's bits as an unsigned key: non-negative floats order as their keys.
+template<typename T> struct Key;
+template<> struct Key<float> {
+    typedef unsigned int U;
+    __device__ static U of(float v) { return __float_as_uint(v); }
+};
+template<> struct Key<double> {
+    typedef unsigned long long U;
+    __device__ static U of(double v) { return (U)__double_as_longlong(v); }
+};
+
+template<typename T>
+__global__ void scan_select(const T* __restrict__ x, long long n, T floor_v, float floor_f,
+                            float resolution, int points, int store_from, long long cap,
+                            long long* __restrict__ pos, T* __restrict__ mag,
+                            unsigned long long* __restrict__ head)
+{
+    // head[0]: candidates kept (bins >= store_from); head[1 + j]: candidates in bin j (points > 0)
+    extern __shared__ unsigned int hist[];     // points counters, then one per warp
+    __shared__ unsigned long long base;
+    // each warp's candidates of a round, staged so that all its lanes bin them (a candidate is
+    // a few in a hundred elements: binned where found, a warp would run with one lane in 32)
+    __shared__ T st_val[WARPS][32 * PER_LANE];
+    __shared__ unsigned short st_off[WARPS][32 * PER_LANE];
+    unsigned int* wsum = hist + points;
+    for (int j = threadIdx.x; j < points; j += blockDim.x) hist[j] = 0;
+    __syncthreads();
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const unsigned int below = (1u << lane) - 1u;
+    T* sv = st_val[wid];
+    unsigned short* so = st_off[wid];
+    // a round: each warp takes PER_LANE x 32 consecutive elements (as many coalesced loads in
+    // flight, and one block_reserve per 4096 elements); the block's rounds are uniform, so every
+    // thread reaches block_reserve's barriers
+    const long long tile = (long long)blockDim.x * PER_LANE, stride = (long long)gridDim.x * tile;
+    const long long mine0 = (long long)wid * (32 * PER_LANE) + lane;   // this lane's first in a tile
+    // the next round's elements are loaded before this round's are processed (the loads stay in
+    // flight through the staging and the block's barriers: without it the scan ran at a quarter
+    // of the memory's bandwidth)
+    T nx[PER_LANE];
+    {
+        const long long first = (long long)blockIdx.x * tile;
+        const bool full = first + tile <= n;   // (a tile inside the array: no bounds per element)
+        #pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) {
+            const long long i = first + mine0 + k * 32;
+            nx[k] = full || i < n ? x[i] : T(0);
+        }
+    }
+    for (long long start = (long long)blockIdx.x * tile; start < n; start += stride) {
+        const long long w0 = start + (long long)wid * (32 * PER_LANE);
+        const bool full = start + tile <= n;
+        T a[PER_LANE];
+        #pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) a[k] = nx[k];
+        if (start + stride < n) {
+            const bool next_full = start + stride + tile <= n;
+            #pragma unroll
+            for (int k = 0; k < PER_LANE; ++k) {
+                const long long i = start + stride + mine0 + k * 32;
+                nx[k] = next_full || i < n ? x[i] : T(0);
+            }
+        }
+        unsigned int want = 0;
+        #pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) {
+            a[k] = a[k] < T(0) ? -a[k] : a[k];
+            if ((full || w0 + k * 32 + lane < n) && a[k] >= floor_v) want |= 1u << k;
+        }
+        // stage the warp's candidates: this lane's from its offset among the warp's
+        const unsigned int mine = __popc(want);
+        unsigned int incl = mine;
+        #pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            unsigned int y = __shfl_up_sync(FULL, incl, d);
+            if (lane >= d) incl += y;
+        }
+        const unsigned int total = __shfl_sync(FULL, incl, 31);
+        unsigned int at = incl - mine;
+        #pragma unroll
+        for (int k = 0; k < PER_LANE; ++k)
+            if ((want >> k) & 1u) { sv[at] = a[k]; so[at] = (unsigned short)(k * 32 + lane); ++at; }
+        __syncwarp();
+        // bin them with every lane, and compact the kept ones (bins >= store_from) in place
+        unsigned int kept = 0;
+        for (unsigned int s0 = 0; s0 < total; s0 += 32) {
+            const unsigned int s = s0 + lane;
+            bool keep = false;
+            T v = T(0);
+            unsigned short o = 0;
+            if (s < total) {
+                v = sv[s];
+                o = so[s];
+                keep = true;
+                if (points > 0) {
+                    int b = grid_bin((float)v, floor_f, resolution, points);
+                    atomicAdd(&hist[b], 1u);
+                    keep = b >= store_from;
+                }
+            }
+            __syncwarp();                      // every lane has read before any writes
+            const unsigned int m = __ballot_sync(FULL, keep);
+            if (keep) { unsigned int d = kept + __popc(m & below); sv[d] = v; so[d] = o; }
+            kept += __popc(m);
+            __syncwarp();
+        }
+        if (!__syncthreads_or(kept != 0u)) continue;     // nothing kept in the block's tile
+        unsigned long long first = block_reserve(lane == 0 ? kept : 0u, head, wsum, &base);
+        first = __shfl_sync(FULL, first, 0);   // the warp's first slot
+        for (unsigned int s = lane; s < kept; s += 32) {
+            if (first + s < (unsigned long long)cap) {
+                pos[first + s] = w0 + so[s];
+                mag[first + s] = sv[s];
+            }
+        }
+        __syncwarp();                          // the stage is refilled next round
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < points; j += blockDim.x)
+        if (hist[j]) atomicAdd(&head[1 + j], (unsigned long long)hist[j]);
+}
+
+// The need-th largest offset (key - lo, lo at most the smallest) among the members of a set of
+// N keys, by a radix select, 8 bits a round from the span's top bits down (a last round may
+// overlap the one before: the digits of the offsets that match the prefix agree with it there).
+// Returns it, and in `ties` how many of the members equal to it are taken.  The whole block
+// calls it (it synchronises the block).
+template<typename U, typename KeyAt, typename Member>
+__device__ unsigned long long radix_select(long long N, KeyAt key_at, Member member,
+                                           unsigned long long lo, unsigned long long span,
+                                           long long need, unsigned int* digits,
+                                           unsigned int* s_digit, long long* s_need, long long* ties)
+{
+    const int bits = span ? 64 - __clzll((long long)span) : 0;
+    unsigned long long prefix = 0ull, mask = 0ull;   // high digits of the need-th largest offset
+    for (int r = 0; r < (bits + 7) / 8; ++r) {
+        const int shift = max(bits - 8 * (r + 1), 0);
+        for (int d = threadIdx.x; d < 256; d += blockDim.x) digits[d] = 0u;
+        if (threadIdx.x == 0) { *s_digit = 0u; *s_need = 0; }
+        __syncthreads();
+        for (long long i = threadIdx.x; i < N; i += blockDim.x) {
+            const U key = key_at(i);
+            if (!member(key)) continue;
+            const unsigned long long off = (unsigned long long)key - lo;
+            if ((off & mask) == prefix) atomicAdd(&digits[(unsigned int)(off >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {                // warp 0: the digit holding the need-th from the top
+            const int ln = threadIdx.x;
+            unsigned int c[8], sum = 0u;
+            #pragma unroll
+            for (int e = 0; e < 8; ++e) { c[e] = digits[255 - 8 * ln - e]; sum += c[e]; }
+            unsigned int inc = sum;            // this lane's digits and every higher lane's
+            #pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                unsigned int y = __shfl_up_sync(FULL, inc, d);
+                if (ln >= d) inc += y;
+            }
+            long long run = (long long)(inc - sum);
+            if (run < need && need <= (long long)inc) {
+                for (int e = 0; e < 8; ++e) {
+                    if (run + c[e] >= need) { *s_digit = 255u - 8u * ln - e; *s_need = need - run; break; }
+                    run += c[e];
+                }
+            }
+        }
+        __syncthreads();
+        prefix |= (unsigned long long)*s_digit << shift;
+        mask |= 255ull << shift;
+        need = *s_need;
+        __syncthreads();                       // digits, s_digit and s_need are reset next round
+    }
+    *ties = need;
+    return prefix;
+}
+
+// The take, over the m kept candidates (all of bin j and above among them).  Every block writes
+// the positions of those above bin j to out[0, n_above) (and bin j's too when all of it is
+// taken), and, when only `take` of bin j's n_at are, stages bin j's (position, key) and counts
+// them in FINE buckets of the key (monotonic: (key - fine_base) >> fine_shift, clipped; the
+// host spreads the bin's key range over them).  The last block to finish finds the bucket
+// where the count from the top reaches `take`, writes the stage's members of the buckets above
+// it, and the exact largest of that bucket's members (a few in a thousand of the stage, kept in
+// shared memory) by a radix select, to out[n_above, n_above + take).
+// heads: [0] above written, [1] staged, [2] blocks done, [3] unused, [4, 4 + FINE) the fine
+// histogram; zero at the start (the scan's), and the last block zeroes them again.
+#define LIST_CAP 2048
+template<typename T>
+__global__ void __launch_bounds__(TAKE_THREADS)
+take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag, long long m,
+              float floor_f, float resolution, int points, int j, long long take, long long n_at,
+              long long n_above, unsigned long long fine_base, int fine_shift,
+              long long* __restrict__ out, long long* __restrict__ at_buf,
+              unsigned long long* __restrict__ heads)
+{
+    typedef typename Key<T>::U U;
+    long long* const at_pos = at_buf;          // the stage: n_at positions, then n_at keys
+    U* const at_key = reinterpret_cast<U*>(at_buf + n_at);
+    __shared__ unsigned int fine[FINE];
+    __shared__ U s_lkey[LIST_CAP];             // the last block: the crossing bucket's members
+    __shared__ unsigned int s_lidx[LIST_CAP];
+    __shared__ unsigned int wsum[32], digits[256];
+    __shared__ unsigned long long base, s_lo_inv, s_hi;
+    __shared__ unsigned int s_last, s_digit, s_kept, s_listed, s_kept2, s_ties;
+    __shared__ long long s_need;
+    const bool all_at = take >= n_at, select = take > 0 && !all_at;
+    const long long up_cap = n_above + (all_at ? n_at : 0);
+    auto bucket = [&](U key) -> unsigned int {
+        const unsigned long long d = (unsigned long long)key < fine_base
+            ? 0ull : ((unsigned long long)key - fine_base) >> fine_shift;
+        return d > FINE - 1 ? FINE - 1 : (unsigned int)d;
+    };
+    for (int d = threadIdx.x; d < FINE; d += blockDim.x) fine[d] = 0u;
+    if (threadIdx.x == 0) {
+        s_lo_inv = 0ull; s_hi = 0ull; s_kept = 0u; s_listed = 0u; s_kept2 = 0u; s_ties = 0u;
+    }
+    __syncthreads();
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long start = (long long)blockIdx.x * blockDim.x; start < m; start += stride) {
+        const long long i = start + threadIdx.x;
+        bool up = false, at = false;
+        U key = 0;
+        if (i < m) {
+            const T a = mag[i];
+            const int b = grid_bin((float)a, floor_f, resolution, points);
+            up = b > j || (b == j && all_at);
+            at = b == j && select;
+            key = Key<T>::of(a);
+        }
+        if (!__syncthreads_or(up || at)) continue;
+        const unsigned long long s_up = block_reserve(up, &heads[0], wsum, &base);
+        const unsigned long long s_at = block_reserve(at, &heads[1], wsum, &base);
+        if (up && s_up < (unsigned long long)up_cap) out[s_up] = pos[i];
+        if (at && s_at < (unsigned long long)n_at) {
+            at_pos[s_at] = pos[i];
+            at_key[s_at] = key;
+            atomicAdd(&fine[bucket(key)], 1u);
+        }
+    }
+    __syncthreads();
+    if (select)
+        for (int d = threadIdx.x; d < FINE; d += blockDim.x)
+            if (fine[d]) atomicAdd(&heads[4 + d], (unsigned long long)fine[d]);
+    __threadfence();                           // this block's writes, before it counts as done
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(&heads[2], 1ull) == (unsigned long long)(gridDim.x - 1);
+    __syncthreads();
+    if (!s_last) return;
+    if (!select) {                             // the last block leaves the counters zeroed for the
+        if (threadIdx.x < 3) heads[threadIdx.x] = 0ull;        // next take on this scan
+        return;
+    }
+    __threadfence();
+    // the last block: every block's stage and counts are written
+    const long long staged = min((long long)*(volatile unsigned long long*)&heads[1], n_at);
+    for (int d = threadIdx.x; d < FINE; d += blockDim.x)
+        fine[d] = (unsigned int)*(volatile unsigned long long*)&heads[4 + d];
+    if (threadIdx.x == 0) { s_digit = 0u; s_need = 0; }
+    __syncthreads();
+    if (threadIdx.x < 32) {                    // warp 0: the bucket holding the take-th from the top
+        const int ln = threadIdx.x, per = FINE / 32;
+        unsigned int sum = 0u;
+        for (int e = 0; e < per; ++e) sum += fine[FINE - 1 - per * ln - e];
+        unsigned int inc = sum;
+        #pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            unsigned int y = __shfl_up_sync(FULL, inc, d);
+            if (ln >= d) inc += y;
+        }
+        long long run = (long long)(inc - sum);
+        if (run < take && take <= (long long)inc) {
+            for (int e = 0; e < per; ++e) {
+                const unsigned int c = fine[FINE - 1 - per * ln - e];
+                if (run + c >= take) { s_digit = FINE - 1 - per * ln - e; s_need = take - run; break; }
+                run += c;
+            }
+        }
+    }
+    __syncthreads();
+    const unsigned int cut = s_digit;          // the crossing bucket
+    const long long need = s_need;             // how many of its members are taken
+    const bool whole = need >= (long long)fine[cut];
+    // one pass over the stage (4 keys a thread in flight): the buckets above the cut go out; the
+    // cut's members are listed
+    for (long long s0 = 0; s0 < staged; s0 += 4 * (long long)blockDim.x) {
+        U k4[4];
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const long long s = s0 + e * (long long)blockDim.x + threadIdx.x;
+            k4[e] = s < staged ? __ldcg(&at_key[s]) : U(0);
+        }
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const long long s = s0 + e * (long long)blockDim.x + threadIdx.x;
+            bool keep = false, member = false;
+            if (s < staged) {
+                const unsigned int d = bucket(k4[e]);
+                keep = d > cut || (d == cut && whole);
+                member = d == cut && !whole;
+            }
+            const unsigned int slot = warp_append(keep, &s_kept);
+            const unsigned int lslot = warp_append(member, &s_listed);
+            if (keep && (long long)slot < take) out[n_above + slot] = __ldcg(&at_pos[s]);
+            if (member) {
+                if (lslot < LIST_CAP) { s_lkey[lslot] = k4[e]; s_lidx[lslot] = (unsigned int)s; }
+                atomicMax(&s_hi, (unsigned long long)k4[e]);
+                atomicMax(&s_lo_inv, ~(unsigned long long)k4[e]);
+            }
+        }
+    }
+    __syncthreads();
+    if (!whole) {
+        // the need largest of the cut's members: from the list (or the stage, when they overflow it)
+        const bool listed = s_listed <= LIST_CAP;
+        const long long N = listed ? (long long)s_listed : staged;
+        auto key_at = [&](long long i) -> U { return listed ? s_lkey[i] : __ldcg(&at_key[i]); };
+        auto is_member = [&](U key) -> bool { return listed || bucket(key) == cut; };
+        const unsigned long long lo = ~s_lo_inv;
+        long long ties = 0;
+        const unsigned long long kth = radix_select<U>(N, key_at, is_member, lo, s_hi - lo, need,
+                                                       digits, &s_digit, &s_need, &ties);
+        const long long first = n_above + take - need, larger = need - ties;
+        for (long long i0 = 0; i0 < N; i0 += blockDim.x) {
+            const long long i = i0 + threadIdx.x;
+            bool keep = false, tie = false;
+            if (i < N) {
+                const U key = key_at(i);
+                if (is_member(key)) {
+                    const unsigned long long off = (unsigned long long)key - lo;
+                    keep = off > kth;
+                    tie = off == kth;
+                }
+            }
+            const unsigned int slot = warp_append(keep, &s_kept2);
+            const unsigned int tslot = warp_append(tie, &s_ties);
+            const long long at = listed ? (long long)s_lidx[i < N ? i : 0] : i;
+            if (keep && (long long)slot < larger) out[first + slot] = __ldcg(&at_pos[at]);
+            if (tie && (long long)tslot < ties) out[first + larger + tslot] = __ldcg(&at_pos[at]);
+        }
+    }
+    __syncthreads();                           // every thread has read the counters
+    if (threadIdx.x < 3) heads[threadIdx.x] = 0ull;
+    for (int d = threadIdx.x; d < FINE; d += blockDim.x) heads[4 + d] = 0ull;
+}

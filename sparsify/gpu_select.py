@@ -1,0 +1,222 @@
+"""ExDyna's selection on the GPU: the scan and the take as CUDA kernels (``gpu_select.cu``).
+
+The scan (:func:`gpu_scan`, float32 and float64) is one kernel that reads the
+partition once: for histogram threshold rules it bins each candidate on the
+rule's log2 grid (each warp stages its candidates in shared memory so that all
+its lanes bin them) and counts the bins in shared memory, and it keeps
+(compacts) only the candidates of the bins near the predicted boundary
+(``store_from``), each block with one global atomic add per round of 4096
+elements (``block_reserve`` in the source).  The only host synchronisation is
+one small copy (the count and the histogram), which the exchange needs anyway.
+The take (:func:`gpu_take`) is then one kernel over the kept candidates, sized
+by the histogram: everything above the boundary bin, and the boundary bin's
+largest by fine buckets and a radix select in its last block, no sort and no
+read-back.  The candidates come in no particular order (the exchange needs
+none).  :func:`queue_scan` and :func:`queue_take` are the two kernels alone.
+:mod:`sparsify.kernels` holds the rules (the host's, which these reproduce) and
+sends float32/float64 device arrays here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from commlib.device import current_device
+
+if TYPE_CHECKING:
+    from .kernels import Scan
+
+#: the GPU kernels' dtypes, by numpy type character (float32, float64): their CUDA type
+GPU_TYPES = {"f": "float", "d": "double"}
+#: elements per thread per round of the scan (PER_LANE in the source)
+_PER_LANE = 16
+#: threads per block of the scan (``block_reserve`` keeps a word per warp: at most 32 warps)
+_THREADS = 256
+#: threads per block of the take (its last block's radix select runs on one block)
+_TAKE_THREADS = 1024
+#: the take's fine buckets of the boundary bin (FINE in the source)
+_FINE = 2048
+#: the take's device counters (``heads`` in the source: 4 and the boundary bin's fine histogram
+#: of FINE buckets), allocated and zeroed with the scan's
+_TAKE_COUNTERS = 4 + _FINE
+#: the kernels' CUDA source (shipped beside this module)
+_CUDA_FILE = Path(__file__).with_name("gpu_select.cu")
+#: by device: the compiled module and the device's multiprocessor count
+_GPU_MODULES: dict[int, tuple[Any, int]] = {}
+#: by (device, kernel, dtype): the kernel and the device's multiprocessor count
+_GPU_KERNELS: dict[tuple[int, str, str], tuple[Any, int]] = {}
+#: capacity of the candidate buffers, by partition size (grown when a scan keeps more)
+_GPU_CAPACITY: dict[int, int] = {}
+#: each thread's page-locked buffer for the scan's counts (:func:`_pinned_counts`)
+_PINNED = threading.local()
+#: shared memory a block may take without opting in (the scan's stage and histogram)
+_SHARED_LIMIT = 48 << 10
+
+
+def gpu_source() -> str:
+    """The kernels' CUDA source: ``gpu_select.cu`` after the defines of this module's constants.
+
+    Example:
+        >>> "scan_select" in gpu_source()
+        True
+    """
+    return (f"#define PER_LANE {_PER_LANE}    // elements per thread per round (bits of `want`)\n"
+            f"#define WARPS {_THREADS // 32}         // warps per block of the scan\n"
+            f"#define TAKE_THREADS {_TAKE_THREADS}  // threads per block of the take\n"
+            f"#define FINE {_FINE}          // the take's buckets of the boundary bin\n"
+            + _CUDA_FILE.read_text())
+
+
+def _gpu_kernel(xp: Any, name: str, dtype: str) -> tuple[Any, int]:
+    """Kernel ``name`` (``scan_select``, ``take_boundary``) for ``dtype`` (a type character of
+    :data:`GPU_TYPES`) on the current device, and
+    the device's multiprocessor count (compiled once per device, looked up once per kernel)."""
+    dev = current_device()
+    entry = _GPU_KERNELS.get((dev, name, dtype))
+    if entry is None:
+        module = _GPU_MODULES.get(dev)
+        if module is None:
+            names = [f"{k}<{t}>" for k in ("scan_select", "take_boundary") for t in GPU_TYPES.values()]
+            mod = xp.RawModule(code=gpu_source(), options=("-std=c++14",), name_expressions=names)
+            sms = int(xp.cuda.Device(dev).attributes["MultiProcessorCount"])
+            module = _GPU_MODULES[dev] = (mod, sms)
+        entry = (module[0].get_function(f"{name}<{GPU_TYPES[dtype]}>"), module[1])
+        _GPU_KERNELS[(dev, name, dtype)] = entry
+    return entry
+
+
+def _grid(sms: int, n: int, per_block: int) -> tuple[int]:
+    """Blocks for ``n`` elements, ``per_block`` a block each round: at most 8 per multiprocessor."""
+    return (max(1, min(sms * 8, -(-n // per_block))),)
+
+
+def _on_device(xp: Any, a: Any) -> Any:
+    """A context on the device of cupy array ``a``: none to enter when it is the current one."""
+    dev = a.data.device_id
+    return contextlib.nullcontext() if dev == current_device() else xp.cuda.Device(dev)
+
+
+def _pinned_counts(length: int) -> np.ndarray:
+    """This thread's page-locked host buffer for a scan's counts (the copy is then one DMA)."""
+    buf = getattr(_PINNED, "counts", None)
+    if buf is None or buf.size < length:
+        import cupyx
+
+        buf = _PINNED.counts = cupyx.empty_pinned(max(length, 512), np.uint64)
+    return buf[:length]
+
+
+def queue_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, store_from: int,
+               cap: int) -> tuple[Any, Any, Any]:
+    """Queue the GPU scan kernel on the current stream (nothing waits) over contiguous ``seg``:
+    room for ``cap`` candidates in ``(positions, magnitudes)``, and ``head``: [0] the candidates
+    of bins ``>= store_from`` (all of them were kept if it is ``<= cap``), [1 + j] those of bin
+    ``j``, then the take's counters (zero).  :func:`~sparsify.kernels.scan_binned` is the whole
+    scan; this is its kernel alone, for benchmarks and profiles.
+
+    Example:
+        >>> pos, mag, head = queue_scan(cupy, seg, 0.5, 32, 33, 16, 1 << 16)
+    """
+    kernel, sms = _gpu_kernel(xp, "scan_select", seg.dtype.char)
+    n = int(seg.size)
+    pos = xp.empty(cap, xp.int64)
+    mag = xp.empty(cap, seg.dtype)
+    head = xp.zeros(1 + points + _TAKE_COUNTERS, xp.uint64)
+    kernel(_grid(sms, n, _THREADS * _PER_LANE), (_THREADS,),
+           (seg, np.int64(n), seg.dtype.type(floor), np.float32(floor), np.float32(resolution),
+            np.int32(points), np.int32(store_from), np.int64(cap), pos, mag, head),
+           shared_mem=4 * (points + _THREADS // 32))
+    return pos, mag, head
+
+
+def queue_take(xp: Any, pos: Any, mags: Any, floor: float, resolution: float, points: int, j: int,
+               take: int, n_at: int, n_above: int, work: Any) -> Any:
+    """Queue the GPU take kernel on the current stream (nothing waits): of the candidates
+    ``(pos, mags)`` (all of bin ``j`` and above among them), the positions of the ``n_above``
+    above bin ``j`` and the ``take`` largest of bin ``j``'s ``n_at``, in a new array.  ``work``:
+    the take's zeroed counters (:func:`queue_scan`'s ``head`` past the histogram; the kernel
+    leaves them zeroed).  :func:`~sparsify.kernels.take_scan` is the whole take; this is its kernel alone.
+
+    Example:
+        >>> out = queue_take(cupy, pos, mag, 0.5, 32, 33, 17, 90, 300, 24_910, head[34:])
+    """
+    out = xp.empty(n_above + take, xp.int64)
+    if n_above + take == 0:
+        return out
+    kernel, sms = _gpu_kernel(xp, "take_boundary", mags.dtype.char)
+    stage = xp.empty(2 * n_at if 0 < take < n_at else 1, xp.int64)   # positions, then keys
+    m = int(pos.size)
+    base, shift = _fine_buckets(mags.dtype, floor, resolution, points, j)
+    kernel(_grid(sms, m, _TAKE_THREADS), (_TAKE_THREADS,),
+           (pos, mags, np.int64(m), np.float32(floor), np.float32(resolution), np.int32(points),
+            np.int32(j), np.int64(take), np.int64(n_at), np.int64(n_above), np.uint64(base),
+            np.int32(shift), out, stage, work))
+    return out
+
+
+def _fine_buckets(dtype: np.dtype, floor: float, resolution: float, points: int, j: int) -> tuple[int, int]:
+    """The take's fine buckets of grid bin ``j``: ``(key - base) >> shift`` spreads the keys (the
+    magnitudes' bits) of the bin's range over ``_FINE`` buckets (the top bin's range reaches the
+    format's largest value: coarser)."""
+    top = floor * 2.0 ** ((j + 1) / resolution) if j < points - 1 else math.inf
+    edges = np.array([floor * 2.0 ** (j / resolution), min(top, float(np.finfo(dtype).max))], dtype)
+    lo, hi = (int(v) for v in edges.view(np.uint32 if dtype.itemsize == 4 else np.uint64))
+    return lo, max(0, (hi - lo).bit_length() - (_FINE.bit_length() - 1))
+
+
+def gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, length: int,
+             store_from: int = 0) -> tuple[Any, Any, Any, Any]:
+    """The one-pass GPU scan (see module docs) of float32/float64 ``seg``: positions
+    and magnitudes of the candidates of bins ``>= store_from``, the host histogram of every
+    candidate, length ``length`` (``None`` when 0), and the take's zeroed counters (zeroed with
+    the scan's: one fill, not two).
+
+    Example:
+        >>> pos, mags, hist, work = gpu_scan(cupy, seg, 0.5, 32, 33, 41, 14)
+    """
+    n = int(seg.size)
+    seg = xp.ascontiguousarray(seg)
+    if 4 * (points + _THREADS // 32) + (seg.itemsize + 2) * _THREADS * _PER_LANE > _SHARED_LIMIT:
+        raise ValueError(f"a threshold grid of {points} points does not fit the GPU scan's shared "
+                         f"memory ({_SHARED_LIMIT} bytes a block): use a coarser resolution or a "
+                         f"narrower max_width")
+    counts = _pinned_counts(1 + points + _TAKE_COUNTERS)
+    with _on_device(xp, seg):
+        cap = _GPU_CAPACITY.get(n, max(1024, n // 256))
+        while True:
+            pos, mag, head = queue_scan(xp, seg, floor, resolution, points, store_from, cap)
+            head.get(out=counts)                    # the one host synchronisation
+            found = int(counts[0])
+            if found <= cap:
+                break
+            cap = _GPU_CAPACITY[n] = 2 * found      # more candidates than room: grow and rescan
+    hist = None
+    if length:
+        hist = np.zeros(length, np.int64)
+        hist[:points] = counts[1:1 + points]
+    return pos[:found], mag[:found], hist, head[1 + points:]
+
+
+def gpu_take(xp: Any, scan: Scan, j: int, take: int) -> Any:
+    """:func:`~sparsify.kernels.take_scan` on the GPU: one kernel over the kept candidates (a
+    second scan first when bin ``j`` lies below the kept bins).
+
+    Example:
+        >>> kept = gpu_take(cupy, scan_binned(cupy, seg, 0.5, 32, 33, 41, 14), 16, 120)
+    """
+    hist = scan.hist
+    n_at = int(hist[j])
+    take = min(max(take, 0), n_at)
+    n_above = int(hist[j + 1:scan.points].sum())
+    pos, mags = scan.pos, scan.mags
+    with _on_device(xp, scan.seg):
+        if not scan.kept(j) and n_above + take:         # the boundary fell below the kept bins
+            pos, mags, _, _ = gpu_scan(xp, scan.seg, scan.floor, scan.resolution, scan.points, 0, j)
+        return queue_take(xp, pos, mags, scan.floor, scan.resolution, scan.points, j, take, n_at,
+                          n_above, scan.work)

@@ -175,6 +175,32 @@ __global__ void scan_select(const T* __restrict__ x, long long n, T floor_v, flo
         if (hist[j]) atomicAdd(&head[1 + j], (unsigned long long)hist[j]);
 }
 
+// Warp 0 of a block (every lane calls it): of the items counted in counts[0, n) (n a multiple of
+// 32), the counter holding the need-th from the top, and how many of its items that is (need less
+// those above it), to *s_index and *s_need (by the one lane whose counters hold it; untouched when
+// fewer than need were counted).  Each lane sums n / 32 counters, from the top down.
+__device__ __forceinline__ void warp_find_from_top(const unsigned int* counts, int n, long long need,
+                                                   unsigned int* s_index, long long* s_need)
+{
+    const int ln = threadIdx.x, per = n / 32;
+    unsigned int sum = 0u;
+    for (int e = 0; e < per; ++e) sum += counts[n - 1 - per * ln - e];
+    unsigned int inc = sum;                    // this lane's counters and every higher lane's
+    #pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        unsigned int y = __shfl_up_sync(FULL, inc, d);
+        if (ln >= d) inc += y;
+    }
+    long long run = (long long)(inc - sum);
+    if (run < need && need <= (long long)inc) {
+        for (int e = 0; e < per; ++e) {
+            const unsigned int c = counts[n - 1 - per * ln - e];
+            if (run + c >= need) { *s_index = n - 1 - per * ln - e; *s_need = need - run; break; }
+            run += c;
+        }
+    }
+}
+
 // The need-th largest offset (key - lo, lo at most the smallest) among the members of a set of
 // N keys, by a radix select, 8 bits a round from the span's top bits down (a last round may
 // overlap the one before: the digits of the offsets that match the prefix agree with it there).
@@ -200,25 +226,7 @@ __device__ unsigned long long radix_select(long long N, KeyAt key_at, Member mem
             if ((off & mask) == prefix) atomicAdd(&digits[(unsigned int)(off >> shift) & 255u], 1u);
         }
         __syncthreads();
-        if (threadIdx.x < 32) {                // warp 0: the digit holding the need-th from the top
-            const int ln = threadIdx.x;
-            unsigned int c[8], sum = 0u;
-            #pragma unroll
-            for (int e = 0; e < 8; ++e) { c[e] = digits[255 - 8 * ln - e]; sum += c[e]; }
-            unsigned int inc = sum;            // this lane's digits and every higher lane's
-            #pragma unroll
-            for (int d = 1; d < 32; d <<= 1) {
-                unsigned int y = __shfl_up_sync(FULL, inc, d);
-                if (ln >= d) inc += y;
-            }
-            long long run = (long long)(inc - sum);
-            if (run < need && need <= (long long)inc) {
-                for (int e = 0; e < 8; ++e) {
-                    if (run + c[e] >= need) { *s_digit = 255u - 8u * ln - e; *s_need = need - run; break; }
-                    run += c[e];
-                }
-            }
-        }
+        if (threadIdx.x < 32) warp_find_from_top(digits, 256, need, s_digit, s_need);
         __syncthreads();
         prefix |= (unsigned long long)*s_digit << shift;
         mask |= 255ull << shift;
@@ -312,25 +320,7 @@ take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag, long
         fine[d] = (unsigned int)*(volatile unsigned long long*)&heads[4 + d];
     if (threadIdx.x == 0) { s_digit = 0u; s_need = 0; }
     __syncthreads();
-    if (threadIdx.x < 32) {                    // warp 0: the bucket holding the take-th from the top
-        const int ln = threadIdx.x, per = FINE / 32;
-        unsigned int sum = 0u;
-        for (int e = 0; e < per; ++e) sum += fine[FINE - 1 - per * ln - e];
-        unsigned int inc = sum;
-        #pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            unsigned int y = __shfl_up_sync(FULL, inc, d);
-            if (ln >= d) inc += y;
-        }
-        long long run = (long long)(inc - sum);
-        if (run < take && take <= (long long)inc) {
-            for (int e = 0; e < per; ++e) {
-                const unsigned int c = fine[FINE - 1 - per * ln - e];
-                if (run + c >= take) { s_digit = FINE - 1 - per * ln - e; s_need = take - run; break; }
-                run += c;
-            }
-        }
-    }
+    if (threadIdx.x < 32) warp_find_from_top(fine, FINE, take, &s_digit, &s_need);
     __syncthreads();
     const unsigned int cut = s_digit;          // the crossing bucket
     const long long need = s_need;             // how many of its members are taken

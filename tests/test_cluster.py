@@ -21,11 +21,13 @@ from benchmarks.cluster import (
     Cluster,
     ClusterBusy,
     LinkChange,
+    SelfCheckFailed,
     Straggler,
     available,
     parse_ms,
     parse_rate,
     ring_bound_s,
+    selfcheck,
     tbf_params,
 )
 
@@ -120,6 +122,26 @@ def test_unshaped_fallback_marks_every_figure():
     assert proc.returncode == 0, proc.stderr
     assert "NOT SHAPED" in proc.stderr
     assert proc.stdout.count("SHAPED 0 True") == 2
+
+
+@pytest.mark.mpi(min_size=2)
+def test_selfcheck_measures_a_slow_host_again_and_refuses_a_bypass_at_once():
+    """Plain ranks against a configured rate: far too fast a rate for this host is measured
+    ``attempts`` times, then refused on every rank with each measurement in the message; far too
+    slow a rate (traffic not going through any shaper) is refused after one measurement."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    small = {"nbytes": 64 << 10, "iters": 1, "settle_s": 0.0}
+    with pytest.raises(SelfCheckFailed, match=r"measurement 3; before: \S+x, \S+x\): the links are"):
+        selfcheck(comm, rate_bps=1e15, attempts=3, **small)
+    with pytest.raises(SelfCheckFailed, match="bypasses") as bypass:
+        selfcheck(comm, rate_bps=1e3, attempts=3, **small)
+    assert "measurement" not in str(bypass.value)
+    measured = selfcheck(comm, **small)  # no rate: measured once, never refused
+    assert measured["ok"] and measured["link_bps"] > 0 and "attempts" not in measured
+    with pytest.raises(ValueError, match="attempts"):
+        selfcheck(comm, rate_bps=1e9, attempts=0, **small)
 
 
 @needs_netns

@@ -76,6 +76,8 @@ def parser() -> argparse.ArgumentParser:
                    help="self-check: largest allowed relative error of the rate (0.15)")
     p.add_argument("--sizes", default="", help="--selfcheck-only: allreduce sizes, MiB (4,16,64)")
     p.add_argument("--iters", type=int, default=5, help="self-check: timed repetitions (5)")
+    p.add_argument("--attempts", type=int, default=3,
+                   help="self-check: measurements before a too-slow host is refused (3)")
     p.add_argument("--straggler-link", action="append", default=[],
                    metavar="RANK:CHANGE:AT_S[:UNTIL_S]",
                    help="from AT_S s after COMMAND starts, change RANK's link: x4 (rate/4), "
@@ -115,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     if args.ranks < 1:
         p.error("--ranks must be at least 1")
+    if args.attempts < 1:
+        p.error("--attempts must be at least 1")
     if bad := [c.describe() for c in schedule if not 0 <= c.rank < args.ranks]:
         p.error(f"--straggler-link: {bad[0]}, but the ranks are 0..{args.ranks - 1}")
     deadline = time.monotonic() + args.timeout if args.timeout else None
@@ -159,7 +163,8 @@ def _selfcheck(args: argparse.Namespace, cluster: Cluster | None, tmp: str,
     out = os.path.join(tmp, "selfcheck.json")
     entry = "import sys; from benchmarks.cluster.selfcheck import main; sys.exit(main())"
     cmd = [sys.executable, "-c", entry, "--json", out,
-           "--tolerance", str(args.tolerance), "--iters", str(args.iters)]
+           "--tolerance", str(args.tolerance), "--iters", str(args.iters),
+           "--attempts", str(args.attempts)]
     if args.sizes:
         cmd += ["--sizes", args.sizes]
     pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)

@@ -5,7 +5,7 @@ In one run, on the same float32 numpy buffers, per operation and message size:
 * ``mpi4py``      raw uppercase calls, out of place (``Allreduce``, ``Reduce_scatter``, ``Allgather``);
 * ``commlib``     blocking calls (default settings: timeout 300 s, nonblocking MPI polled);
 * ``commlib-nb``  the ``i``-form plus ``wait()`` (through the progress engine);
-* ``commlib-t0``  blocking calls with ``timeout=0`` (MPI's blocking collectives, no hang detection);
+* ``commlib-t0``  blocking calls with ``timeout=0`` (the same polled path, no timeout);
 * ``gloo``        ``torch.distributed`` on gloo, same memory (``all_reduce`` is in place: a copy first);
 * ``mpi4py-nb``   (only with ``--contenders``) raw ``Iallreduce(...).Wait()`` and so on;
 * ``commlib-torch`` (only with ``--contenders``) ``commlib``'s blocking calls on torch tensors that

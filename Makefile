@@ -47,6 +47,7 @@ bench-local: $(STAMP)
 		--json $(RESULTS)/collectives-local.json --plot $(RESULTS)/collectives-local.png
 	timeout -k 10 600 $(MPIEXEC) -n 2 $(PY) -m benchmarks.syncbn --json $(RESULTS)/syncbn-2ranks.json
 	timeout -k 10 600 $(MPIEXEC) -n 2 $(PY) -m benchmarks.jax_steps --json $(RESULTS)/jax-steps-2ranks.json
+	timeout -k 10 900 $(PY) -m benchmarks.instructions --json $(RESULTS)/instructions.json
 
 bench-cluster: $(STAMP)
 	mkdir -p $(RESULTS)

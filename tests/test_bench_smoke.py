@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from mpi4py import MPI
 
-from benchmarks import collectives
+from benchmarks import collectives, instructions
 
 from conftest import ranks_at_most
 
@@ -85,3 +86,25 @@ def test_jax_steps_benchmark_quick_run(tmp_path_factory):
     doc = quick_run(tmp_path_factory, jax_steps.main)
     assert set(doc["step_s"]) == set(jax_steps.CONTENDERS) and all(t > 0 for t in doc["step_s"].values())
     assert doc["over_average"]["average"] == doc["over_average"]["average-jit"] == 1.0
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed here")
+def test_instructions_benchmark_counts_the_same_every_time(tmp_path):
+    """The instruction counts come from valgrind and do not move between runs: two counts of
+    the same loop are equal, and the quick run's table is made of such counts."""
+    path = tmp_path / "instr.json"
+    assert instructions.main(["--quick", "--json", str(path)]) == 0
+    doc = json.load(open(path))
+    again = instructions.count(instructions.NOOP, doc["calls"], shutil.which("valgrind"))
+    assert again == doc["loop_instructions"] * doc["calls"]
+    (row,) = doc["rows"]
+    assert row["op"] == "allreduce" and doc["calls"] == 500 and doc["loop_instructions"] > 0
+    assert 0 < row["mpi4py"] < row["commlib"]      # commlib's call wraps the raw one
+    assert row["overhead"] == pytest.approx(row["commlib"] - row["mpi4py"])
+    assert row["ratio"] == pytest.approx(row["commlib"] / row["mpi4py"])
+
+
+def test_instructions_benchmark_without_valgrind_says_so(monkeypatch, capsys):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert instructions.main(["--quick"]) == 0
+    assert "valgrind is not on PATH" in capsys.readouterr().err

@@ -48,6 +48,7 @@ OPS: dict[str, tuple[str, str]] = {
 NOOP = "int()"
 _TOGGLE = "deque_extend"     # CPython's C function behind deque(iterable): the measured loop
 _COLLECTED = re.compile(r"Collected : (\d+)")
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def child(call: str, calls: int) -> None:
@@ -89,7 +90,8 @@ def count(call: str, calls: int, valgrind: str) -> int:
            "--callgrind-out-file=/dev/null", sys.executable, "-m", "benchmarks.instructions",
            "--child", call, "--calls", str(calls)]
     env = dict(os.environ, PYTHONHASHSEED="0")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False,
+                          cwd=_REPO)      # where ``-m benchmarks.instructions`` is found
     found = _COLLECTED.findall(proc.stderr)
     if proc.returncode != 0 or not found:
         raise RuntimeError(f"valgrind run of {call!r} failed (exit {proc.returncode}):\n"

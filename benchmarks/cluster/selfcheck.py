@@ -167,8 +167,8 @@ def selfcheck(comm: Any = None, rate_bps: float | None = None, nbytes: int | Non
             return {**res, "ok": True, "note": "no configured rate: measured only"}
         res.update(link_ratio=res["link_bps"] / rate_bps, allreduce_ratio=res["busbw_bps"] / rate_bps)
         tried.append({"link_ratio": res["link_ratio"], "allreduce_ratio": res["allreduce_ratio"]})
-        # the times are every rank's slowest (MAX), so the verdict is the same everywhere;
-        # rank 0's is shared anyway, as every rank must take the same branch
+        # the times are every rank's slowest (MAX), so every rank holds the same figures; rank 0's
+        # verdict is shared anyway, as every rank must take the same branch
         problem, again = comm.bcast(_verdict(res, n, tolerance), root=0)
         if not again or len(tried) == attempts:
             break
@@ -177,7 +177,6 @@ def selfcheck(comm: Any = None, rate_bps: float | None = None, nbytes: int | Non
                   f"({describe(res)}); measuring again in {settle_s:g} s", file=sys.stderr, flush=True)
         time.sleep(settle_s)
     res.update(ok=not problem, problem=problem, attempts=tried)
-    res = comm.bcast(res, root=0)  # one result for every rank
     if not res["ok"]:
         raise SelfCheckFailed(f"{describe(res)}: {res['problem']}")
     return res

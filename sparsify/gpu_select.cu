@@ -2,6 +2,18 @@
 // defines it writes from its constants: PER_LANE, WARPS, TAKE_THREADS, FINE).
 #define FULL 0xffffffffu
 
+// The inclusive prefix sum of v over the warp's lanes (every lane calls it).
+__device__ __forceinline__ unsigned int warp_scan(unsigned int v)
+{
+    const int lane = threadIdx.x & 31;
+    #pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        unsigned int y = __shfl_up_sync(FULL, v, d);
+        if (lane >= d) v += y;
+    }
+    return v;
+}
+
 // Each thread of a block has `want` elements to write: reserve room for the whole block's
 // with ONE global atomic on `counter` (an atomic per warp on one address serialises at the L2:
 // 780 K of them took 0.6 ms on an H200 for 25 M elements) and return this thread's first slot;
@@ -13,12 +25,7 @@ __device__ __forceinline__ unsigned long long block_reserve(unsigned int want,
                                                             unsigned long long* base)
 {
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    unsigned int incl = want;                  // inclusive prefix sum over the warp's lanes
-    #pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        unsigned int y = __shfl_up_sync(FULL, incl, d);
-        if (lane >= d) incl += y;
-    }
+    const unsigned int incl = warp_scan(want);
     if (lane == 31) wsum[wid] = incl;          // the warp's total
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -64,88 +71,118 @@ template<> struct Key<double> {
     __device__ static U of(double v) { return (U)__double_as_longlong(v); }
 };
 
+// A warp's `count` staged candidates out to (pos, mag) from slot `at` on (slots past cap are
+// counted, not written).  A staged slot is round << OFF_BITS | the offset in the warp's chunk of
+// that round; the warp's chunk of round 0 starts at w_first, each round `stride` later.
+#define OFF_BITS 9
 template<typename T>
-__global__ void scan_select(const T* __restrict__ x, long long n, T floor_v, float floor_f,
-                            float resolution, int points, int store_from, long long cap,
-                            long long* __restrict__ pos, T* __restrict__ mag,
-                            unsigned long long* __restrict__ head)
+__device__ __forceinline__ void write_staged(const T* sv, const unsigned int* sa, unsigned int count,
+                                             unsigned long long at, long long w_first,
+                                             long long stride, long long cap,
+                                             long long* __restrict__ pos, T* __restrict__ mag)
+{
+    for (unsigned int s = threadIdx.x & 31; s < count; s += 32) {
+        if (at + s < (unsigned long long)cap) {
+            const unsigned int t = sa[s];
+            pos[at + s] = w_first + (long long)(t >> OFF_BITS) * stride + (t & ((1u << OFF_BITS) - 1u));
+            mag[at + s] = sv[s];
+        }
+    }
+}
+
+// (launch bounds: 4 blocks a multiprocessor, so at most 64 registers a thread; unbounded, the
+// compiler took 78 and a multiprocessor held 3)
+template<typename T>
+__global__ void __launch_bounds__(WARPS * 32, 4)
+scan_select(const T* __restrict__ x, long long n, T floor_v, float floor_f, float resolution,
+            int points, int store_from, long long cap, long long* __restrict__ pos,
+            T* __restrict__ mag, unsigned long long* __restrict__ head)
 {
     // head[0]: candidates kept (bins >= store_from); head[1 + j]: candidates in bin j (points > 0)
+    constexpr int PL = PER_LANE * 4 / sizeof(T);   // elements a lane reads per round: 64 bytes
     extern __shared__ unsigned int hist[];     // points counters, then one per warp
     __shared__ unsigned long long base;
-    // each warp's candidates of a round, staged so that all its lanes bin them (a candidate is
-    // a few in a hundred elements: binned where found, a warp would run with one lane in 32)
-    __shared__ T st_val[WARPS][32 * PER_LANE];
-    __shared__ unsigned short st_off[WARPS][32 * PER_LANE];
+    // each warp's stage: the candidates it kept in earlier rounds, then this round's, staged so
+    // that all its lanes bin them (a candidate is a few in a hundred elements: binned where found,
+    // a warp would run with one lane in 32).  The kept ones go out when a warp's stage is half
+    // full and at the end, all the block's with one global atomic (block_reserve: a reservation
+    // each round, with its barriers, cost the H200 a fifth of the scan's time)
+    __shared__ T st_val[WARPS][32 * PL];
+    __shared__ unsigned int st_at[WARPS][32 * PL];
     unsigned int* wsum = hist + points;
     for (int j = threadIdx.x; j < points; j += blockDim.x) hist[j] = 0;
     __syncthreads();
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const unsigned int below = (1u << lane) - 1u;
     T* sv = st_val[wid];
-    unsigned short* so = st_off[wid];
-    // a round: each warp takes PER_LANE x 32 consecutive elements (as many coalesced loads in
-    // flight, and one block_reserve per 4096 elements); the block's rounds are uniform, so every
-    // thread reaches block_reserve's barriers
-    const long long tile = (long long)blockDim.x * PER_LANE, stride = (long long)gridDim.x * tile;
-    const long long mine0 = (long long)wid * (32 * PER_LANE) + lane;   // this lane's first in a tile
+    unsigned int* sa = st_at[wid];
+    // a round: each warp takes PL x 32 consecutive elements (as many coalesced loads in
+    // flight); the block's rounds are uniform, so every thread reaches the barriers
+    const long long tile = (long long)blockDim.x * PL, stride = (long long)gridDim.x * tile;
+    const long long mine0 = (long long)wid * (32 * PL) + lane;   // this lane's first in a tile
+    const long long w_first = (long long)blockIdx.x * tile + (long long)wid * (32 * PL);
+    unsigned int listed = 0;                   // the warp's kept candidates at the front of its stage
+    unsigned int r = 0;                        // the round
     // the next round's elements are loaded before this round's are processed (the loads stay in
     // flight through the staging and the block's barriers: without it the scan ran at a quarter
     // of the memory's bandwidth)
-    T nx[PER_LANE];
+    T nx[PL];
     {
         const long long first = (long long)blockIdx.x * tile;
         const bool full = first + tile <= n;   // (a tile inside the array: no bounds per element)
         #pragma unroll
-        for (int k = 0; k < PER_LANE; ++k) {
+        for (int k = 0; k < PL; ++k) {
             const long long i = first + mine0 + k * 32;
             nx[k] = full || i < n ? x[i] : T(0);
         }
     }
-    for (long long start = (long long)blockIdx.x * tile; start < n; start += stride) {
-        const long long w0 = start + (long long)wid * (32 * PER_LANE);
+    for (long long start = (long long)blockIdx.x * tile; start < n; start += stride, ++r) {
+        const long long w0 = start + (long long)wid * (32 * PL);
         const bool full = start + tile <= n;
-        T a[PER_LANE];
+        T a[PL];
         #pragma unroll
-        for (int k = 0; k < PER_LANE; ++k) a[k] = nx[k];
+        for (int k = 0; k < PL; ++k) a[k] = nx[k];
         if (start + stride < n) {
             const bool next_full = start + stride + tile <= n;
             #pragma unroll
-            for (int k = 0; k < PER_LANE; ++k) {
+            for (int k = 0; k < PL; ++k) {
                 const long long i = start + stride + mine0 + k * 32;
                 nx[k] = next_full || i < n ? x[i] : T(0);
             }
         }
         unsigned int want = 0;
         #pragma unroll
-        for (int k = 0; k < PER_LANE; ++k) {
+        for (int k = 0; k < PL; ++k) {
             a[k] = a[k] < T(0) ? -a[k] : a[k];
             if ((full || w0 + k * 32 + lane < n) && a[k] >= floor_v) want |= 1u << k;
         }
-        // stage the warp's candidates: this lane's from its offset among the warp's
+        // stage the warp's candidates behind its kept ones: this lane's from its offset among the
+        // warp's
         const unsigned int mine = __popc(want);
-        unsigned int incl = mine;
-        #pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            unsigned int y = __shfl_up_sync(FULL, incl, d);
-            if (lane >= d) incl += y;
-        }
+        const unsigned int incl = warp_scan(mine);
         const unsigned int total = __shfl_sync(FULL, incl, 31);
-        unsigned int at = incl - mine;
+        if (listed + total > 32 * PL) {       // no room: the warp's kept ones go out now (rare)
+            unsigned long long first = 0;
+            if (lane == 0) first = atomicAdd(head, (unsigned long long)listed);
+            write_staged(sv, sa, listed, __shfl_sync(FULL, first, 0), w_first, stride, cap, pos, mag);
+            __syncwarp();
+            listed = 0;
+        }
+        unsigned int at = listed + incl - mine;
         #pragma unroll
-        for (int k = 0; k < PER_LANE; ++k)
-            if ((want >> k) & 1u) { sv[at] = a[k]; so[at] = (unsigned short)(k * 32 + lane); ++at; }
+        for (int k = 0; k < PL; ++k)
+            if ((want >> k) & 1u) { sv[at] = a[k]; sa[at] = (r << OFF_BITS) | (k * 32 + lane); ++at; }
         __syncwarp();
         // bin them with every lane, and compact the kept ones (bins >= store_from) in place
         unsigned int kept = 0;
         for (unsigned int s0 = 0; s0 < total; s0 += 32) {
-            const unsigned int s = s0 + lane;
+            const unsigned int s = listed + s0 + lane;
             bool keep = false;
             T v = T(0);
-            unsigned short o = 0;
-            if (s < total) {
+            unsigned int o = 0;
+            if (s0 + lane < total) {
                 v = sv[s];
-                o = so[s];
+                o = sa[s];
                 keep = true;
                 if (points > 0) {
                     int b = grid_bin((float)v, floor_f, resolution, points);
@@ -155,49 +192,52 @@ __global__ void scan_select(const T* __restrict__ x, long long n, T floor_v, flo
             }
             __syncwarp();                      // every lane has read before any writes
             const unsigned int m = __ballot_sync(FULL, keep);
-            if (keep) { unsigned int d = kept + __popc(m & below); sv[d] = v; so[d] = o; }
+            if (keep) { unsigned int d = listed + kept + __popc(m & below); sv[d] = v; sa[d] = o; }
             kept += __popc(m);
             __syncwarp();
         }
-        if (!__syncthreads_or(kept != 0u)) continue;     // nothing kept in the block's tile
-        unsigned long long first = block_reserve(lane == 0 ? kept : 0u, head, wsum, &base);
-        first = __shfl_sync(FULL, first, 0);   // the warp's first slot
-        for (unsigned int s = lane; s < kept; s += 32) {
-            if (first + s < (unsigned long long)cap) {
-                pos[first + s] = w0 + so[s];
-                mag[first + s] = sv[s];
-            }
+        listed += kept;
+        if (__syncthreads_or(listed > 16 * PL)) {  // a stage half full: the block's go out
+            const unsigned long long first = block_reserve(lane == 0 ? listed : 0u, head, wsum, &base);
+            write_staged(sv, sa, listed, __shfl_sync(FULL, first, 0), w_first, stride, cap, pos, mag);
+            __syncwarp();
+            listed = 0;
         }
-        __syncwarp();                          // the stage is refilled next round
     }
-    __syncthreads();
+    // the rest of the block's kept candidates (block_reserve synchronises the block: the
+    // histogram is complete after it)
+    const unsigned long long first = block_reserve(lane == 0 ? listed : 0u, head, wsum, &base);
+    write_staged(sv, sa, listed, __shfl_sync(FULL, first, 0), w_first, stride, cap, pos, mag);
     for (int j = threadIdx.x; j < points; j += blockDim.x)
         if (hist[j]) atomicAdd(&head[1 + j], (unsigned long long)hist[j]);
 }
 
 // Warp 0 of a block (every lane calls it): of the items counted in counts[0, n) (n a multiple of
 // 32), the counter holding the need-th from the top, and how many of its items that is (need less
-// those above it), to *s_index and *s_need (by the one lane whose counters hold it; untouched when
-// fewer than need were counted).  Each lane sums n / 32 counters, from the top down.
+// those above it), to *s_index and *s_need (untouched when fewer than need were counted).  Each
+// lane sums n / 32 counters (staggered, so that no two lanes read one bank at a time); the lane
+// whose counters hold the need-th is then walked by the whole warp, 32 counters at a time.
 __device__ __forceinline__ void warp_find_from_top(const unsigned int* counts, int n, long long need,
                                                    unsigned int* s_index, long long* s_need)
 {
-    const int ln = threadIdx.x, per = n / 32;
-    unsigned int sum = 0u;
-    for (int e = 0; e < per; ++e) sum += counts[n - 1 - per * ln - e];
-    unsigned int inc = sum;                    // this lane's counters and every higher lane's
-    #pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        unsigned int y = __shfl_up_sync(FULL, inc, d);
-        if (ln >= d) inc += y;
-    }
-    long long run = (long long)(inc - sum);
-    if (run < need && need <= (long long)inc) {
-        for (int e = 0; e < per; ++e) {
-            const unsigned int c = counts[n - 1 - per * ln - e];
-            if (run + c >= need) { *s_index = n - 1 - per * ln - e; *s_need = need - run; break; }
-            run += c;
+    const int ln = threadIdx.x & 31, per = n / 32;
+    unsigned int sum = 0u;                     // this lane's counters: n - 1 - per * ln and down
+    for (int e = 0; e < per; ++e) sum += counts[n - 1 - per * ln - (e + ln) % per];
+    const unsigned int inc = warp_scan(sum);   // this lane's counters and every higher lane's
+    const unsigned int holds = __ballot_sync(FULL, (long long)(inc - sum) < need && need <= (long long)inc);
+    if (!holds) return;
+    const int owner = __ffs(holds) - 1;
+    long long run = (long long)__shfl_sync(FULL, inc - sum, owner);
+    const int top = n - 1 - per * owner;
+    for (int c = 0; c < per; c += 32) {        // the owner's counters from its top, 32 at a time
+        const unsigned int v = c + ln < per ? counts[top - c - ln] : 0u;
+        const unsigned int in2 = warp_scan(v);
+        const unsigned int hit = __ballot_sync(FULL, run + (long long)in2 >= need);
+        if (hit) {
+            if (ln == __ffs(hit) - 1) { *s_index = top - c - ln; *s_need = need - (run + in2 - v); }
+            return;
         }
+        run += __shfl_sync(FULL, in2, 31);
     }
 }
 
@@ -261,7 +301,7 @@ take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag, long
     U* const at_key = reinterpret_cast<U*>(at_buf + n_at);
     __shared__ unsigned int fine[FINE];
     __shared__ U s_lkey[LIST_CAP];             // the last block: the crossing bucket's members
-    __shared__ unsigned int s_lidx[LIST_CAP];
+    __shared__ long long s_lpos[LIST_CAP];     // (and their positions)
     __shared__ unsigned int wsum[32], digits[256];
     __shared__ unsigned long long base, s_lo_inv, s_hi;
     __shared__ unsigned int s_last, s_digit, s_kept, s_listed, s_kept2, s_ties;
@@ -325,14 +365,17 @@ take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag, long
     const unsigned int cut = s_digit;          // the crossing bucket
     const long long need = s_need;             // how many of its members are taken
     const bool whole = need >= (long long)fine[cut];
-    // one pass over the stage (4 keys a thread in flight): the buckets above the cut go out; the
-    // cut's members are listed
+    // one pass over the stage (4 keys and their positions a thread in flight: a position loaded
+    // only once its key is known to go out made each step wait for the L2 twice): the buckets
+    // above the cut go out; the cut's members are listed
     for (long long s0 = 0; s0 < staged; s0 += 4 * (long long)blockDim.x) {
         U k4[4];
+        long long p4[4];
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const long long s = s0 + e * (long long)blockDim.x + threadIdx.x;
             k4[e] = s < staged ? __ldcg(&at_key[s]) : U(0);
+            p4[e] = s < staged ? __ldcg(&at_pos[s]) : 0ll;
         }
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -345,9 +388,9 @@ take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag, long
             }
             const unsigned int slot = warp_append(keep, &s_kept);
             const unsigned int lslot = warp_append(member, &s_listed);
-            if (keep && (long long)slot < take) out[n_above + slot] = __ldcg(&at_pos[s]);
+            if (keep && (long long)slot < take) out[n_above + slot] = p4[e];
             if (member) {
-                if (lslot < LIST_CAP) { s_lkey[lslot] = k4[e]; s_lidx[lslot] = (unsigned int)s; }
+                if (lslot < LIST_CAP) { s_lkey[lslot] = k4[e]; s_lpos[lslot] = p4[e]; }
                 atomicMax(&s_hi, (unsigned long long)k4[e]);
                 atomicMax(&s_lo_inv, ~(unsigned long long)k4[e]);
             }
@@ -376,11 +419,11 @@ take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag, long
                     tie = off == kth;
                 }
             }
+            const long long p = (keep || tie) ? (listed ? s_lpos[i] : __ldcg(&at_pos[i])) : 0ll;
             const unsigned int slot = warp_append(keep, &s_kept2);
             const unsigned int tslot = warp_append(tie, &s_ties);
-            const long long at = listed ? (long long)s_lidx[i < N ? i : 0] : i;
-            if (keep && (long long)slot < larger) out[first + slot] = __ldcg(&at_pos[at]);
-            if (tie && (long long)tslot < ties) out[first + larger + tslot] = __ldcg(&at_pos[at]);
+            if (keep && (long long)slot < larger) out[first + slot] = p;
+            if (tie && (long long)tslot < ties) out[first + larger + tslot] = p;
         }
     }
     __syncthreads();                           // every thread has read the counters

@@ -5,9 +5,11 @@ partition once: for histogram threshold rules it bins each candidate on the
 rule's log2 grid (each warp stages its candidates in shared memory so that all
 its lanes bin them) and counts the bins in shared memory, and it keeps
 (compacts) only the candidates of the bins near the predicted boundary
-(``store_from``), each block with one global atomic add per round of 4096
-elements (``block_reserve`` in the source).  The only host synchronisation is
-one small copy (the count and the histogram), which the exchange needs anyway.
+(``store_from``): each warp keeps them in shared memory across rounds and a
+block writes its warps' out together, with one global atomic add, when one of
+them is half full and at the end (``block_reserve`` in the source).  The only
+host synchronisation is one small copy (the count and the histogram), which
+the exchange needs anyway.
 The take (:func:`gpu_take`) is then one kernel over the kept candidates, sized
 by the histogram: everything above the boundary bin, and the boundary bin's
 largest by fine buckets and a radix select in its last block, no sort and no
@@ -34,8 +36,11 @@ if TYPE_CHECKING:
 
 #: the GPU kernels' dtypes, by numpy type character (float32, float64): their CUDA type
 GPU_TYPES = {"f": "float", "d": "double"}
-#: elements per thread per round of the scan (PER_LANE in the source)
+#: float32 elements per thread per round of the scan (PER_LANE in the source: 64 bytes a round,
+#: so float64's are half as many)
 _PER_LANE = 16
+#: the scan's staged slots keep the round below this (OFF_BITS in the source: 32 - 9 bits)
+_MAX_ROUNDS = 1 << 23
 #: threads per block of the scan (``block_reserve`` keeps a word per warp: at most 32 warps)
 _THREADS = 256
 #: threads per block of the take (its last block's radix select runs on one block)
@@ -125,10 +130,15 @@ def queue_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, 
     """
     kernel, sms = _gpu_kernel(xp, "scan_select", seg.dtype.char)
     n = int(seg.size)
+    per_block = _THREADS * _PER_LANE * 4 // seg.itemsize
+    grid = _grid(sms, n, per_block)
+    if n > _MAX_ROUNDS * grid[0] * per_block:
+        raise ValueError(f"{n} elements are more than the GPU scan's {_MAX_ROUNDS} rounds of "
+                         f"{grid[0]} blocks cover")
     pos = xp.empty(cap, xp.int64)
     mag = xp.empty(cap, seg.dtype)
     head = xp.zeros(1 + points + _TAKE_COUNTERS, xp.uint64)
-    kernel(_grid(sms, n, _THREADS * _PER_LANE), (_THREADS,),
+    kernel(grid, (_THREADS,),
            (seg, np.int64(n), seg.dtype.type(floor), np.float32(floor), np.float32(resolution),
             np.int32(points), np.int32(store_from), np.int64(cap), pos, mag, head),
            shared_mem=4 * (points + _THREADS // 32))
@@ -182,7 +192,8 @@ def gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, le
     """
     n = int(seg.size)
     seg = xp.ascontiguousarray(seg)
-    if 4 * (points + _THREADS // 32) + (seg.itemsize + 2) * _THREADS * _PER_LANE > _SHARED_LIMIT:
+    if 4 * (points + _THREADS // 32) + (seg.itemsize + 4) * _THREADS * _PER_LANE * 4 // seg.itemsize \
+            > _SHARED_LIMIT:
         raise ValueError(f"a threshold grid of {points} points does not fit the GPU scan's shared "
                          f"memory ({_SHARED_LIMIT} bytes a block): use a coarser resolution or a "
                          f"narrower max_width")

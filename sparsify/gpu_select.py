@@ -22,7 +22,7 @@ sends float32/float64 device arrays here.
 from __future__ import annotations
 
 import contextlib
-import math
+import struct
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +50,10 @@ _FINE = 2048
 #: the take's device counters (``heads`` in the source: 4 and the boundary bin's fine histogram
 #: of FINE buckets), allocated and zeroed with the scan's
 _TAKE_COUNTERS = 4 + _FINE
+#: by itemsize: the float format and the unsigned integer of its bits (:func:`_key`)
+_KEY_FORMATS = {4: (struct.Struct("<f"), struct.Struct("<I")), 8: (struct.Struct("<d"), struct.Struct("<Q"))}
+#: by itemsize: the float format's largest finite value
+_LARGEST = {4: float(np.finfo(np.float32).max), 8: float(np.finfo(np.float64).max)}
 #: the kernels' CUDA source (shipped beside this module)
 _CUDA_FILE = Path(__file__).with_name("gpu_select.cu")
 #: by device: the compiled module and the device's multiprocessor count
@@ -174,10 +178,17 @@ def _fine_buckets(dtype: np.dtype, floor: float, resolution: float, points: int,
     """The take's fine buckets of grid bin ``j``: ``(key - base) >> shift`` spreads the keys (the
     magnitudes' bits) of the bin's range over ``_FINE`` buckets (the top bin's range reaches the
     format's largest value: coarser)."""
-    top = floor * 2.0 ** ((j + 1) / resolution) if j < points - 1 else math.inf
-    edges = np.array([floor * 2.0 ** (j / resolution), min(top, float(np.finfo(dtype).max))], dtype)
-    lo, hi = (int(v) for v in edges.view(np.uint32 if dtype.itemsize == 4 else np.uint64))
+    largest = _LARGEST[dtype.itemsize]
+    top = floor * 2.0 ** ((j + 1) / resolution) if j < points - 1 else largest
+    lo, hi = (_key(min(v, largest), dtype.itemsize) for v in (floor * 2.0 ** (j / resolution), top))
     return lo, max(0, (hi - lo).bit_length() - (_FINE.bit_length() - 1))
+
+
+def _key(value: float, itemsize: int) -> int:
+    """The bits of ``value`` rounded to the float format of ``itemsize`` bytes, as an unsigned
+    integer (the kernels' ``Key``; struct, not numpy: a few scalars per take)."""
+    fmt, key = _KEY_FORMATS[itemsize]
+    return key.unpack(fmt.pack(value))[0]
 
 
 def gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, length: int,

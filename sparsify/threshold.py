@@ -272,15 +272,17 @@ class CountCurveThreshold(ThresholdPolicy):
         there, by largest remainder in integers: every rank computes the same.
         """
         h = np.asarray(table, dtype=np.int64)[:, :self.points]
-        per_bin = h.sum(axis=0) if h.shape[0] > 1 else h[0]
-        top = np.cumsum(per_bin[::-1])                       # top[i]: global count in the top i + 1 bins
+        per_bin = (h.sum(axis=0) if h.shape[0] > 1 else h[0]).tolist()   # Python ints: no overflow
         k = int(k)
-        if top[-1] <= k:                                     # fewer candidates than k: take all
+        if sum(per_bin) <= k:                                # fewer candidates than k: take all
             return 0, h[:, 0].tolist()
-        i = int(np.searchsorted(top, k))                     # top[i] >= k > top[i - 1]
-        j = self.points - 1 - i
-        need = k - (int(top[i - 1]) if i else 0)
-        col, total = h[:, j].tolist(), int(per_bin[j])       # Python ints: no overflow
+        above = 0                                            # the global count above bin j
+        for j in range(self.points - 1, -1, -1):             # (a few dozen bins: no numpy calls)
+            if above + per_bin[j] >= k:
+                break
+            above += per_bin[j]
+        need = k - above
+        col, total = h[:, j].tolist(), per_bin[j]
         share = [c * need // total for c in col]
         rem = [c * need % total for c in col]
         left = need - sum(share)

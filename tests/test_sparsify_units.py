@@ -173,6 +173,58 @@ def test_choose_splits_the_boundary_bin_exactly_and_deterministically():
     assert c.choose(0, table)[1] == [0, 0, 0]
 
 
+def _choose_reference(points: int, k: int, table: np.ndarray) -> tuple[int, list[int]]:
+    """choose()'s rule written with numpy's cumulative sum and search (its earlier form)."""
+    h = np.asarray(table, dtype=np.int64)[:, :points]
+    per_bin = h.sum(axis=0)
+    top = np.cumsum(per_bin[::-1])
+    if top[-1] <= k:
+        return 0, h[:, 0].tolist()
+    i = int(np.searchsorted(top, k))
+    j = points - 1 - i
+    need = k - (int(top[i - 1]) if i else 0)
+    col, total = h[:, j].tolist(), int(per_bin[j])
+    share = [c * need // total for c in col]
+    rem = [c * need % total for c in col]
+    for r in sorted(range(len(col)), key=lambda r: (-rem[r], r))[:need - sum(share)]:
+        share[r] += 1
+    return j, share
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(ranks=st.integers(1, 5), data=st.data())
+def test_choose_is_the_reference_rule(ranks, data):
+    """The boundary bin and each rank's take equal the numpy formulation's on random tables."""
+    c = CountCurveThreshold(resolution=4, width=1.0)
+    counts = data.draw(st.lists(st.lists(st.integers(0, 50), min_size=c.points, max_size=c.points),
+                                min_size=ranks, max_size=ranks))
+    table = np.zeros((ranks, c.record_len), np.int64)
+    table[:, :c.points] = counts
+    total = int(table.sum())
+    k = data.draw(st.integers(1 if total else 0, total + 3))
+    assert c.choose(k, table) == _choose_reference(c.points, k, table)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fine_buckets_take_the_formats_bits(dtype):
+    """The take's fine buckets of a bin start at the bits of its lower edge in the array's format
+    and span its upper edge's (the format's largest value for the top bin) in FINE buckets."""
+    from commlib.sparsify.gpu_select import _FINE, _fine_buckets
+
+    bits = np.uint32 if dtype == np.float32 else np.uint64
+    for floor in (1e-30, 3.7e-6, 0.5, 11.2, 1e20):
+        for resolution, points in ((1, 9), (8, 33), (32, 33), (32, 129)):
+            for j in (0, 1, points // 2, points - 2, points - 1):
+                top = floor * 2.0 ** ((j + 1) / resolution) if j < points - 1 else math.inf
+                edges = np.array([floor * 2.0 ** (j / resolution), min(top, float(np.finfo(dtype).max))],
+                                 dtype)
+                lo, hi = (int(v) for v in edges.view(bits))
+                base, shift = _fine_buckets(np.dtype(dtype), floor, resolution, points, j)
+                assert base == lo
+                assert (hi - lo) >> shift < _FINE                  # the bin's keys fit the buckets
+                assert shift == 0 or (hi - lo) >> (shift - 1) >= _FINE   # and no coarser than that
+
+
 def test_initial_estimate_from_samples():
     rng = np.random.default_rng(0)
     parts = [rng.laplace(scale=s, size=50_000).astype(np.float32) for s in (1.0, 2.0, 0.5, 4.0)]

@@ -254,7 +254,7 @@ def test_threshold_scan_chunked_equals_whole():
 
 @pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-# (1 << 23: several rounds of every block of the grid)
+# (1 << 23: two rounds of every block of an H200's grid)
 @pytest.mark.parametrize("n", [0, 1, 127, 128 * 5 + 3, 1 << 20, 1 << 23])
 @pytest.mark.parametrize("floor", [0.0, 2.5])      # 0: every element, past the first capacity
 def test_gpu_scan_equals_the_host_scan(n, dtype, floor):

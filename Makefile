@@ -17,7 +17,8 @@ TEST_WORKERS ?= 2
 # XLA's compiled programs on disk, shared by the test runs (the 4-rank run compiles much of what
 # the 2-rank run did: its JAX tests took 140 s cold, 86 s after it); `make clean` removes it
 JAX_CACHE := $(CURDIR)/.jax-cache
-TEST_ENV := JAX_COMPILATION_CACHE_DIR=$(JAX_CACHE) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+test-serial test-mpi: export JAX_COMPILATION_CACHE_DIR := $(JAX_CACHE)
+test-serial test-mpi: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS := 0
 
 .PHONY: setup test test-serial test-mpi lint bench bench-local bench-cluster bench-train clean
 
@@ -34,11 +35,11 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 test-serial: $(STAMP)
-	$(TEST_ENV) $(PY) -m pytest --with-mpi -q -p no:cacheprovider -n $(TEST_WORKERS)
+	$(PY) -m pytest --with-mpi -q -p no:cacheprovider -n $(TEST_WORKERS)
 
 test-mpi: $(STAMP)
-	$(TEST_ENV) PYTHON=$(abspath $(PY)) timeout -k 10 $(MPI_TEST_TIMEOUT) $(MPIEXEC) -n 2 tests/mpi_pytest.sh -q
-	$(TEST_ENV) PYTHON=$(abspath $(PY)) timeout -k 10 $(MPI_TEST_TIMEOUT) $(MPIEXEC) -n 4 tests/mpi_pytest.sh -q
+	PYTHON=$(abspath $(PY)) timeout -k 10 $(MPI_TEST_TIMEOUT) $(MPIEXEC) -n 2 tests/mpi_pytest.sh -q
+	PYTHON=$(abspath $(PY)) timeout -k 10 $(MPI_TEST_TIMEOUT) $(MPIEXEC) -n 4 tests/mpi_pytest.sh -q
 
 test: lint test-serial test-mpi
 

@@ -44,8 +44,7 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def git_commit() -> str | None:
-    """The commit of this checkout (``-dirty`` with uncommitted changes to tracked files), or None."""
+def _git_commit() -> str | None:
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
@@ -92,7 +91,7 @@ def environment(comm: Any) -> dict[str, Any]:
         "numpy": _version("numpy"),
         "torch": _version("torch"),
         "commlib": commlib.__version__,
-        "git": git_commit(),
+        "git": _git_commit(),
         "cluster_shaped": os.environ.get("COMMLIB_CLUSTER_SHAPED", "0") == "1",
         "cluster_rate_bps": float(rate) if rate else None,
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)},

@@ -158,12 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         print("instructions: valgrind is not on PATH (Debian: apt install valgrind); no figures",
               file=sys.stderr)
         return 0
+    from mpi4py import MPI
+
     ops, calls = (["allreduce"], 500) if args.quick else (args.ops, args.calls)
-    doc = {"benchmark": "instructions", "valgrind": subprocess.run(
-        [valgrind, "--version"], capture_output=True, text=True, check=False).stdout.strip(),
-        "python": sys.version.split()[0], "git": bc.git_commit(), **measure(ops, calls, valgrind)}
-    print(report(doc), flush=True)
-    bc.write_json(args.json, doc)
+    doc = {"benchmark": "instructions", "environment": bc.environment(MPI.COMM_SELF),
+           "valgrind": subprocess.run([valgrind, "--version"], capture_output=True, text=True,
+                                      check=False).stdout.strip(),
+           **measure(ops, calls, valgrind)}
+    bc.publish(args, doc, report)
     return 0
 
 

@@ -132,9 +132,13 @@ def queue_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, 
     Example:
         >>> pos, mag, head = queue_scan(cupy, seg, 0.5, 32, 33, 16, 1 << 16)
     """
+    per_block = _THREADS * _PER_LANE * 4 // seg.itemsize        # elements a block reads a round
+    if 4 * (points + _THREADS // 32) + (seg.itemsize + 4) * per_block > _SHARED_LIMIT:
+        raise ValueError(f"a threshold grid of {points} points does not fit the GPU scan's shared "
+                         f"memory ({_SHARED_LIMIT} bytes a block): use a coarser resolution or a "
+                         f"narrower max_width")
     kernel, sms = _gpu_kernel(xp, "scan_select", seg.dtype.char)
     n = int(seg.size)
-    per_block = _THREADS * _PER_LANE * 4 // seg.itemsize
     grid = _grid(sms, n, per_block)
     if n > _MAX_ROUNDS * grid[0] * per_block:
         raise ValueError(f"{n} elements are more than the GPU scan's {_MAX_ROUNDS} rounds of "
@@ -203,11 +207,6 @@ def gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, le
     """
     n = int(seg.size)
     seg = xp.ascontiguousarray(seg)
-    if 4 * (points + _THREADS // 32) + (seg.itemsize + 4) * _THREADS * _PER_LANE * 4 // seg.itemsize \
-            > _SHARED_LIMIT:
-        raise ValueError(f"a threshold grid of {points} points does not fit the GPU scan's shared "
-                         f"memory ({_SHARED_LIMIT} bytes a block): use a coarser resolution or a "
-                         f"narrower max_width")
     counts = _pinned_counts(1 + points + _TAKE_COUNTERS)
     with _on_device(xp, seg):
         cap = _GPU_CAPACITY.get(n, max(1024, n // 256))

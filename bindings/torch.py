@@ -264,7 +264,7 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
                             self._params[i].element_size(), str(self._params[i].device), self._group_of[i])
                  for i in self._ready_order]
         self.buckets = plan_buckets(specs, self.comm.size, cap_bytes, s.first_cap_bytes, s.last_cap_bytes)
-        self._bucket_of = [0] * len(self._params)
+        self._bucket_of = [-1] * len(self._params)     # -1: a parameter of no element (in no bucket)
         self._flat_params, self._flat_grads, self._shard_grads = [], [], []
         self._grad_views: list[torch.Tensor] = [None] * len(self._params)   # type: ignore[list-item]
         for b in self.buckets:
@@ -313,6 +313,9 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
             if norms is not None:
                 fg = self._flat_grads[b.index]
                 norms.parts += [(idx, fg[bslice]) for idx, _, bslice in b.pieces(self.comm.rank)]
+        for i, b in enumerate(self._bucket_of):
+            if b < 0:       # no element: nothing to average, a .grad of its own
+                self._params[i].grad = self._grad_views[i] = torch.zeros_like(self._params[i])
         self._shard_norms = norms
         if sharded:
             self._build_shard_optimizer()
@@ -329,7 +332,7 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
             index = {id(p): i for i, p in enumerate(self._params)}
             for m in self.model.modules():
                 bs = sorted({self._bucket_of[index[id(p)]] for p in m.parameters(recurse=False)
-                             if id(p) in index})
+                             if id(p) in index} - {-1})
                 if bs:
                     self._hooks.append(self._hook(self._make_forward_hook(bs)).register_on(m))
 
@@ -345,8 +348,8 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
             if not self._gradient_arrived(i, fresh):
                 return
             self._counts[i] += 1
-            if self._counts[i] == self.backward_passes_per_step:
-                b = self._bucket_of[i]
+            b = self._bucket_of[i]
+            if self._counts[i] == self.backward_passes_per_step and b >= 0:
                 self._bucket_need[b] -= 1
                 if self._bucket_need[b] == 0:
                     self._signal(b)

@@ -323,7 +323,7 @@ class TrainingLoop:
         ``torch.autograd.grad``, Opacus-style per-sample clipping): it is this step's gradient, averaged
         as Horovod averages it, through the bucket it belongs to."""
         p, view = self._params[i], self._grad_views[i]
-        if self._signaled[self._bucket_of[i]]:
+        if self._bucket_of[i] >= 0 and self._signaled[self._bucket_of[i]]:
             raise RuntimeError(f"DistributedOptimizer: .grad of parameter #{i} {tuple(p.shape)} was "
                                "assigned after backward() had sent its bucket; modify .grad in place, or "
                                "assign gradients before the step without calling backward()")

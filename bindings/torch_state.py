@@ -158,6 +158,9 @@ class ConsolidatedState:
     _inner: torch.optim.Optimizer
     _params: list[torch.nn.Parameter]
     _group_of: list[int]
+    #: each parameter's bucket (-1: none, a parameter of no element) and ``.grad`` view
+    _bucket_of: list[int]
+    _grad_views: list[torch.Tensor]
     _layouts: list[Layout]
     _flat_params: list[torch.Tensor]
     _flat_grads: list[torch.Tensor]
@@ -207,6 +210,12 @@ class ConsolidatedState:
                 piece.grad = self._flat_grads[b.index][bslice]     # the reduced shard lands here
                 groups[self._group_of[idx]].append(piece)
                 self._pieces.append((piece, idx, pslice, b.index, bslice))
+        for idx, b in enumerate(self._bucket_of):
+            if b < 0:       # of no element: an empty piece on every rank (its state: Adam's step)
+                piece = torch.nn.Parameter(self._params[idx].detach().reshape(-1), requires_grad=True)
+                piece.grad = self._grad_views[idx].reshape(-1)
+                groups[self._group_of[idx]].append(piece)
+                self._pieces.append((piece, idx, slice(0, 0), -1, slice(0, 0)))
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         self._shard_opt = type(self._inner)([{"params": ps, **h} for ps, h in zip(groups, hyper)])
         # state the wrapped optimizer holds already is its pieces': a checkpoint loaded before
@@ -257,7 +266,7 @@ class ConsolidatedState:
         if not self._sharded:
             return {i: self._inner.state[p] for i, p in enumerate(self._params) if p in self._inner.state}
         self._adopt_state_edits()
-        keys: set[str] = set()
+        keys: dict[int, list[str]] = {}     # per parameter: its tensors' keys (per group: amsgrad's)
         scalars: dict[int, dict[str, Any]] = {}
         for piece, idx, *_ in self._pieces:
             st = self._shard_opt.state.get(piece)
@@ -266,23 +275,27 @@ class ConsolidatedState:
             d = scalars.setdefault(idx, {})
             for k, v in st.items():
                 if torch.is_tensor(v) and v.dim() > 0:
-                    keys.add(k)
+                    keys.setdefault(idx, []).append(k)
                 elif torch.is_tensor(v):
                     d[k] = ("tensor", v.item(), dtype_name(v))
                 else:
                     d[k] = ("value", v, None)
-        gathered = self.comm.allgather_object((sorted(keys), scalars),
-                                              label="DistributedOptimizer.state_dict()")
-        all_keys = sorted(set().union(*(set(k) for k, _ in gathered)))
+        gathered = self.comm.allgather_object((keys, scalars), label="DistributedOptimizer.state_dict()")
+        keys_of: dict[int, set[str]] = {}
         out: dict[int, dict[str, Any]] = {}
-        for _, part in gathered:
+        for part_keys, part in gathered:
+            for i, ks in part_keys.items():
+                keys_of.setdefault(i, set()).update(ks)
             for i, d in part.items():
                 st = out.setdefault(i, {})
                 for k, (kind, v, dt) in d.items():
                     st[k] = torch.tensor(v, dtype=getattr(torch, dt)) if kind == "tensor" else v
         rank = self.comm.rank
-        for key in all_keys:
+        for key in sorted(set().union(*keys_of.values())):
             for b in self.buckets:
+                has = [sl for sl in b.slots if key in keys_of.get(sl.index, ())]
+                if not has:         # known alike on every rank: no all-gather of nothing
+                    continue
                 fp = self._flat_params[b.index]
                 flat = torch.zeros(b.padded, dtype=fp.dtype, device=fp.device)
                 for piece, _, _, bi, bslice in self._pieces:
@@ -291,9 +304,13 @@ class ConsolidatedState:
                         flat[bslice] = v
                 base = b.shard(rank).start
                 self.comm.allgather(flat[base:base + b.shard_numel], out=flat, tag="state")
-                for sl in b.slots:
-                    if sl.index in out:
-                        out[sl.index][key] = in_layout(flat, sl.offset, self._layouts[sl.index]).clone()
+                for sl in has:
+                    out[sl.index][key] = in_layout(flat, sl.offset, self._layouts[sl.index]).clone()
+        for piece, idx, _, bi, _ in self._pieces:
+            if bi < 0:      # of no element: every rank holds it whole
+                for k, v in self._shard_opt.state.get(piece, {}).items():
+                    if torch.is_tensor(v) and v.dim() > 0:
+                        out[idx][k] = v.reshape(self._params[idx].shape).clone()
         return out
 
     def _states_by_param(self) -> dict[int, dict[str, Any]]:
@@ -482,8 +499,8 @@ class ConsolidatedState:
             if idx in self._unused.indices:
                 piece.grad = None
         _unhooked(type(self._shard_opt).step)(self._shard_opt)
-        for piece, _, _, bi, bslice in self._pieces:
-            piece.grad = self._flat_grads[bi][bslice]
+        for piece, idx, _, bi, bslice in self._pieces:
+            piece.grad = self._flat_grads[bi][bslice] if bi >= 0 else self._grad_views[idx].reshape(-1)
 
     # ------------------------------------------------------------------ what strategies ask of the state
     def _optimizer_tensors(self) -> list[torch.Tensor]:

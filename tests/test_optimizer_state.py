@@ -460,3 +460,65 @@ def test_a_tuned_checkpoint_rank_0_loads_alone_replans_every_rank_at_the_next_fo
     assert [len(b.slots) for b in opt2.buckets] == [len(b.slots) for b in opt.buckets]
     with opt2.flush():
         assert_close(model2, ref)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["allreduce", "dear"])
+def test_an_empty_parameter_and_per_group_state_keys_are_as_in_one_process(comm, name):
+    """A parameter of no element (a register-token table sized 0 by a config) trains, is saved and
+    resumes as in one process; the state of each parameter has its own group's keys only (Adam's
+    ``max_exp_avg_sq`` in the ``amsgrad`` group, not in the other), checkpointed and loaded back."""
+
+    class Tokens(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.extra = torch.nn.Parameter(torch.zeros(0, 8))     # zero tokens
+            self.inp, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.tanh(self.inp(torch.cat([self.extra, x]))))
+
+    def train(dist: bool, steps: range, model=None, opt=None):
+        if model is None:
+            torch.manual_seed(0)
+            model = Tokens()
+            opt = torch.optim.Adam([{"params": [model.extra, *model.inp.parameters()], "amsgrad": True},
+                                    {"params": list(model.out.parameters()), "weight_decay": 0.1}], lr=0.01)
+            if dist:
+                opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[name](), comm=comm)
+        for step in steps:
+            x, y = batch(step, comm.size)
+            if dist:
+                x, y = rank_part(comm, LOCAL, x, y)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x)[:, :4], y).backward()
+            opt.step()
+        return model, opt
+
+    def assert_state_equal(sd: dict, ref_sd: dict) -> None:
+        assert sd["param_groups"] == ref_sd["param_groups"]
+        assert sorted(sd["state"]) == sorted(ref_sd["state"]), (sd, ref_sd)
+        for i, st in ref_sd["state"].items():
+            assert sorted(sd["state"][i]) == sorted(st), f"param {i}"
+            for k, v in st.items():
+                assert np.shape(sd["state"][i][k]) == np.shape(v), f"param {i} {k}"
+                np.testing.assert_allclose(np.asarray(sd["state"][i][k]), np.asarray(v), rtol=2e-5,
+                                           atol=1e-7, err_msg=f"param {i} {k}")
+
+    ref, ref_opt = train(False, range(4))
+    model, opt = train(True, range(2))
+    ckpt = copy.deepcopy(opt.state_dict())
+    train(True, range(2, 4), model, opt)
+    with opt.flush():
+        assert_close(model, ref)
+        assert_state_equal(opt.state_dict(), ref_opt.state_dict())
+    # resumed from the checkpoint in fresh objects: the same
+    torch.manual_seed(0)
+    model2, opt2 = train(True, range(0), None, None)
+    half, half_opt = train(False, range(2))
+    model2.load_state_dict(half.state_dict())
+    opt2.load_state_dict(ckpt)
+    train(True, range(2, 4), model2, opt2)
+    with opt2.flush():
+        assert_close(model2, ref)
+        assert_state_equal(opt2.state_dict(), ref_opt.state_dict())

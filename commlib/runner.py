@@ -145,13 +145,15 @@ class Runner:
 
     def call(self, op: Op, blocking: bool) -> Any:
         """Run ``op``: its result (``blocking``), else its :class:`Work`."""
-        if blocking:
-            ran, result = self.engine.run_if_idle(self.run_here, op)
-            if ran:
-                return result
+        engine = self.engine
+        if blocking and engine.enter_if_idle():
+            try:
+                return self.run_here(op)
+            finally:
+                engine.leave()
         if self.tracer.path:
             op.submitted_us = self.tracer.now_us()
-        work = self.engine.submit(Work(op, self.wait_work), self.start_work)
+        work = engine.submit(Work(op, self.wait_work), self.start_work)
         return work.wait() if blocking else work
 
     def verdict(self, seq: int, name: str, waited: float, rejections: bool = True) -> CommlibError | None:
@@ -335,13 +337,14 @@ class Runner:
         Example (what :meth:`Communicator.allreduce` does for numpy ``x`` and ``out``):
             >>> runner.call_host("allreduce", 7, backend.allreduce, (x, out, "float32", "sum"), out, x.nbytes)
         """
-        ran, _ = self.engine.run_if_idle(self._post_settle, name, seq, start, args)
-        if ran:
-            return out
-        return self.call(Op(name, start, args, None, out, nbytes, tag, (), seq), True)
-
-    def _post_settle(self, name: str, seq: int, start: Callable[..., Pending], args: tuple) -> None:
-        self.settle(self.post(name, seq, start, args), name, seq)
+        engine = self.engine
+        if not engine.enter_if_idle():
+            return self.call(Op(name, start, args, None, out, nbytes, tag, (), seq), True)
+        try:
+            self.settle(self.post(name, seq, start, args), name, seq)
+        finally:
+            engine.leave()
+        return out
 
     def complete_work(self, work: Work) -> Any:
         """The engine thread's job: start ``work`` if still queued, wait for it, finish it.

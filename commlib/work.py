@@ -116,7 +116,7 @@ class ProgressEngine:
 
     ``complete(work)`` starts ``work.op`` if ``work.started`` is ``None``,
     waits for it and finishes it on the engine's thread.  A caller completes
-    operations itself when the engine is idle (:meth:`run_if_idle`, the
+    operations itself when the engine is idle (:meth:`enter_if_idle`, the
     ``start`` of :meth:`submit`) or when it waits for the next queued one
     (:meth:`claim`).  An operation is always completed by one thread, so no
     MPI request is ever waited on by two threads.
@@ -198,15 +198,29 @@ class ProgressEngine:
             self._poke()
         return work
 
-    def run_if_idle(self, fn: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
-        """Run ``fn(*args)`` on this thread if nothing is queued or running: ``(True, fn(*args))``;
-        else ``(False, None)``.  Submissions from other threads wait meanwhile."""
-        with self._lock:
+    def enter_if_idle(self) -> bool:
+        """Hold the engine on this thread if nothing is queued or running: True, and the caller
+        runs its operation then calls :meth:`leave` (submissions from other threads wait
+        meanwhile); else False.
+
+        Example (what a blocking call does):
+            >>> if engine.enter_if_idle():
+            ...     try:
+            ...         result = run_here(op)       # post and wait on this thread
+            ...     finally:
+            ...         engine.leave()
+        """
+        self._lock.acquire()
+        if self._closed or self._pending:
+            self._lock.release()
             if self._closed:
                 raise CommlibError(f"{self._name}: communicator is closed")
-            if self._pending:
-                return False, None
-            return True, fn(*args)
+            return False
+        return True
+
+    def leave(self) -> None:
+        """End :meth:`enter_if_idle`'s hold."""
+        self._lock.release()
 
     def claim(self, work: Work) -> bool:
         """Take ``work`` off the queue if it is next and the thread has not picked it up;

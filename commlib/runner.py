@@ -283,6 +283,10 @@ class Runner:
             return start(*args)
         except CommAbortedError as err:   # the backend failed at launch (NCCL): abort everywhere
             self.fail(err, name, seq)
+        except Exception as exc:    # MPI refused to post it: peers may be inside it already
+            err = CommAbortedError(f"{name} #{seq}: rank {self.rank} could not post it: {exc!r}")
+            err.__cause__ = exc
+            self.fail(err, "?", seq - 1)    # shown aborted before it: peers in it are not fellow waiters
 
     def settle(self, p: Pending, name: str, seq: int) -> None:
         """Wait for the posted operation ``seq`` on this thread and run its finish step.

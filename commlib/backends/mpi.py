@@ -64,6 +64,13 @@ def _same(a: Any, b: Any) -> bool:
     return _may_overlap(a, b) and _ptr(a) == _ptr(b)
 
 
+def _apart(send: Any, recv: Any) -> Any:
+    """``send``, or a copy of it where it overlaps ``recv`` (host arrays; MPI forbids aliased
+    buffers, and the in-place forms are decided before): ``reduce_scatter(x, out=x[chunk])``,
+    an ``out`` shifted over ``x``, an ``allgatherv`` input inside its output."""
+    return send.copy() if type(send) is np.ndarray and _may_overlap(send, recv) else send
+
+
 def _ptr(a: Any) -> int:
     if isinstance(a, np.ndarray):       # mpi4py's buffer: 0.2 us; __array_interface__ builds a dict: 1 us
         return MPI.buffer(a).address
@@ -135,7 +142,7 @@ class MPIBackend:
             if send is not recv and send.base is None and recv.base is None:
                 sbuf = send     # two arrays that own their memory are apart (_may_overlap's first test)
             else:
-                sbuf = MPI.IN_PLACE if send is recv or _same(send, recv) else send
+                sbuf = MPI.IN_PLACE if send is recv or _same(send, recv) else _apart(send, recv)
             req = self.comm.Iallreduce(sbuf, recv, _MPI_OPS[op])
             return Pending(req.Test, None if op != "avg" else lambda: _divide(recv, self.size, dtype), req)
         upcast = dtype == "bfloat16"
@@ -145,7 +152,7 @@ class MPIBackend:
             req = self.comm.Iallreduce(MPI.IN_PLACE, work, _MPI_OPS[op])
         else:
             work = hrecv
-            sbuf = MPI.IN_PLACE if hsend is hrecv or _same(hsend, hrecv) else hsend
+            sbuf = MPI.IN_PLACE if hsend is hrecv or _same(hsend, hrecv) else _apart(hsend, hrecv)
             req = self.comm.Iallreduce(sbuf, hrecv, _MPI_OPS[op])
 
         def finish() -> None:
@@ -160,7 +167,7 @@ class MPIBackend:
     def reduce_scatter(self, send: Any, recv: Any, dtype: str, op: str,
                        counts: Sequence[int], ctx: CallerStream | None = None) -> Pending:
         if type(send) is np.ndarray and type(recv) is np.ndarray and dtype != "bfloat16":
-            req = self.comm.Ireduce_scatter(send, recv, counts, _MPI_OPS[op])
+            req = self.comm.Ireduce_scatter(_apart(send, recv), recv, counts, _MPI_OPS[op])
             return Pending(req.Test, None if op != "avg" else lambda: _divide(recv, self.size, dtype), req)
         upcast = dtype == "bfloat16"
         (hsend, hrecv), back = self._host(send, recv, ctx=ctx, force=upcast)
@@ -170,7 +177,7 @@ class MPIBackend:
             req = self.comm.Ireduce_scatter(s, work, counts, _MPI_OPS[op])
         else:
             work = hrecv
-            req = self.comm.Ireduce_scatter(hsend, hrecv, counts, _MPI_OPS[op])
+            req = self.comm.Ireduce_scatter(_apart(hsend, hrecv), hrecv, counts, _MPI_OPS[op])
 
         def finish() -> None:
             if op == "avg":
@@ -183,18 +190,19 @@ class MPIBackend:
 
     def allgather(self, send: Any, recv: Any, dtype: str, ctx: CallerStream | None = None) -> Pending:
         if type(send) is np.ndarray and type(recv) is np.ndarray:
-            req = self.comm.Iallgather(MPI.IN_PLACE if self._gathers_in_place(send, recv) else send, recv)
+            req = self.comm.Iallgather(
+                MPI.IN_PLACE if self._gathers_in_place(send, recv) else _apart(send, recv), recv)
             return Pending(req.Test, None, req)
         (hsend, hrecv), back = self._host(send, recv, ctx=ctx)
         inplace = not back and self._gathers_in_place(hsend, hrecv)
-        req = self.comm.Iallgather(MPI.IN_PLACE if inplace else hsend, hrecv)
+        req = self.comm.Iallgather(MPI.IN_PLACE if inplace else _apart(hsend, hrecv), hrecv)
         return Pending(req.Test, lambda: self._copy_back(back, recv), req)
 
     def allgatherv(self, send: Any, recv: Any, dtype: str, counts: Sequence[int],
                    ctx: CallerStream | None = None) -> Pending:
         (hsend, hrecv), back = self._host(send, recv, ctx=ctx)
         displs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(int).tolist()
-        req = self.comm.Iallgatherv(hsend, [hrecv, list(counts), displs, None])
+        req = self.comm.Iallgatherv(_apart(hsend, hrecv), [hrecv, list(counts), displs, None])
         return Pending(req.Test, lambda: self._copy_back(back, recv), req)
 
     def broadcast(self, buf: Any, dtype: str, root: int, ctx: CallerStream | None = None) -> Pending:

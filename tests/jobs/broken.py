@@ -336,11 +336,28 @@ def syncswitch_load_on_rank0_unbroadcast() -> None:
     report_and_end()
 
 
-CASES = {f.__name__: f for f in (rejected, rejected_while_peers_are_late, deadlock, never_arrives,
-                                  stall_made_an_error, only_rank0, unwaited, closed_early, state_on_rank0,
-                                  state_on_rank0_with_syncbn, state_on_rank0_at_the_end, norm_on_rank0,
-                                  values_on_rank0, call_while_ops_in_flight, syncswitch_load_on_rank0,
-                                  syncswitch_load_on_rank0_unbroadcast)}
+def refused_at_post() -> None:
+    """MPI refuses to post an operation on rank 0 (the backend raises: aliased buffers, say): rank 0
+    raises ``CommAbortedError`` (the cause attached) and its peers, already inside the operation,
+    fail at once, naming rank 0, instead of waiting for the timeout."""
+    c = fresh(timeout=60)
+    if c.rank == 0:
+        def refuse(*args, **kwargs):
+            raise RuntimeError("buffers must not be aliased")
+        c._host_backend.allreduce = refuse
+    t0 = time.monotonic()
+    err = expect(commlib.CommAbortedError, lambda: c.allreduce(np.ones(4)),
+                 "could not post it" if c.rank == 0 else "rank 0 aborted")
+    assert c.rank != 0 or isinstance(err.__cause__, RuntimeError)
+    assert time.monotonic() - t0 < 30, "peers must not wait for the timeout"
+    report_and_end()
+
+
+CASES = {f.__name__: f for f in (refused_at_post, rejected, rejected_while_peers_are_late, deadlock,
+                                  never_arrives, stall_made_an_error, only_rank0, unwaited, closed_early,
+                                  state_on_rank0, state_on_rank0_with_syncbn, state_on_rank0_at_the_end,
+                                  norm_on_rank0, values_on_rank0, call_while_ops_in_flight,
+                                  syncswitch_load_on_rank0, syncswitch_load_on_rank0_unbroadcast)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]]()

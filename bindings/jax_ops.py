@@ -97,8 +97,10 @@ def broadcast(x: Any, root: int = 0, comm: commlib.Communicator | None = None) -
         >>> params = jax.tree.map(lambda p: broadcast(p, 0), params)
     """
     comm = _checked("broadcast", x, comm)
-    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < comm.size:
+    if (isinstance(root, (bool, np.bool_)) or not isinstance(root, (int, np.integer))
+            or not 0 <= root < comm.size):
         raise ValidationError(f"broadcast: root {root!r}: expected an int in [0, {comm.size})")
+    root = int(root)        # numpy's integers too, as the communicator's broadcast takes them
     if not is_tracer(x):
         return _eager(comm.broadcast(x, root), x.shape)
     mine = comm.rank == root

@@ -386,6 +386,11 @@ def as_view(x: Any, name: str, read_only: bool = False) -> View:
     dt = None
     if kind == "numpy":
         arr = x if x.flags.c_contiguous else _read_copy(x, np.ascontiguousarray, name, kind, read_only)
+        if not arr.dtype.isnative:      # the other byte order: MPI would read its bytes as this machine's
+            if not read_only:
+                raise ValidationError(f"{name}: dtype {arr.dtype.str} is not in this machine's byte order; "
+                                      "pass x.astype(x.dtype.newbyteorder('='))")
+            arr = arr.astype(arr.dtype.newbyteorder("="))
         writable = bool(arr.flags.writeable)
     elif kind == "cupy":
         arr = x if x.flags.c_contiguous else _read_copy(

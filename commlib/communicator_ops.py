@@ -182,21 +182,26 @@ class CommunicatorOps:
 
     def _allgatherv(self, x: Any, counts: Sequence[int] | None, out: Any,
                     tag: str | None) -> Op:
+        check = self.config.check       # check mode: the counts travel, given or not, and are compared
         try:
             v = as_view(x, "allgatherv: x", read_only=True)
         except ValidationError as exc:
-            if counts is None:
-                if self.config.check:
+            if counts is None or check:
+                if check:
                     self._control.agree("allgatherv", self._seq, [], exc)
                 self._control.exchange_counts(-1, self._seq)
             raise
-        if counts is None:
-            if self.config.check:   # the same call everywhere before the counts travel
+        if counts is None or check:
+            if check:   # the same call everywhere before the counts travel
                 self._control.agree("allgatherv", self._seq, fingerprint("allgatherv", v), None)
-            counts = self._control.exchange_counts(v.count, self._seq)
-            if min(counts) < 0:
-                bad = [r for r, c in enumerate(counts) if c < 0]
+            actual = self._control.exchange_counts(v.count, self._seq)
+            if min(actual) < 0:
+                bad = [r for r, c in enumerate(actual) if c < 0]
                 raise ValidationError(f"allgatherv: ranks {bad} rejected their input")
+            if counts is not None and [int(c) for c in counts] != actual:
+                raise ValidationError(f"allgatherv: counts {[int(c) for c in counts]} were given, but the "
+                                      f"ranks' inputs have {actual} elements")
+            counts = actual if counts is None else counts
         counts = [int(c) for c in counts]
         if len(counts) != self.size or min(counts, default=0) < 0:
             raise ValidationError(
@@ -244,7 +249,7 @@ class CommunicatorOps:
         return self._call("allgatherv", self._allgatherv, (x, counts, out, tag), False)
 
     def _broadcast(self, x: Any, root: int, out: Any, tag: str | None) -> Op:
-        v = as_view(x, "broadcast: x")
+        v = as_view(x, "broadcast: x", read_only=out is not None and out is not x)
         if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
             raise ValidationError(f"broadcast: root {root!r} is not a rank of 0..{self.size - 1}")
         root = int(root)

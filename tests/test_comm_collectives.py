@@ -309,3 +309,84 @@ def test_complex_numbers_have_no_max_or_min(comm):
     got = comm.allreduce(torch.from_numpy(x).conj())
     assert got.dtype == torch.complex64 and not got.is_conj()
     assert_close(got.numpy(), expected.conj(), "complex64")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_an_out_overlapping_x_receives_the_result(comm, mode, kind):
+    """``out`` and ``x`` may share memory without being one array (MPI forbids aliased buffers:
+    a raw error on one rank and a hang on the others, or MPICH's abort of the job): this rank's
+    chunk of ``x`` as reduce_scatter's ``out`` (ZeRO's in-place shard), an ``out`` shifted over
+    ``x``, an allgather(v) input inside its output but not at its own block."""
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+    n, size, rank = 10, comm.size, comm.rank
+    every = all_inputs(size, n, "float64")
+    counts = commlib.split_counts(n, size)
+    lo = sum(counts[:rank])
+
+    def arr(a: np.ndarray):
+        return torch.from_numpy(a) if kind == "torch" else a
+
+    def call(name, x, **kw):
+        return _mode_call(comm, mode, name, x, **kw)
+
+    x = every[rank].copy()
+    call("reduce_scatter", arr(x), out=arr(x[lo:lo + counts[rank]]))       # its own chunk of x
+    assert_close(x[lo:lo + counts[rank]], np.array_split(every.sum(0), size)[rank], "float64")
+    x = every[rank].copy()
+    call("reduce_scatter", arr(x), out=arr(x[:counts[rank]]))               # the start of x
+    assert_close(x[:counts[rank]], np.array_split(every.sum(0), size)[rank], "float64")
+    buf = np.zeros(n + 1)
+    buf[:n] = every[rank]
+    call("allreduce", arr(buf[:n]), out=arr(buf[1:]))                       # shifted by one element
+    assert_close(buf[1:], every.sum(0), "float64")
+    out = np.zeros(size * 3 + 1)
+    out[1:4] = every[rank, :3]                  # inside the output, not at this rank's block
+    call("allgather", arr(out[1:4]), out=arr(out[:size * 3]))
+    assert_close(out[:size * 3], every[:, :3].reshape(-1), "float64")
+    mine = every[rank, :rank + 1]
+    out = np.zeros(size * (size + 1) // 2)
+    start = rank * (rank + 1) // 2              # at its own displacement: the in-place form
+    out[start:start + rank + 1] = mine
+    call("allgatherv", arr(out[start:start + rank + 1]), out=arr(out))
+    assert_close(out, np.concatenate([every[r, :r + 1] for r in range(size)]), "float64")
+    out = np.zeros(size * (size + 1) // 2 + 1)
+    out[-rank - 1:] = mine                      # at the end: elsewhere
+    call("allgatherv", arr(out[len(out) - rank - 1:]), out=arr(out[:-1]))
+    assert_close(out[:-1], np.concatenate([every[r, :r + 1] for r in range(size)]), "float64")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_other_byte_order_is_read_through_a_copy_and_refused_in_place(comm):
+    """A big-endian array on this (little-endian) machine: read, it is converted (MPI would read
+    its bytes as native numbers: 2 << 56 for 2); written (in place, or as ``out``), refused alike
+    on every rank, before any rank enters the operation."""
+    n = 6
+    every = all_inputs(comm.size, n, "int64")
+    for dt in (">i8", ">f4"):
+        x = every[comm.rank].astype(dt)
+        for op in ("sum", "max"):
+            got = comm.allreduce(x, op=op)
+            assert got.dtype.isnative
+            assert_close(got, reference(op, every), "float64")
+        assert_close(comm.allgather(x), every, "float64")
+        spare = comm.split(0)
+        with pytest.raises(commlib.ValidationError, match="byte order"):
+            spare.allreduce(x, out=x)
+        np.testing.assert_array_equal(spare.allreduce(np.ones(2)), np.full(2, comm.size))   # alike: usable
+        spare.close()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
+def test_broadcast_reads_a_non_contiguous_x_into_out(comm, mode):
+    """With ``out``, broadcast only reads ``x`` (on the root): a transpose is read through a copy,
+    as the other operations read theirs."""
+    inputs = np.stack([rank_input(r, 12, "float32").reshape(3, 4) for r in range(comm.size)])
+    for root in range(comm.size):
+        out = np.zeros((4, 3), np.float32)
+        got = _mode_call(comm, mode, "broadcast", inputs[comm.rank].T, root=root, out=out)
+        assert got is out
+        assert_close(out, inputs[root].T, "float32")

@@ -256,3 +256,20 @@ def test_nccl_without_a_gpu_per_rank_raises_on_every_rank_before_any_nccl_call()
     assert c.backend == "mpi"
     np.testing.assert_array_equal(c.allreduce(np.ones(2)), np.full(2, c.size))
     c.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_check_mode_compares_given_allgatherv_counts_on_every_rank():
+    """``COMMLIB_CHECK=1``: ``allgatherv``'s counts travel even when given; counts that are not the
+    ranks' (rank 0 wrong about rank 1's) raise ``ValidationError`` on every rank instead of each rank
+    gathering its own idea of the layout; ranks that give counts and ranks that do not agree."""
+    c = fresh(check=True, timeout=30)
+    x = np.arange(c.rank + 1.0)
+    right = list(range(1, c.size + 1))
+    wrong = [1, 1, *right[2:]] if c.rank == 0 else right
+    with pytest.raises(commlib.ValidationError, match=r"rank 0 rejected its input: .*counts \[1, 1"):
+        c.allgatherv(x, counts=wrong)
+    want = np.concatenate([np.arange(r + 1.0) for r in range(c.size)])
+    np.testing.assert_array_equal(c.allgatherv(x, counts=right if c.rank % 2 else None), want)
+    c.close()
+

@@ -63,7 +63,7 @@ def test_complex_numbers_are_summed_averaged_and_moved(comm, mode):
     x = jnp.asarray(every[comm.rank]).astype(jnp.complex64)
     root = comm.size - 1
     got = run(mode, lambda v: (allreduce(v, "sum", comm), allreduce(v, "avg", comm), allgather(v, comm),
-                               broadcast(v, root, comm)), x)
+                               broadcast(v, np.int64(root), comm)), x)     # numpy's integer: a root too
     for g, w in zip(got, (every.sum(0), every.mean(0), every, every[root])):
         assert g.dtype == jnp.complex64 and g.shape == w.shape
         np.testing.assert_allclose(np.asarray(g), w, rtol=1e-6)

@@ -78,6 +78,39 @@ def test_syncswitch_through_distributed_optimizer_keeps_replicas_identical_at_bs
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("bsp", ["allreduce", "dear"])
+def test_adams_state_that_parted_in_asp_agrees_again_at_bsp(comm, bsp):
+    """AdamW through BSP -> ASP -> BSP where a branch runs on rank 0 alone during ASP: there rank 0
+    alone has (or advances) that parameter's state and every rank its own ``step`` counts.  At the
+    return to BSP the state is averaged over the union of the ranks' entries, 0-dim ``step`` included
+    (missing entries count as zeros): the replicas then stay identical, bit for bit (step counts
+    that stayed apart took them apart by 6e-3; entries only rank 0 held paired its all-reduces with
+    other calls: NaN, then a hang)."""
+    inner = AllReduce(cap_mb=0.0003) if bsp == "allreduce" else DeAR(cap_mb=0.0003)
+    model = make_model(comm.rank)
+    model.branch = torch.nn.Parameter(torch.randn(4, generator=torch.Generator().manual_seed(5)))
+    ss = SyncSwitch(bsp=inner, policy=SchedulePolicy([(0, "bsp"), (2, "asp"), (6, "bsp")]))
+    opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, strategy=ss,
+                               comm=comm, find_unused_parameters=True)
+    for step in range(10):
+        x, y = batch(step + 17 * comm.rank, comm.size)
+        opt.zero_grad()
+        out = model(x[:LOCAL])
+        if step >= 6 or (step >= 2 and comm.rank == 0):     # rank 0 alone during ASP
+            out = out + model.branch
+        torch.nn.functional.mse_loss(out, y[:LOCAL]).backward()
+        opt.step()
+    assert ss.phase == "bsp"
+    opt.flush()
+    same_on_all_ranks(comm, model)
+    state = opt.state_dict()["state"]       # whole under DeAR too (a collective)
+    at = [i for i, p in enumerate(model.parameters()) if p is model.branch or p is model.fc1.weight]
+    steps = comm.allgather(np.array([float(state[i]["step"]) for i in at]))
+    assert all(np.array_equal(s, steps[0]) for s in steps), steps
+    ss.close()
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("agree", [False, True])
 def test_grad_scalers_that_drifted_in_asp_agree_again_by_the_readme_recipe(comm, agree):
     """Under ASP one rank's GradScaler skips an overflowed step and halves its scale alone; back at BSP

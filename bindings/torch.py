@@ -72,6 +72,7 @@ from .torch_params import InFlight
 from .torch_phases import PhaseSwitches
 from .torch_replicas import ReplicaLoads
 from .torch_state import ConsolidatedState, shard_problem
+from .torch_state_average import AveragedState
 from .torch_unused import OutsideParameters
 
 __all__ = ["DistributedOptimizer", "SyncBatchNorm", "broadcast_parameters", "broadcast_optimizer_state",
@@ -91,8 +92,8 @@ class _Flush:
         return None
 
 
-class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, ConsolidatedState, PhaseSwitches,
-                           ReplicaLoads, torch.optim.Optimizer):
+class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, ConsolidatedState, AveragedState,
+                           PhaseSwitches, ReplicaLoads, torch.optim.Optimizer):
     """Wrap ``optimizer`` so that ``step()`` trains ``model`` data-parallel over ``comm``.
 
     ``strategy``: a :class:`collectives.Strategy` (default :class:`collectives.AllReduce`).

@@ -20,7 +20,6 @@ Example:
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -502,42 +501,3 @@ class ConsolidatedState:
         _unhooked(type(self._shard_opt).step)(self._shard_opt)
         for piece, idx, _, bi, bslice in self._pieces:
             piece.grad = self._flat_grads[bi][bslice] if bi >= 0 else self._grad_views[idx].reshape(-1)
-
-    # ------------------------------------------------------------------ what strategies ask of the state
-    def _average_optimizer_state(self) -> None:
-        """Every rank's optimizer state tensors become the ranks' average (a collective; SelSync's
-        synced steps, Sync-Switch's return to BSP): the 0-dim ones too (Adam's ``step``: a rank that
-        stepped alone, in ASP or past a GradScaler's skip, counts as the others then), over the union
-        of the ranks' entries (a parameter or key a rank has no state for counts as zeros there and
-        gets the average), so that every rank makes the same calls.  Integer tensors take the max."""
-        st = self._inner.state
-        mine = sorted((i, k, tuple(v.shape), dtype_name(v)) for i, p in enumerate(self._params)
-                      for k, v in st.get(p, {}).items() if torch.is_tensor(v))
-        crc = zlib.crc32(repr(mine).encode())
-        both = self.comm.allreduce(np.array([crc, -crc], np.int64), "max", tag="optstate-layout")
-        layout = mine
-        if both[0] != -both[1]:         # the ranks hold different entries: their union
-            union: dict[tuple[int, str], tuple[tuple[int, ...], str]] = {}
-            for entries in self.comm.allgather_object(mine, label="optimizer state layout"):
-                for i, k, shape, dt in entries:
-                    if union.setdefault((i, k), (shape, dt)) != (shape, dt):
-                        raise ValueError(f"DistributedOptimizer: state {k!r} of parameter #{i} differs in "
-                                         f"shape or dtype across ranks: {union[(i, k)]} and {(shape, dt)}")
-            layout = sorted((i, k, *v) for (i, k), v in union.items())
-        scalars = []        # real 0-dim tensors (a step count per parameter): one all-reduce for all
-        for i, k, shape, dt in layout:
-            entry = st[self._params[i]]
-            t = entry.get(k)
-            if t is None:
-                t = entry[k] = torch.zeros(shape, dtype=getattr(torch, dt), device=self._params[i].device)
-            if t.is_floating_point() and t.dim() == 0:
-                scalars.append(t)
-            elif t.is_floating_point() or t.is_complex():
-                self.comm.allreduce(t, "avg", out=t, tag="optstate")
-            elif dt.startswith("int"):
-                self.comm.allreduce(t, "max", out=t, tag="optstate")
-        if scalars:
-            values = torch.stack([t.to("cpu", torch.float64) for t in scalars])
-            self.comm.allreduce(values, "avg", out=values, tag="optstate")
-            for t, v in zip(scalars, values):
-                t.copy_(v)

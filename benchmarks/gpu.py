@@ -253,10 +253,10 @@ def selection(comm: Any, cupy: Any, numel: int, density: float, settle: int, rou
     n_above, n_at = int(hist[j + 1:points].sum()), int(hist[j])
 
     def kernels() -> Any:
-        pos, mag, head = gpu_select.queue_scan(cupy, acc, floor, resolution, points,
-                                               policy.store_from(), 2 * found + 1024)
+        pos, mag, _, work = gpu_select.queue_scan(cupy, acc, floor, resolution, points,
+                                                  policy.store_from(), 2 * found + 1024)
         return gpu_select.queue_take(cupy, pos[:found], mag[:found], floor, resolution, points, j,
-                                     take[0], n_at, n_above, head[1 + points:])
+                                     take[0], n_at, n_above, work)
 
     same_kernels = bool(np.array_equal(np.sort(cupy.asnumpy(kernels())), np.sort(ref)))
     queued = queued_time(cupy, kernels, 100)

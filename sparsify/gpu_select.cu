@@ -96,12 +96,17 @@ template<typename T>
 __global__ void __launch_bounds__(WARPS * 32, 4)
 scan_select(const T* __restrict__ x, long long n, T floor_v, float floor_f, float resolution,
             int points, int store_from, long long cap, long long* __restrict__ pos,
-            T* __restrict__ mag, unsigned long long* __restrict__ head)
+            T* __restrict__ mag, unsigned long long* __restrict__ head,
+            unsigned long long* __restrict__ counts)
 {
-    // head[0]: candidates kept (bins >= store_from); head[1 + j]: candidates in bin j (points > 0)
+    // head (zero at the start; the last block to finish leaves it zeroed again, so that no
+    // memset comes before the next scan): [0] candidates kept (bins >= store_from); [1 + j]
+    // candidates in bin j (points > 0); [1 + points] blocks done.  The last block copies
+    // [0, 1 + points) to counts.
     constexpr int PL = PER_LANE * 4 / sizeof(T);   // elements a lane reads per round: 64 bytes
     extern __shared__ unsigned int hist[];     // points counters, then one per warp
     __shared__ unsigned long long base;
+    __shared__ bool s_last;
     // each warp's stage: the candidates it kept in earlier rounds, then this round's, staged so
     // that all its lanes bin them (a candidate is a few in a hundred elements: binned where found,
     // a warp would run with one lane in 32).  The kept ones go out when a warp's stage is half
@@ -210,6 +215,18 @@ scan_select(const T* __restrict__ x, long long n, T floor_v, float floor_f, floa
     write_staged(sv, sa, listed, __shfl_sync(FULL, first, 0), w_first, stride, cap, pos, mag);
     for (int j = threadIdx.x; j < points; j += blockDim.x)
         if (hist[j]) atomicAdd(&head[1 + j], (unsigned long long)hist[j]);
+    __threadfence();                           // this block's counts, before it counts as done
+    __syncthreads();
+    if (threadIdx.x == 0)
+        s_last = atomicAdd(&head[1 + points], 1ull) == (unsigned long long)(gridDim.x - 1);
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    for (int j = threadIdx.x; j <= points; j += blockDim.x) {
+        counts[j] = __ldcg(&head[j]);
+        head[j] = 0ull;
+    }
+    if (threadIdx.x == 0) head[1 + points] = 0ull;
 }
 
 // Warp 0 of a block (every lane calls it): of the items counted in counts[0, n) (n a multiple of
@@ -286,8 +303,10 @@ __device__ unsigned long long radix_select(long long N, KeyAt key_at, Member mem
 // it, and the exact largest of that bucket's members (a few in a thousand of the stage, kept in
 // shared memory) by a radix select, to out[n_above, n_above + take).
 // heads: [0] above written, [1] staged, [2] blocks done, [3] unused, [4, 4 + FINE) the fine
-// histogram; zero at the start (the scan's), and the last block zeroes them again.
+// histogram; zero at the start (the scratch is zeroed once, when made), and the last block
+// zeroes them again.
 #define LIST_CAP 2048
+static_assert(FINE == 2 * TAKE_THREADS, "the take's last block holds two fine buckets a thread");
 template<typename T>
 __global__ void __launch_bounds__(TAKE_THREADS)
 take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag, long long m,
@@ -304,7 +323,7 @@ take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag, long
     __shared__ long long s_lpos[LIST_CAP];     // (and their positions)
     __shared__ unsigned int wsum[32], digits[256];
     __shared__ unsigned long long base, s_lo_inv, s_hi;
-    __shared__ unsigned int s_last, s_digit, s_kept, s_listed, s_kept2, s_ties;
+    __shared__ unsigned int s_last, s_digit, s_kept, s_listed, s_kept2, s_ties, s_cut_n;
     __shared__ long long s_need;
     const bool all_at = take >= n_at, select = take > 0 && !all_at;
     const long long up_cap = n_above + (all_at ? n_at : 0);
@@ -355,28 +374,49 @@ take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag, long
     }
     __threadfence();
     // the last block: every block's stage and counts are written
-    const long long staged = min((long long)*(volatile unsigned long long*)&heads[1], n_at);
-    for (int d = threadIdx.x; d < FINE; d += blockDim.x)
-        fine[d] = (unsigned int)*(volatile unsigned long long*)&heads[4 + d];
-    if (threadIdx.x == 0) { s_digit = 0u; s_need = 0; }
+    const long long staged = min((long long)__ldcg(&heads[1]), n_at);
+    // the bucket where the count from the top reaches `take`, with the whole block: thread t
+    // holds buckets FINE - 1 - 2t and FINE - 2 - 2t, a block-wide scan counts those above them
+    // (one warp searching the FINE counters took 3.3 K cycles of the H200's last block)
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const unsigned int below = (1u << lane) - 1u;
+    const int top = FINE - 1 - 2 * (int)threadIdx.x;
+    const unsigned int c_hi = (unsigned int)__ldcg(&heads[4 + top]);
+    const unsigned int c_lo = (unsigned int)__ldcg(&heads[4 + top - 1]);
+    const unsigned int incl = warp_scan(c_hi + c_lo);
+    if (lane == 31) wsum[wid] = incl;
+    if (threadIdx.x == 0) { s_digit = 0u; s_need = 0; s_cut_n = 0u; }
     __syncthreads();
-    if (threadIdx.x < 32) warp_find_from_top(fine, FINE, take, &s_digit, &s_need);
+    if (wid == 0) { const unsigned int w = wsum[lane]; wsum[lane] = warp_scan(w) - w; }
+    __syncthreads();
+    {
+        const long long above = (long long)wsum[wid] + (long long)(incl - c_hi - c_lo);
+        if (above < take && take <= above + (long long)c_hi) {
+            s_digit = (unsigned int)top; s_need = take - above; s_cut_n = c_hi;
+        } else if (above + (long long)c_hi < take && take <= above + (long long)(c_hi + c_lo)) {
+            s_digit = (unsigned int)(top - 1); s_need = take - above - (long long)c_hi; s_cut_n = c_lo;
+        }
+    }
     __syncthreads();
     const unsigned int cut = s_digit;          // the crossing bucket
     const long long need = s_need;             // how many of its members are taken
-    const bool whole = need >= (long long)fine[cut];
+    const bool whole = need >= (long long)s_cut_n;
     // one pass over the stage (4 keys and their positions a thread in flight: a position loaded
     // only once its key is known to go out made each step wait for the L2 twice): the buckets
-    // above the cut go out; the cut's members are listed
+    // above the cut go out; the cut's members are listed.  A warp reserves its 4 steps' slots
+    // with one shared atomic a counter (one a step and counter was 8 from each of 32 warps on
+    // two addresses)
     for (long long s0 = 0; s0 < staged; s0 += 4 * (long long)blockDim.x) {
         U k4[4];
         long long p4[4];
+        unsigned int km[4], mm[4];
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const long long s = s0 + e * (long long)blockDim.x + threadIdx.x;
             k4[e] = s < staged ? __ldcg(&at_key[s]) : U(0);
             p4[e] = s < staged ? __ldcg(&at_pos[s]) : 0ll;
         }
+        unsigned int nk = 0u, nm = 0u;
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const long long s = s0 + e * (long long)blockDim.x + threadIdx.x;
@@ -386,14 +426,32 @@ take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag, long
                 keep = d > cut || (d == cut && whole);
                 member = d == cut && !whole;
             }
-            const unsigned int slot = warp_append(keep, &s_kept);
-            const unsigned int lslot = warp_append(member, &s_listed);
-            if (keep && (long long)slot < take) out[n_above + slot] = p4[e];
-            if (member) {
+            km[e] = __ballot_sync(FULL, keep);
+            mm[e] = __ballot_sync(FULL, member);
+            nk += __popc(km[e]);
+            nm += __popc(mm[e]);
+        }
+        unsigned int kb = 0u, mb = 0u;
+        if (lane == 0) {
+            if (nk) kb = atomicAdd(&s_kept, nk);
+            if (nm) mb = atomicAdd(&s_listed, nm);
+        }
+        kb = __shfl_sync(FULL, kb, 0);
+        mb = __shfl_sync(FULL, mb, 0);
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            if ((km[e] >> lane) & 1u) {
+                const unsigned int slot = kb + __popc(km[e] & below);
+                if ((long long)slot < take) out[n_above + slot] = p4[e];
+            }
+            if ((mm[e] >> lane) & 1u) {
+                const unsigned int lslot = mb + __popc(mm[e] & below);
                 if (lslot < LIST_CAP) { s_lkey[lslot] = k4[e]; s_lpos[lslot] = p4[e]; }
                 atomicMax(&s_hi, (unsigned long long)k4[e]);
                 atomicMax(&s_lo_inv, ~(unsigned long long)k4[e]);
             }
+            kb += __popc(km[e]);
+            mb += __popc(mm[e]);
         }
     }
     __syncthreads();

@@ -48,7 +48,7 @@ _TAKE_THREADS = 1024
 #: the take's fine buckets of the boundary bin (FINE in the source)
 _FINE = 2048
 #: the take's device counters (``heads`` in the source: 4 and the boundary bin's fine histogram
-#: of FINE buckets), allocated and zeroed with the scan's
+#: of FINE buckets), in the scratch after the scan's (:func:`_scratch`)
 _TAKE_COUNTERS = 4 + _FINE
 #: by itemsize: the float format and the unsigned integer of its bits (:func:`_key`)
 _KEY_FORMATS = {4: (struct.Struct("<f"), struct.Struct("<I")), 8: (struct.Struct("<d"), struct.Struct("<Q"))}
@@ -64,6 +64,10 @@ _GPU_KERNELS: dict[tuple[int, str, str], tuple[Any, int]] = {}
 _GPU_CAPACITY: dict[int, int] = {}
 #: each thread's page-locked buffer for the scan's counts (:func:`_pinned_counts`)
 _PINNED = threading.local()
+#: each thread's device scratch by (device, stream, points) (:func:`_scratch`)
+_SCRATCH = threading.local()
+#: scratches a thread keeps (a thread that cycles through more streams makes new ones)
+_SCRATCH_KEPT = 16
 #: shared memory a block may take without opting in (the scan's stage and histogram)
 _SHARED_LIMIT = 48 << 10
 
@@ -121,16 +125,36 @@ def _pinned_counts(length: int) -> np.ndarray:
     return buf[:length]
 
 
+def _scratch(xp: Any, points: int) -> Any:
+    """This thread's device scratch for a scan of ``points`` bins and its takes, on the current
+    device and stream: the scan's counters (``2 + points``), the take's (:data:`_TAKE_COUNTERS`),
+    then the scan's counts out (``1 + points``).  The counters are zeroed once, when the scratch
+    is made, and each kernel's last block leaves its own zeroed again (no memset before each
+    scan: it was 2 us of the H200's 63); a scratch is one stream's, so that kernels on two
+    streams never share counters."""
+    cache = getattr(_SCRATCH, "by_key", None)
+    if cache is None:
+        cache = _SCRATCH.by_key = {}
+    key = (current_device(), xp.cuda.get_current_stream().ptr, points)
+    buf = cache.get(key)
+    if buf is None:
+        if len(cache) >= _SCRATCH_KEPT:
+            cache.clear()
+        buf = cache[key] = xp.zeros(2 + points + _TAKE_COUNTERS + 1 + points, xp.uint64)
+    return buf
+
+
 def queue_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, store_from: int,
-               cap: int) -> tuple[Any, Any, Any]:
+               cap: int) -> tuple[Any, Any, Any, Any]:
     """Queue the GPU scan kernel on the current stream (nothing waits) over contiguous ``seg``:
-    room for ``cap`` candidates in ``(positions, magnitudes)``, and ``head``: [0] the candidates
+    room for ``cap`` candidates in ``(positions, magnitudes)``; ``counts``: [0] the candidates
     of bins ``>= store_from`` (all of them were kept if it is ``<= cap``), [1 + j] those of bin
-    ``j``, then the take's counters (zero).  :func:`~sparsify.kernels.scan_binned` is the whole
-    scan; this is its kernel alone, for benchmarks and profiles.
+    ``j``; and ``work``: the take's counters (zero; :func:`queue_take`'s).
+    :func:`~sparsify.kernels.scan_binned` is the whole scan; this is its kernel alone, for
+    benchmarks and profiles.
 
     Example:
-        >>> pos, mag, head = queue_scan(cupy, seg, 0.5, 32, 33, 16, 1 << 16)
+        >>> pos, mag, counts, work = queue_scan(cupy, seg, 0.5, 32, 33, 16, 1 << 16)
     """
     per_block = _THREADS * _PER_LANE * 4 // seg.itemsize        # elements a block reads a round
     if 4 * (points + _THREADS // 32) + (seg.itemsize + 4) * per_block > _SHARED_LIMIT:
@@ -145,12 +169,14 @@ def queue_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, 
                          f"{grid[0]} blocks cover")
     pos = xp.empty(cap, xp.int64)
     mag = xp.empty(cap, seg.dtype)
-    head = xp.zeros(1 + points + _TAKE_COUNTERS, xp.uint64)
+    scratch = _scratch(xp, points)
+    head, work = scratch[:2 + points], scratch[2 + points:2 + points + _TAKE_COUNTERS]
+    counts = scratch[2 + points + _TAKE_COUNTERS:]
     kernel(grid, (_THREADS,),
            (seg, np.int64(n), seg.dtype.type(floor), np.float32(floor), np.float32(resolution),
-            np.int32(points), np.int32(store_from), np.int64(cap), pos, mag, head),
+            np.int32(points), np.int32(store_from), np.int64(cap), pos, mag, head, counts),
            shared_mem=4 * (points + _THREADS // 32))
-    return pos, mag, head
+    return pos, mag, counts, work
 
 
 def queue_take(xp: Any, pos: Any, mags: Any, floor: float, resolution: float, points: int, j: int,
@@ -158,11 +184,11 @@ def queue_take(xp: Any, pos: Any, mags: Any, floor: float, resolution: float, po
     """Queue the GPU take kernel on the current stream (nothing waits): of the candidates
     ``(pos, mags)`` (all of bin ``j`` and above among them), the positions of the ``n_above``
     above bin ``j`` and the ``take`` largest of bin ``j``'s ``n_at``, in a new array.  ``work``:
-    the take's zeroed counters (:func:`queue_scan`'s ``head`` past the histogram; the kernel
-    leaves them zeroed).  :func:`~sparsify.kernels.take_scan` is the whole take; this is its kernel alone.
+    the take's zeroed counters (:func:`queue_scan`'s; the kernel leaves them zeroed).
+    :func:`~sparsify.kernels.take_scan` is the whole take; this is its kernel alone.
 
     Example:
-        >>> out = queue_take(cupy, pos, mag, 0.5, 32, 33, 17, 90, 300, 24_910, head[34:])
+        >>> out = queue_take(cupy, pos, mag, 0.5, 32, 33, 17, 90, 300, 24_910, work)
     """
     out = xp.empty(n_above + take, xp.int64)
     if n_above + take == 0:
@@ -199,20 +225,19 @@ def gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, le
              store_from: int = 0) -> tuple[Any, Any, Any, Any]:
     """The one-pass GPU scan (see module docs) of float32/float64 ``seg``: positions
     and magnitudes of the candidates of bins ``>= store_from``, the host histogram of every
-    candidate, length ``length`` (``None`` when 0), and the take's zeroed counters (zeroed with
-    the scan's: one fill, not two).
+    candidate, length ``length`` (``None`` when 0), and the take's zeroed counters.
 
     Example:
         >>> pos, mags, hist, work = gpu_scan(cupy, seg, 0.5, 32, 33, 41, 14)
     """
     n = int(seg.size)
     seg = xp.ascontiguousarray(seg)
-    counts = _pinned_counts(1 + points + _TAKE_COUNTERS)
+    counts = _pinned_counts(1 + points)
     with _on_device(xp, seg):
         cap = _GPU_CAPACITY.get(n, max(1024, n // 256))
         while True:
-            pos, mag, head = queue_scan(xp, seg, floor, resolution, points, store_from, cap)
-            head.get(out=counts)                    # the one host synchronisation
+            pos, mag, on_device, work = queue_scan(xp, seg, floor, resolution, points, store_from, cap)
+            on_device.get(out=counts)               # the one host synchronisation
             found = int(counts[0])
             if found <= cap:
                 break
@@ -221,7 +246,7 @@ def gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, le
     if length:
         hist = np.zeros(length, np.int64)
         hist[:points] = counts[1:1 + points]
-    return pos[:found], mag[:found], hist, head[1 + points:]
+    return pos[:found], mag[:found], hist, work
 
 
 def gpu_take(xp: Any, scan: Scan, j: int, take: int) -> Any:

@@ -93,8 +93,8 @@ class Scan(NamedTuple):
     candidate (a host array); ``stored_from``: the lowest bin whose candidates
     were kept (0 on the host; on the GPU the scan keeps the bins near the
     predicted boundary only, and :func:`take_scan` scans again when the boundary
-    falls below them); ``work``: on the GPU, the take's device counters (zeroed by the scan,
-    and again by each take).
+    falls below them); ``work``: on the GPU, the take's device counters (zero: each take
+    leaves them zeroed).
     """
 
     pos: Any

@@ -312,6 +312,35 @@ def test_gpu_take_keeps_the_host_selection(n, dtype):
 
 
 @pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)
+def test_gpu_takes_on_two_streams_keep_their_own_counters():
+    """The kernels' counters live in a scratch of the stream's (zeroed once, left zeroed by each
+    kernel): two takes queued at once on two streams, and scans with no take between them, keep
+    the host's selection."""
+    import cupy
+
+    x = np.random.default_rng(11).standard_normal(1 << 22).astype(np.float32)
+    d = cupy.asarray(x)
+    host = scan_binned(np, x, 0.5, 8, 33, 33)
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    scans = []
+    for stream in streams:
+        with stream:
+            scan_binned(cupy, d, 0.5, 8, 33, 33, 6)          # a scan whose take never comes
+            scans.append(scan_binned(cupy, d, 0.5, 8, 33, 33, 6))
+    for j in (9, 12):
+        take = int(host.hist[j]) // 2
+        got = []
+        for stream, scan in zip(streams, scans):
+            with stream:
+                got.append(take_scan(cupy, scan, j, take))
+        for stream in streams:
+            stream.synchronize()
+        want = np.sort(take_scan(np, host, j, take))
+        for g in got:
+            np.testing.assert_array_equal(np.sort(cupy.asnumpy(g)), want)
+
+
+@pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_gpu_take_with_ties_at_the_cut(dtype):
     """Magnitudes on a coarse lattice: many equal at the cut.  The GPU take keeps exactly

@@ -39,6 +39,38 @@ __device__ __forceinline__ unsigned long long block_reserve(unsigned int want,
     return first;
 }
 
+// block_reserve for two counters at once (want_a, want_b at most 1: the block's totals fit 16
+// bits each, so one scan carries both): the first slots to *first_a and *first_b; the warps'
+// offsets scanned by warp 0 and both atomics issued by one lane.  base holds two words.
+__device__ __forceinline__ void block_reserve2(unsigned int want_a, unsigned int want_b,
+                                               unsigned long long* counter_a,
+                                               unsigned long long* counter_b, unsigned int* wsum,
+                                               unsigned long long* base,
+                                               unsigned long long* first_a,
+                                               unsigned long long* first_b)
+{
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const unsigned int want = want_a | (want_b << 16);
+    const unsigned int incl = warp_scan(want);
+    if (lane == 31) wsum[wid] = incl;
+    __syncthreads();
+    if (wid == 0) {
+        const unsigned int w = lane < nwarps ? wsum[lane] : 0u;
+        const unsigned int wi = warp_scan(w);
+        if (lane < nwarps) wsum[lane] = wi - w;
+        if (lane == 31) {
+            const unsigned int ra = wi & 0xffffu, rb = wi >> 16;
+            base[0] = ra ? atomicAdd(counter_a, (unsigned long long)ra) : 0ull;
+            base[1] = rb ? atomicAdd(counter_b, (unsigned long long)rb) : 0ull;
+        }
+    }
+    __syncthreads();
+    const unsigned int before = wsum[wid] + (incl - want);
+    *first_a = base[0] + (before & 0xffffu);
+    *first_b = base[1] + (before >> 16);
+    __syncthreads();                           // wsum and base are reused by the next call
+}
+
 // This lane's slot among its warp's lanes that `want`, after one atomic add (by the first of
 // them) on a counter; every lane of the warp must call it.
 __device__ __forceinline__ unsigned int warp_append(bool want, unsigned int* counter)
@@ -294,19 +326,26 @@ __device__ unsigned long long radix_select(long long N, KeyAt key_at, Member mem
     return prefix;
 }
 
-// The take, over the m kept candidates (all of bin j and above among them).  Every block writes
-// the positions of those above bin j to out[0, n_above) (and bin j's too when all of it is
-// taken), and, when only `take` of bin j's n_at are, stages bin j's (position, key) and counts
-// them in FINE buckets of the key (monotonic: (key - fine_base) >> fine_shift, clipped; the
-// host spreads the bin's key range over them).  The last block to finish finds the bucket
-// where the count from the top reaches `take`, writes the stage's members of the buckets above
-// it, and the exact largest of that bucket's members (a few in a thousand of the stage, kept in
-// shared memory) by a radix select, to out[n_above, n_above + take).
-// heads: [0] above written, [1] staged, [2] blocks done, [3] unused, [4, 4 + FINE) the fine
-// histogram; zero at the start (the scratch is zeroed once, when made), and the last block
-// zeroes them again.
-#define LIST_CAP 2048
-static_assert(FINE == 2 * TAKE_THREADS, "the take's last block holds two fine buckets a thread");
+// The take's fine bucket of a key: (key - fine_base) >> fine_shift, clipped to [0, FINE)
+// (monotonic; the host spreads the boundary bin's key range over the FINE buckets).
+__device__ __forceinline__ unsigned int fine_bucket(unsigned long long key, unsigned long long fine_base,
+                                                    int fine_shift)
+{
+    const unsigned long long d = key < fine_base ? 0ull : (key - fine_base) >> fine_shift;
+    return d > FINE - 1 ? FINE - 1 : (unsigned int)d;
+}
+
+// The take's counters (`heads`): [0] above written, [1] staged, [2] take_boundary's blocks done,
+// [3] take_cut's written, [4] the crossing bucket's members listed, [5] take_cut's blocks done,
+// [TAKE_FINE_AT, + FINE) the boundary bin's fine histogram.  Zero at the start (the scratch is
+// zeroed once, when made); the take's last kernel leaves them zeroed again.
+#define TAKE_FINE_AT 8
+
+// The take, first kernel, over the m kept candidates (all of bin j and above among them).  Every
+// block writes the positions of those above bin j to out[0, n_above) (and bin j's too when all of
+// it is taken), and, when only `take` of bin j's n_at are, stages bin j's (position, key) in
+// at_buf (n_at positions, then n_at keys) and counts them in the FINE fine buckets: take_cut
+// then takes the largest `take` of them.
 template<typename T>
 __global__ void __launch_bounds__(TAKE_THREADS)
 take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag, long long m,
@@ -316,27 +355,18 @@ take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag, long
               unsigned long long* __restrict__ heads)
 {
     typedef typename Key<T>::U U;
-    long long* const at_pos = at_buf;          // the stage: n_at positions, then n_at keys
+    long long* const at_pos = at_buf;
     U* const at_key = reinterpret_cast<U*>(at_buf + n_at);
     __shared__ unsigned int fine[FINE];
-    __shared__ U s_lkey[LIST_CAP];             // the last block: the crossing bucket's members
-    __shared__ long long s_lpos[LIST_CAP];     // (and their positions)
-    __shared__ unsigned int wsum[32], digits[256];
-    __shared__ unsigned long long base, s_lo_inv, s_hi;
-    __shared__ unsigned int s_last, s_digit, s_kept, s_listed, s_kept2, s_ties, s_cut_n;
-    __shared__ long long s_need;
+    __shared__ unsigned int wsum[32];
+    __shared__ unsigned long long base2[2];
+    __shared__ bool s_last;
     const bool all_at = take >= n_at, select = take > 0 && !all_at;
     const long long up_cap = n_above + (all_at ? n_at : 0);
-    auto bucket = [&](U key) -> unsigned int {
-        const unsigned long long d = (unsigned long long)key < fine_base
-            ? 0ull : ((unsigned long long)key - fine_base) >> fine_shift;
-        return d > FINE - 1 ? FINE - 1 : (unsigned int)d;
-    };
-    for (int d = threadIdx.x; d < FINE; d += blockDim.x) fine[d] = 0u;
-    if (threadIdx.x == 0) {
-        s_lo_inv = 0ull; s_hi = 0ull; s_kept = 0u; s_listed = 0u; s_kept2 = 0u; s_ties = 0u;
+    if (select) {
+        for (int d = threadIdx.x; d < FINE; d += blockDim.x) fine[d] = 0u;
+        __syncthreads();
     }
-    __syncthreads();
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long start = (long long)blockIdx.x * blockDim.x; start < m; start += stride) {
         const long long i = start + threadIdx.x;
@@ -350,39 +380,59 @@ take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag, long
             key = Key<T>::of(a);
         }
         if (!__syncthreads_or(up || at)) continue;
-        const unsigned long long s_up = block_reserve(up, &heads[0], wsum, &base);
-        const unsigned long long s_at = block_reserve(at, &heads[1], wsum, &base);
+        unsigned long long s_up, s_at;
+        block_reserve2(up, at, &heads[0], &heads[1], wsum, base2, &s_up, &s_at);
         if (up && s_up < (unsigned long long)up_cap) out[s_up] = pos[i];
         if (at && s_at < (unsigned long long)n_at) {
             at_pos[s_at] = pos[i];
             at_key[s_at] = key;
-            atomicAdd(&fine[bucket(key)], 1u);
+            atomicAdd(&fine[fine_bucket(key, fine_base, fine_shift)], 1u);
         }
     }
     __syncthreads();
-    if (select)
+    if (select) {                              // take_cut comes next and zeroes the counters
         for (int d = threadIdx.x; d < FINE; d += blockDim.x)
-            if (fine[d]) atomicAdd(&heads[4 + d], (unsigned long long)fine[d]);
-    __threadfence();                           // this block's writes, before it counts as done
+            if (fine[d]) atomicAdd(&heads[TAKE_FINE_AT + d], (unsigned long long)fine[d]);
+        return;
+    }
+    // nothing comes next: the last block to finish zeroes the counters
+    __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) s_last = atomicAdd(&heads[2], 1ull) == (unsigned long long)(gridDim.x - 1);
     __syncthreads();
-    if (!s_last) return;
-    if (!select) {                             // the last block leaves the counters zeroed for the
-        if (threadIdx.x < 3) heads[threadIdx.x] = 0ull;        // next take on this scan
-        return;
-    }
-    __threadfence();
-    // the last block: every block's stage and counts are written
-    const long long staged = min((long long)__ldcg(&heads[1]), n_at);
-    // the bucket where the count from the top reaches `take`, with the whole block: thread t
-    // holds buckets FINE - 1 - 2t and FINE - 2 - 2t, a block-wide scan counts those above them
-    // (one warp searching the FINE counters took 3.3 K cycles of the H200's last block)
+    if (s_last && threadIdx.x < 3) heads[threadIdx.x] = 0ull;
+}
+
+// The take, second kernel (when 0 < take < n_at), over take_boundary's stage: every block finds
+// the fine bucket where the count from the top reaches `take` (the cut), writes the stage's
+// members of the buckets above it to out[n_above, ...) and lists the cut's members in list_buf
+// (at_buf + 2 n_at: positions, then keys); the last block to finish writes the exact largest
+// `need` of the cut's members by a radix select and zeroes the counters.  (In one block, the
+// pass over the stage took the H200 ~6 us of the take's 16.)
+static_assert(FINE == 2 * TAKE_THREADS, "take_cut's blocks hold two fine buckets a thread");
+template<typename T>
+__global__ void __launch_bounds__(TAKE_THREADS)
+take_cut(const long long* __restrict__ at_buf, long long n_at, long long take, long long n_above,
+         unsigned long long fine_base, int fine_shift, long long* __restrict__ out,
+         unsigned long long* __restrict__ heads)
+{
+    typedef typename Key<T>::U U;
+    const long long* const at_pos = at_buf;
+    const U* const at_key = reinterpret_cast<const U*>(at_buf + n_at);
+    long long* const l_pos = const_cast<long long*>(at_buf) + 2 * n_at;
+    U* const l_key = reinterpret_cast<U*>(l_pos + n_at);
+    __shared__ unsigned int wsum[32], digits[256];
+    __shared__ unsigned long long base2[2], s_lo_inv, s_hi;
+    __shared__ unsigned int s_digit, s_cut_n, s_kept2, s_ties;
+    __shared__ long long s_need;
+    __shared__ bool s_last;
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    const unsigned int below = (1u << lane) - 1u;
+    const long long staged = min((long long)__ldcg(&heads[1]), n_at);
+    // the cut, with the whole block: thread t holds buckets FINE - 1 - 2t and FINE - 2 - 2t, a
+    // block-wide scan counts those above them
     const int top = FINE - 1 - 2 * (int)threadIdx.x;
-    const unsigned int c_hi = (unsigned int)__ldcg(&heads[4 + top]);
-    const unsigned int c_lo = (unsigned int)__ldcg(&heads[4 + top - 1]);
+    const unsigned int c_hi = (unsigned int)__ldcg(&heads[TAKE_FINE_AT + top]);
+    const unsigned int c_lo = (unsigned int)__ldcg(&heads[TAKE_FINE_AT + top - 1]);
     const unsigned int incl = warp_scan(c_hi + c_lo);
     if (lane == 31) wsum[wid] = incl;
     if (threadIdx.x == 0) { s_digit = 0u; s_need = 0; s_cut_n = 0u; }
@@ -401,90 +451,67 @@ take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag, long
     const unsigned int cut = s_digit;          // the crossing bucket
     const long long need = s_need;             // how many of its members are taken
     const bool whole = need >= (long long)s_cut_n;
-    // one pass over the stage (4 keys and their positions a thread in flight: a position loaded
-    // only once its key is known to go out made each step wait for the L2 twice): the buckets
-    // above the cut go out; the cut's members are listed.  A warp reserves its 4 steps' slots
-    // with one shared atomic a counter (one a step and counter was 8 from each of 32 warps on
-    // two addresses)
-    for (long long s0 = 0; s0 < staged; s0 += 4 * (long long)blockDim.x) {
-        U k4[4];
-        long long p4[4];
-        unsigned int km[4], mm[4];
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const long long s = s0 + e * (long long)blockDim.x + threadIdx.x;
-            k4[e] = s < staged ? __ldcg(&at_key[s]) : U(0);
-            p4[e] = s < staged ? __ldcg(&at_pos[s]) : 0ll;
+    // (every thread has read wsum before the barrier above: block_reserve2 may reuse it)
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long start = (long long)blockIdx.x * blockDim.x; start < staged; start += stride) {
+        const long long s = start + threadIdx.x;
+        bool keep = false, member = false;
+        U key = 0;
+        long long p = 0;
+        if (s < staged) {
+            key = __ldcg(&at_key[s]);
+            p = __ldcg(&at_pos[s]);
+            const unsigned int d = fine_bucket(key, fine_base, fine_shift);
+            keep = d > cut || (d == cut && whole);
+            member = d == cut && !whole;
         }
-        unsigned int nk = 0u, nm = 0u;
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const long long s = s0 + e * (long long)blockDim.x + threadIdx.x;
-            bool keep = false, member = false;
-            if (s < staged) {
-                const unsigned int d = bucket(k4[e]);
-                keep = d > cut || (d == cut && whole);
-                member = d == cut && !whole;
-            }
-            km[e] = __ballot_sync(FULL, keep);
-            mm[e] = __ballot_sync(FULL, member);
-            nk += __popc(km[e]);
-            nm += __popc(mm[e]);
-        }
-        unsigned int kb = 0u, mb = 0u;
-        if (lane == 0) {
-            if (nk) kb = atomicAdd(&s_kept, nk);
-            if (nm) mb = atomicAdd(&s_listed, nm);
-        }
-        kb = __shfl_sync(FULL, kb, 0);
-        mb = __shfl_sync(FULL, mb, 0);
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            if ((km[e] >> lane) & 1u) {
-                const unsigned int slot = kb + __popc(km[e] & below);
-                if ((long long)slot < take) out[n_above + slot] = p4[e];
-            }
-            if ((mm[e] >> lane) & 1u) {
-                const unsigned int lslot = mb + __popc(mm[e] & below);
-                if (lslot < LIST_CAP) { s_lkey[lslot] = k4[e]; s_lpos[lslot] = p4[e]; }
-                atomicMax(&s_hi, (unsigned long long)k4[e]);
-                atomicMax(&s_lo_inv, ~(unsigned long long)k4[e]);
-            }
-            kb += __popc(km[e]);
-            mb += __popc(mm[e]);
-        }
+        if (!__syncthreads_or(keep || member)) continue;
+        unsigned long long f_keep, f_mem;
+        block_reserve2(keep, member, &heads[3], &heads[4], wsum, base2, &f_keep, &f_mem);
+        if (keep && f_keep < (unsigned long long)take) out[n_above + f_keep] = p;
+        if (member && f_mem < (unsigned long long)n_at) { l_pos[f_mem] = p; l_key[f_mem] = key; }
     }
+    __threadfence();                           // this block's writes, before it counts as done
     __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(&heads[5], 1ull) == (unsigned long long)(gridDim.x - 1);
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
     if (!whole) {
-        // the need largest of the cut's members: from the list (or the stage, when they overflow it)
-        const bool listed = s_listed <= LIST_CAP;
-        const long long N = listed ? (long long)s_listed : staged;
-        auto key_at = [&](long long i) -> U { return listed ? s_lkey[i] : __ldcg(&at_key[i]); };
-        auto is_member = [&](U key) -> bool { return listed || bucket(key) == cut; };
+        // the need largest of the cut's members, by a radix select over their offsets from the
+        // smallest
+        const long long N = min((long long)__ldcg(&heads[4]), n_at);
+        if (threadIdx.x == 0) { s_hi = 0ull; s_lo_inv = 0ull; s_kept2 = 0u; s_ties = 0u; }
+        __syncthreads();
+        for (long long i = threadIdx.x; i < N; i += blockDim.x) {
+            const unsigned long long k = (unsigned long long)__ldcg(&l_key[i]);
+            atomicMax(&s_hi, k);
+            atomicMax(&s_lo_inv, ~k);
+        }
+        __syncthreads();
+        auto key_at = [&](long long i) -> U { return __ldcg(&l_key[i]); };
+        auto any = [](U) -> bool { return true; };
         const unsigned long long lo = ~s_lo_inv;
         long long ties = 0;
-        const unsigned long long kth = radix_select<U>(N, key_at, is_member, lo, s_hi - lo, need,
+        const unsigned long long kth = radix_select<U>(N, key_at, any, lo, s_hi - lo, need,
                                                        digits, &s_digit, &s_need, &ties);
         const long long first = n_above + take - need, larger = need - ties;
         for (long long i0 = 0; i0 < N; i0 += blockDim.x) {
             const long long i = i0 + threadIdx.x;
             bool keep = false, tie = false;
             if (i < N) {
-                const U key = key_at(i);
-                if (is_member(key)) {
-                    const unsigned long long off = (unsigned long long)key - lo;
-                    keep = off > kth;
-                    tie = off == kth;
-                }
+                const unsigned long long off = (unsigned long long)key_at(i) - lo;
+                keep = off > kth;
+                tie = off == kth;
             }
-            const long long p = (keep || tie) ? (listed ? s_lpos[i] : __ldcg(&at_pos[i])) : 0ll;
+            const long long p = (keep || tie) ? __ldcg(&l_pos[i]) : 0ll;
             const unsigned int slot = warp_append(keep, &s_kept2);
             const unsigned int tslot = warp_append(tie, &s_ties);
             if (keep && (long long)slot < larger) out[first + slot] = p;
             if (tie && (long long)tslot < ties) out[first + larger + tslot] = p;
         }
     }
-    __syncthreads();                           // every thread has read the counters
-    if (threadIdx.x < 3) heads[threadIdx.x] = 0ull;
-    for (int d = threadIdx.x; d < FINE; d += blockDim.x) heads[4 + d] = 0ull;
+    __syncthreads();                           // every block has read the counters
+    if (threadIdx.x < TAKE_FINE_AT) heads[threadIdx.x] = 0ull;
+    for (int d = threadIdx.x; d < FINE; d += blockDim.x) heads[TAKE_FINE_AT + d] = 0ull;
 }

@@ -47,13 +47,15 @@ _THREADS = 256
 _TAKE_THREADS = 1024
 #: the take's fine buckets of the boundary bin (FINE in the source)
 _FINE = 2048
-#: the take's device counters (``heads`` in the source: 4 and the boundary bin's fine histogram
-#: of FINE buckets), in the scratch after the scan's (:func:`_scratch`)
-_TAKE_COUNTERS = 4 + _FINE
+#: the take's device counters (``heads`` in the source: 8, TAKE_FINE_AT, and the boundary bin's
+#: fine histogram of FINE buckets), in the scratch after the scan's (:func:`_scratch`)
+_TAKE_COUNTERS = 8 + _FINE
 #: by itemsize: the float format and the unsigned integer of its bits (:func:`_key`)
 _KEY_FORMATS = {4: (struct.Struct("<f"), struct.Struct("<I")), 8: (struct.Struct("<d"), struct.Struct("<Q"))}
 #: by itemsize: the float format's largest finite value
 _LARGEST = {4: float(np.finfo(np.float32).max), 8: float(np.finfo(np.float64).max)}
+#: the kernels of the CUDA source
+_KERNELS = ("scan_select", "take_boundary", "take_cut")
 #: the kernels' CUDA source (shipped beside this module)
 _CUDA_FILE = Path(__file__).with_name("gpu_select.cu")
 #: by device: the compiled module and the device's multiprocessor count
@@ -87,7 +89,7 @@ def gpu_source() -> str:
 
 
 def _gpu_kernel(xp: Any, name: str, dtype: str) -> tuple[Any, int]:
-    """Kernel ``name`` (``scan_select``, ``take_boundary``) for ``dtype`` (a type character of
+    """Kernel ``name`` (one of :data:`_KERNELS`) for ``dtype`` (a type character of
     :data:`GPU_TYPES`) on the current device, and
     the device's multiprocessor count (compiled once per device, looked up once per kernel)."""
     dev = current_device()
@@ -95,7 +97,7 @@ def _gpu_kernel(xp: Any, name: str, dtype: str) -> tuple[Any, int]:
     if entry is None:
         module = _GPU_MODULES.get(dev)
         if module is None:
-            names = [f"{k}<{t}>" for k in ("scan_select", "take_boundary") for t in GPU_TYPES.values()]
+            names = [f"{k}<{t}>" for k in _KERNELS for t in GPU_TYPES.values()]
             mod = xp.RawModule(code=gpu_source(), options=("-std=c++14",), name_expressions=names)
             sms = int(xp.cuda.Device(dev).attributes["MultiProcessorCount"])
             module = _GPU_MODULES[dev] = (mod, sms)
@@ -157,7 +159,8 @@ def queue_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, 
         >>> pos, mag, counts, work = queue_scan(cupy, seg, 0.5, 32, 33, 16, 1 << 16)
     """
     per_block = _THREADS * _PER_LANE * 4 // seg.itemsize        # elements a block reads a round
-    if 4 * (points + _THREADS // 32) + (seg.itemsize + 4) * per_block > _SHARED_LIMIT:
+    hist_words = points + _THREADS // 32
+    if 4 * hist_words + (seg.itemsize + 4) * per_block > _SHARED_LIMIT:
         raise ValueError(f"a threshold grid of {points} points does not fit the GPU scan's shared "
                          f"memory ({_SHARED_LIMIT} bytes a block): use a coarser resolution or a "
                          f"narrower max_width")
@@ -175,7 +178,7 @@ def queue_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, 
     kernel(grid, (_THREADS,),
            (seg, np.int64(n), seg.dtype.type(floor), np.float32(floor), np.float32(resolution),
             np.int32(points), np.int32(store_from), np.int64(cap), pos, mag, head, counts),
-           shared_mem=4 * (points + _THREADS // 32))
+           shared_mem=4 * hist_words)
     return pos, mag, counts, work
 
 
@@ -194,13 +197,20 @@ def queue_take(xp: Any, pos: Any, mags: Any, floor: float, resolution: float, po
     if n_above + take == 0:
         return out
     kernel, sms = _gpu_kernel(xp, "take_boundary", mags.dtype.char)
-    stage = xp.empty(2 * n_at if 0 < take < n_at else 1, xp.int64)   # positions, then keys
+    select = 0 < take < n_at
+    # the stage: bin j's positions and keys, then the cut's members' (take_cut's list)
+    stage = xp.empty(4 * n_at if select else 1, xp.int64)
     m = int(pos.size)
     base, shift = _fine_buckets(mags.dtype, floor, resolution, points, j)
     kernel(_grid(sms, m, _TAKE_THREADS), (_TAKE_THREADS,),
            (pos, mags, np.int64(m), np.float32(floor), np.float32(resolution), np.int32(points),
             np.int32(j), np.int64(take), np.int64(n_at), np.int64(n_above), np.uint64(base),
             np.int32(shift), out, stage, work))
+    if select:
+        cut, _ = _gpu_kernel(xp, "take_cut", mags.dtype.char)
+        cut(_grid(sms, n_at, _TAKE_THREADS), (_TAKE_THREADS,),
+            (stage, np.int64(n_at), np.int64(take), np.int64(n_above), np.uint64(base),
+             np.int32(shift), out, work))
     return out
 
 

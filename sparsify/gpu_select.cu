@@ -410,6 +410,7 @@ take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag, long
 // `need` of the cut's members by a radix select and zeroes the counters.  (In one block, the
 // pass over the stage took the H200 ~6 us of the take's 16.)
 static_assert(FINE == 2 * TAKE_THREADS, "take_cut's blocks hold two fine buckets a thread");
+#define LIST_CAP 2048
 template<typename T>
 __global__ void __launch_bounds__(TAKE_THREADS)
 take_cut(const long long* __restrict__ at_buf, long long n_at, long long take, long long n_above,
@@ -422,11 +423,19 @@ take_cut(const long long* __restrict__ at_buf, long long n_at, long long take, l
     long long* const l_pos = const_cast<long long*>(at_buf) + 2 * n_at;
     U* const l_key = reinterpret_cast<U*>(l_pos + n_at);
     __shared__ unsigned int wsum[32], digits[256];
+    __shared__ U s_lkey[LIST_CAP];             // the last block: the cut's members
+    __shared__ long long s_lpos[LIST_CAP];     // (and their positions)
     __shared__ unsigned long long base2[2], s_lo_inv, s_hi;
     __shared__ unsigned int s_digit, s_cut_n, s_kept2, s_ties;
     __shared__ long long s_need;
     __shared__ bool s_last;
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    // the block's first stage entry is loaded with the counters (one wait on the L2, not two:
+    // the stage has n_at slots, so the load needs no count)
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long s_first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    U key = s_first < n_at ? __ldcg(&at_key[s_first]) : U(0);
+    long long p = s_first < n_at ? __ldcg(&at_pos[s_first]) : 0ll;
     const long long staged = min((long long)__ldcg(&heads[1]), n_at);
     // the cut, with the whole block: thread t holds buckets FINE - 1 - 2t and FINE - 2 - 2t, a
     // block-wide scan counts those above them
@@ -452,15 +461,14 @@ take_cut(const long long* __restrict__ at_buf, long long n_at, long long take, l
     const long long need = s_need;             // how many of its members are taken
     const bool whole = need >= (long long)s_cut_n;
     // (every thread has read wsum before the barrier above: block_reserve2 may reuse it)
-    const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long start = (long long)blockIdx.x * blockDim.x; start < staged; start += stride) {
         const long long s = start + threadIdx.x;
         bool keep = false, member = false;
-        U key = 0;
-        long long p = 0;
         if (s < staged) {
-            key = __ldcg(&at_key[s]);
-            p = __ldcg(&at_pos[s]);
+            if (s != s_first) {
+                key = __ldcg(&at_key[s]);
+                p = __ldcg(&at_pos[s]);
+            }
             const unsigned int d = fine_bucket(key, fine_base, fine_shift);
             keep = d > cut || (d == cut && whole);
             member = d == cut && !whole;
@@ -479,17 +487,20 @@ take_cut(const long long* __restrict__ at_buf, long long n_at, long long take, l
     __threadfence();
     if (!whole) {
         // the need largest of the cut's members, by a radix select over their offsets from the
-        // smallest
+        // smallest; the members are read once, into shared memory (unless more than LIST_CAP:
+        // then from the list each time)
         const long long N = min((long long)__ldcg(&heads[4]), n_at);
+        const bool listed = N <= LIST_CAP;
         if (threadIdx.x == 0) { s_hi = 0ull; s_lo_inv = 0ull; s_kept2 = 0u; s_ties = 0u; }
         __syncthreads();
         for (long long i = threadIdx.x; i < N; i += blockDim.x) {
-            const unsigned long long k = (unsigned long long)__ldcg(&l_key[i]);
-            atomicMax(&s_hi, k);
-            atomicMax(&s_lo_inv, ~k);
+            const U k = __ldcg(&l_key[i]);
+            if (listed) { s_lkey[i] = k; s_lpos[i] = __ldcg(&l_pos[i]); }
+            atomicMax(&s_hi, (unsigned long long)k);
+            atomicMax(&s_lo_inv, ~(unsigned long long)k);
         }
         __syncthreads();
-        auto key_at = [&](long long i) -> U { return __ldcg(&l_key[i]); };
+        auto key_at = [&](long long i) -> U { return listed ? s_lkey[i] : __ldcg(&l_key[i]); };
         auto any = [](U) -> bool { return true; };
         const unsigned long long lo = ~s_lo_inv;
         long long ties = 0;
@@ -504,7 +515,7 @@ take_cut(const long long* __restrict__ at_buf, long long n_at, long long take, l
                 keep = off > kth;
                 tie = off == kth;
             }
-            const long long p = (keep || tie) ? __ldcg(&l_pos[i]) : 0ll;
+            const long long p = (keep || tie) ? (listed ? s_lpos[i] : __ldcg(&l_pos[i])) : 0ll;
             const unsigned int slot = warp_append(keep, &s_kept2);
             const unsigned int tslot = warp_append(tie, &s_ties);
             if (keep && (long long)slot < larger) out[first + slot] = p;

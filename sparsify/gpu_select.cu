@@ -372,8 +372,10 @@ take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag, long
         const long long i = start + threadIdx.x;
         bool up = false, at = false;
         U key = 0;
+        long long p = 0;
         if (i < m) {
             const T a = mag[i];
+            p = pos[i];                        // with the magnitude: not a wait after the reservation
             const int b = grid_bin((float)a, floor_f, resolution, points);
             up = b > j || (b == j && all_at);
             at = b == j && select;
@@ -382,9 +384,9 @@ take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag, long
         if (!__syncthreads_or(up || at)) continue;
         unsigned long long s_up, s_at;
         block_reserve2(up, at, &heads[0], &heads[1], wsum, base2, &s_up, &s_at);
-        if (up && s_up < (unsigned long long)up_cap) out[s_up] = pos[i];
+        if (up && s_up < (unsigned long long)up_cap) out[s_up] = p;
         if (at && s_at < (unsigned long long)n_at) {
-            at_pos[s_at] = pos[i];
+            at_pos[s_at] = p;
             at_key[s_at] = key;
             atomicAdd(&fine[fine_bucket(key, fine_base, fine_shift)], 1u);
         }

@@ -43,7 +43,7 @@ _PER_LANE = 16
 _MAX_ROUNDS = 1 << 23
 #: threads per block of the scan (``block_reserve`` keeps a word per warp: at most 32 warps)
 _THREADS = 256
-#: threads per block of the take (its last block's radix select runs on one block)
+#: threads per block of the take's kernels (take_cut's last block's radix select runs on one block)
 _TAKE_THREADS = 1024
 #: the take's fine buckets of the boundary bin (FINE in the source)
 _FINE = 2048

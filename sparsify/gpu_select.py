@@ -10,11 +10,14 @@ block writes its warps' out together, with one global atomic add, when one of
 them is half full and at the end (``block_reserve`` in the source).  The only
 host synchronisation is one small copy (the count and the histogram), which
 the exchange needs anyway.
-The take (:func:`gpu_take`) is then one kernel over the kept candidates, sized
-by the histogram: everything above the boundary bin, and the boundary bin's
-largest by fine buckets and a radix select in its last block, no sort and no
-read-back.  The candidates come in no particular order (the exchange needs
-none).  :func:`queue_scan` and :func:`queue_take` are the two kernels alone.
+The take (:func:`gpu_take`) is then two kernels over the kept candidates, sized
+by the histogram: ``take_boundary`` writes everything above the boundary bin
+and stages the boundary bin's candidates, counted in fine buckets of their
+magnitudes; ``take_cut`` writes the buckets above the crossing one, over many
+blocks, and its last block radix-selects the crossing bucket's few members: no
+sort and no read-back.  The candidates come in no particular order (the
+exchange needs none).  :func:`queue_scan` and :func:`queue_take` are the
+kernels alone.  Their counters need no memset: :func:`_scratch`.
 :mod:`sparsify.kernels` holds the rules (the host's, which these reproduce) and
 sends float32/float64 device arrays here.
 """
@@ -184,11 +187,11 @@ def queue_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, 
 
 def queue_take(xp: Any, pos: Any, mags: Any, floor: float, resolution: float, points: int, j: int,
                take: int, n_at: int, n_above: int, work: Any) -> Any:
-    """Queue the GPU take kernel on the current stream (nothing waits): of the candidates
+    """Queue the GPU take's kernels on the current stream (nothing waits): of the candidates
     ``(pos, mags)`` (all of bin ``j`` and above among them), the positions of the ``n_above``
     above bin ``j`` and the ``take`` largest of bin ``j``'s ``n_at``, in a new array.  ``work``:
-    the take's zeroed counters (:func:`queue_scan`'s; the kernel leaves them zeroed).
-    :func:`~sparsify.kernels.take_scan` is the whole take; this is its kernel alone.
+    the take's zeroed counters (:func:`queue_scan`'s; the kernels leave them zeroed).
+    :func:`~sparsify.kernels.take_scan` is the whole take; these are its kernels alone.
 
     Example:
         >>> out = queue_take(cupy, pos, mag, 0.5, 32, 33, 17, 90, 300, 24_910, work)
@@ -260,7 +263,7 @@ def gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, le
 
 
 def gpu_take(xp: Any, scan: Scan, j: int, take: int) -> Any:
-    """:func:`~sparsify.kernels.take_scan` on the GPU: one kernel over the kept candidates (a
+    """:func:`~sparsify.kernels.take_scan` on the GPU: two kernels over the kept candidates (a
     second scan first when bin ``j`` lies below the kept bins).
 
     Example:

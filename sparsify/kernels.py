@@ -141,10 +141,10 @@ def take_scan(xp: Any, scan: Scan, j: int, take: int) -> Any:
     """Positions (relative to the scanned ``seg``) of the candidates of ``scan`` in bins above
     ``j`` plus the ``take`` largest of bin ``j`` (:func:`take_above`'s rule).
 
-    On the GPU one kernel does it from the kept candidates, sized by the
+    On the GPU two kernels do it from the kept candidates, sized by the
     histogram, no read-back (bins recomputed; bin ``j``'s candidates staged and
-    counted in fine buckets of their magnitudes, and the last block to finish
-    radix-selects the crossing bucket's); when ``j`` lies below the bins the
+    counted in fine buckets of their magnitudes, the buckets above the crossing
+    one written, and the crossing bucket's radix-selected); when ``j`` lies below the bins the
     scan kept, the partition is scanned again from bin ``j`` first.  The result
     comes in no particular order there (equal magnitudes at the cut: any of them).
 

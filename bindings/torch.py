@@ -115,7 +115,9 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
     whose replicas drift between synchronizations).
     ``grad_scaler``: the loop's ``torch.amp.GradScaler``, where the strategy keeps state in the
     gradients' units across steps (sparse residuals and thresholds, SelSync's norm average): read at
-    each step's first backward, a changed scale rescales that state (:mod:`bindings.torch_amp`).
+    each step's first backward, a changed scale rescales that state (:mod:`bindings.torch_amp`);
+    under SyncSwitch, whose ASP and SSP phases let each rank's scaler run alone, the ranks' scalers
+    take one scale and growth count again at the first backward back in BSP.
 
     The wrapper is a ``torch.optim.Optimizer`` sharing ``optimizer.param_groups``,
     so LR schedulers work on either.  ``state_dict()`` is the consolidated
@@ -370,6 +372,7 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
         if self._signaled[b]:
             return
         self._signaled[b] = True
+        self._to_common_scale(b)
         self.strategy.bucket_ready(b)
 
     # ------------------------------------------------------------------ the step

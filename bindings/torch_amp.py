@@ -9,12 +9,19 @@ scale at each step's first backward pass and hands a change to ``strategy.rescal
 The scale it last saw is part of the optimizer's checkpoint: a run resumed after a step that changed
 the scale (the checkpoint's residuals in the old units, the restored scaler at the new) rescales at
 its first step, as the run that went on did.
+
+Where each rank's scaler ran on its own gradients (Sync-Switch's ASP and SSP phases: each skips and
+scales alone), :meth:`LossScale.agree` gives them one scale and one growth count again when the
+gradients are averaged once more: the smallest of each, in one all-reduce at the first backward after
+the return to BSP, and the factor that brings that backward's gradients (scaled by this rank's own
+scale) to the common one.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -31,6 +38,7 @@ class LossScale:
             raise TypeError(f"grad_scaler: expected a torch.amp.GradScaler, got {type(scaler).__name__}")
         self.scaler = scaler
         self._seen: float | None = None
+        self.due = False        # the ranks' scalers parted: agree at the next backward (saved)
 
     def follow(self, strategy: Any) -> None:
         """The scale of the gradients about to arrive; where it changed since the last step's, the
@@ -43,14 +51,36 @@ class LossScale:
             strategy.rescale_gradients(scale / self._seen)
         self._seen = scale
 
+    def agree(self, comm: Any) -> float:
+        """Where :attr:`due` (set by the binding when the ranks' gradients are averaged again after a
+        phase in which each rank's scaler ran alone): every rank's scaler takes the smallest scale and
+        the smallest growth count of the ranks (one all-reduce of 16 bytes, a collective: every rank
+        calls it at the same backward), and this returns the factor (common / own scale, a power of
+        two) that brings the gradients of the backward under way, scaled by this rank's own scale, to
+        the common one; 1.0 where nothing was due (or no scaler is enabled: nothing to agree)."""
+        if not self.due:
+            return 1.0
+        self.due = False
+        if self.scaler is None or not self.scaler.is_enabled():
+            return 1.0
+        own = self.scaler.get_scale()
+        state = self.scaler.state_dict()
+        low = comm.allreduce(np.array([own, state["_growth_tracker"]], np.float64), "min",
+                             tag="loss_scale.agree")
+        state["scale"], state["_growth_tracker"] = float(low[0]), int(low[1])
+        self.scaler.load_state_dict(state)
+        return float(low[0]) / own
+
     @property
     def seen(self) -> float | None:
         """The scale of the last step's gradients (``None``: none seen, or no scaler), which the
         strategy's state is in; saved in the optimizer's checkpoint."""
         return self._seen
 
-    def resume(self, seen: float | None) -> None:
-        """Continue from a checkpoint's :attr:`seen`: the strategy's state just loaded is in that
-        scale's units (ignored without a scaler: nothing follows)."""
+    def resume(self, seen: float | None, due: bool = False) -> None:
+        """Continue from a checkpoint's :attr:`seen` and :attr:`due`: the strategy's state just loaded
+        is in that scale's units (ignored without a scaler: nothing follows), and the ranks' scalers
+        are still to agree where they were."""
         if self.scaler is not None:
             self._seen = None if seen is None else float(seen)
+        self.due = bool(due)

@@ -85,6 +85,8 @@ class TrainingLoop:
 
     def _init_loop(self) -> None:
         self._no_sync_depth = 0
+        self._unscaled: set[int] = set()       # buckets still to bring to an agreed loss scale
+        self._scale_factor = 1.0
         self._partial = False
         self._unused = UnusedParameters(self.comm, self.find_unused_parameters)
         self._end_step()
@@ -233,6 +235,10 @@ class TrainingLoop:
         if not self._callback_queued:       # a pass begins: .grad is this rank's own until reduced
             self._partial = False           # gathered before it, or model.zero_grad()'s None
             self._shards_settled(False)
+            factor = self._loss_scale.agree(self.comm)  # back at BSP: one loss scale on every rank
+            if factor != 1.0:       # this pass's gradients, in this rank's own scale, to the common one
+                self._unscaled = set(range(len(self.buckets)))
+                self._scale_factor = factor
             self._loss_scale.follow(self.strategy)     # before the step's first launch
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
@@ -258,6 +264,13 @@ class TrainingLoop:
         elif self._partial:
             self._gather_shards()
 
+    def _to_common_scale(self, b: int) -> None:
+        """Bucket ``b``'s gradients of the pass during which the ranks' loss scales were agreed (they
+        came in this rank's own scale) to the common scale, once, before they are reduced."""
+        if b in self._unscaled:
+            self._unscaled.discard(b)
+            self._flat_grads[b].mul_(self._scale_factor)
+
     def _reopen(self) -> None:
         """Backward runs again after this step's gradients were averaged, before ``step()`` (a second
         loss's backward; DCGAN's discriminator, real then fake): as with DDP, this pass is averaged
@@ -281,6 +294,8 @@ class TrainingLoop:
     @torch.compiler.disable     # autograd's final callback, inside a compiled train step too
     def _backward_done(self) -> None:
         self._callback_queued = False
+        for b in list(self._unscaled):      # the pass whose scale was agreed: every bucket in it now
+            self._to_common_scale(b)
         self._join_backward()
         if self._no_sync_depth:
             return

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from .torch_amp import LossScale
+
 __all__ = ["PhaseSwitches"]
 
 
@@ -40,6 +42,7 @@ class PhaseSwitches:
     _pieces: list[Any]
     _shard_opt: torch.optim.Optimizer
     _retired_by: str
+    _loss_scale: LossScale
 
     @contextmanager
     def _scaled_hyperparameters(self) -> Iterator[None]:
@@ -81,6 +84,7 @@ class PhaseSwitches:
                     buf.zero_()
         if new == "bsp":
             self._average_optimizer_state()
+            self._loss_scale.due = True     # each rank's GradScaler ran alone: one scale again
         if self._sharded is False and self.strategy.sharded:
             self._make_update_side(True)        # the shard optimizer takes its pieces of the whole state
             self._install_hooks()

@@ -381,7 +381,7 @@ class ConsolidatedState:
             self._inner.state.update(saved)
         strategy = self._pending_load[1] if self._pending_load is not None else self.strategy.state_dict()
         sd["commlib"] = {"strategy": _as_torch(strategy), "world_size": self.comm.size,
-                         "loss_scale": self._loss_scale.seen}
+                         "loss_scale": self._loss_scale.seen, "agree_scales": self._loss_scale.due}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -407,7 +407,8 @@ class ConsolidatedState:
         if extra is None:
             return
         strategy = _as_numpy(extra["strategy"])
-        self._loss_scale.resume(extra.get("loss_scale"))      # the units the strategy's state is in
+        # the units the strategy's state is in, and whether the ranks' scalers are still to agree
+        self._loss_scale.resume(extra.get("loss_scale"), extra.get("agree_scales", False))
         if self.strategy.load_is_collective(strategy):
             self._pending_load = (sd, strategy)
         else:       # a tuned cap re-plans at the next training forward, on every rank (rank 0 may load alone)

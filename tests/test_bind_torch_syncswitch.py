@@ -2,8 +2,8 @@
 
 The BSP phase trains as one process (the training-loop tests run ``SyncSwitch(bsp=AllReduce())`` and
 ``SyncSwitch(bsp=DeAR())`` with the rest: test_train_loops.py); here, the switches: replicas and
-optimizers that agree again at BSP, GradScalers that drifted apart in ASP, ASP's ranks that do not
-meet, and DeAR's sharded optimizer moved between pieces and whole tensors.
+optimizers that agree again at BSP, GradScalers that drifted apart in ASP (one scale again at BSP),
+ASP's ranks that do not meet, and DeAR's sharded optimizer moved between pieces and whole tensors.
 """
 
 from __future__ import annotations
@@ -111,38 +111,61 @@ def test_adams_state_that_parted_in_asp_agrees_again_at_bsp(comm, bsp):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("agree", [False, True])
-def test_grad_scalers_that_drifted_in_asp_agree_again_by_the_readme_recipe(comm, agree):
-    """Under ASP one rank's GradScaler skips an overflowed step and halves its scale alone; back at BSP
-    the ranks' scaled gradients are averaged, so unequal scales make the replicas drift apart (without
-    the README's recipe), and the recipe (the smallest scale everywhere when BSP resumes) keeps them
-    identical at every BSP step."""
+@pytest.mark.parametrize("bsp", ["allreduce", "dear"])
+@pytest.mark.parametrize("skip_at", [3, 4])
+@pytest.mark.parametrize("resume", [False, True])
+def test_grad_scalers_that_drifted_in_asp_agree_again_at_bsp(comm, bsp, skip_at, resume):
+    """Under ASP one rank's GradScaler skips an overflowed step and halves its scale alone (at step 3,
+    or at step 4, the step at whose end BSP resumes: that rank's step then ends at its next
+    zero_grad()); with ``grad_scaler=`` the binding gives the scalers one scale and one growth count
+    again at the first backward in BSP, so that the BSP steps after it (a growth among them) train as
+    one process on the concatenated batch, from the replicas the return left.  Also across each
+    rank's own checkpoint taken before that backward (``resume``: a fresh job loads it)."""
+    def job():
+        model = make_model(comm.rank)
+        strategy = AllReduce(cap_mb=0.0003) if bsp == "allreduce" else DeAR(cap_mb=0.0003)
+        ss = SyncSwitch(bsp=strategy, policy=SchedulePolicy([(0, "bsp"), (2, "asp"), (5, "bsp")]))
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, strategy=ss,
+                                   comm=comm, find_unused_parameters=True, grad_scaler=scaler)
+        return model, ss, scaler, opt
 
-    model = make_model(comm.rank)
-    ss = SyncSwitch(bsp=AllReduce(cap_mb=0.0003), policy=SchedulePolicy([(0, "bsp"), (2, "asp"), (5, "bsp")]))
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, strategy=ss, comm=comm,
-                               find_unused_parameters=True)       # the model's head "unused"
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    same = []
-    for step in range(8):
+    model, ss, scaler, opt = job()
+    ref = ref_opt = None
+    for step in range(10):
         x, y = batch(step + 17 * comm.rank, comm.size)
         opt.zero_grad()
+        if step == 5:                               # back in BSP on every rank: the reference starts
+            opt.flush()
+            if resume:                              # each rank's own checkpoint, into a fresh job
+                saved = copy.deepcopy([model.state_dict(), opt.state_dict(), scaler.state_dict()])
+                ss.close()
+                model, ss, scaler, opt = job()
+                model.load_state_dict(saved[0])
+                opt.load_state_dict(saved[1])
+                scaler.load_state_dict(saved[2])
+            ref = copy.deepcopy(model)
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
         loss = loss_fn(model, x[:LOCAL], y[:LOCAL])
-        if step == 3 and comm.rank == 0:            # ASP: this rank alone overflows
+        if step == skip_at and comm.rank == 0:      # ASP: this rank alone overflows
             loss = loss + model.fc1.bias[0] * float("inf")
         scaler.scale(loss).backward()
-        before = opt.strategy.phase
         scaler.step(opt)
         scaler.update()
-        if agree and before != "bsp" and opt.strategy.phase == "bsp":     # README, mixed precision
-            scaler.update(new_scale=comm.allreduce(torch.tensor([scaler.get_scale()]), "min").item())
-        if ss.phase == "bsp" and step >= 5:
-            opt.flush()
-            vec = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
-            table = comm.allgather(vec)
-            same.append(all(np.array_equal(table[r], table[0]) for r in range(comm.size)))
+        if step >= 5:
+            xs = [batch(step + 17 * r, comm.size) for r in range(comm.size)]
+            ref_opt.zero_grad()
+            xcat, ycat = (torch.cat([b[k][:LOCAL] for b in xs]) for k in (0, 1))
+            loss_fn(ref, xcat, ycat).backward()
+            ref_opt.step()
+            table = comm.allgather(np.array([scaler.get_scale(), scaler.state_dict()["_growth_tracker"]]))
+            assert all(np.array_equal(t, table[0]) for t in table), (step, table)
+    opt.flush()
     assert [s["to"] for s in ss.switches] == ["asp", "bsp"]
-    assert same == [agree] * 3, same
+    assert scaler.get_scale() > 1024.0          # it grew in BSP, alike on every rank
+    same_on_all_ranks(comm, model)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=1e-5, atol=1e-6)
     ss.close()
 
 

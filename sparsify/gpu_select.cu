@@ -409,8 +409,8 @@ take_boundary(const long long* __restrict__ pos, const T* __restrict__ mag, long
 // the fine bucket where the count from the top reaches `take` (the cut), writes the stage's
 // members of the buckets above it to out[n_above, ...) and lists the cut's members in list_buf
 // (at_buf + 2 n_at: positions, then keys); the last block to finish writes the exact largest
-// `need` of the cut's members by a radix select and zeroes the counters.  (In one block, the
-// pass over the stage took the H200 ~6 us of the take's 16.)
+// `need` of the cut's members by a radix select and zeroes the counters.  (The pass over the
+// stage was take_boundary's last block's alone before: the split saved 0.7 us of the H200's 61.)
 static_assert(FINE == 2 * TAKE_THREADS, "take_cut's blocks hold two fine buckets a thread");
 #define LIST_CAP 2048
 template<typename T>

@@ -240,10 +240,13 @@ def _contiguity_error(name: str, kind: str) -> ValidationError:
     return ValidationError(f"{name}: array is not contiguous; pass {hint}")
 
 
-def _read_copy(x: Any, copy: Any, name: str, kind: str, read_only: bool) -> Any:
-    """A contiguous copy of non-contiguous ``x`` that the operation only reads; refused otherwise."""
+def _read_copy(x: Any, copy: Callable[[Any], Any], read_only: bool,
+               refusal: Callable[[], ValidationError]) -> Any:
+    """``copy(x)``: ``x`` in the form the operation needs (contiguous, resolved, this machine's byte
+    order) where it only reads ``x``; as ``out`` or in place, where the copy would take the result and
+    ``x`` never see it, ``refusal()`` (the ValidationError that says why) is raised."""
     if not read_only:
-        raise _contiguity_error(name, kind)
+        raise refusal()
     return copy(x)
 
 
@@ -385,23 +388,26 @@ def as_view(x: Any, name: str, read_only: bool = False) -> View:
     device, device_id = "cpu", -1
     dt = None
     if kind == "numpy":
-        arr = x if x.flags.c_contiguous else _read_copy(x, np.ascontiguousarray, name, kind, read_only)
+        arr = x if x.flags.c_contiguous else _read_copy(
+            x, np.ascontiguousarray, read_only, lambda: _contiguity_error(name, kind))
         if not arr.dtype.isnative:      # the other byte order: MPI would read its bytes as this machine's
-            if not read_only:
-                raise ValidationError(f"{name}: dtype {arr.dtype.str} is not in this machine's byte order; "
-                                      "pass x.astype(x.dtype.newbyteorder('='))")
-            arr = arr.astype(arr.dtype.newbyteorder("="))
+            order = arr.dtype.str
+            arr = _read_copy(arr, lambda a: a.astype(a.dtype.newbyteorder("=")), read_only,
+                             lambda: ValidationError(f"{name}: dtype {order} is not in this machine's byte "
+                                                     "order; pass x.astype(x.dtype.newbyteorder('='))"))
         writable = bool(arr.flags.writeable)
     elif kind == "cupy":
         arr = x if x.flags.c_contiguous else _read_copy(
-            x, sys.modules["cupy"].ascontiguousarray, name, kind, read_only)
+            x, sys.modules["cupy"].ascontiguousarray, read_only, lambda: _contiguity_error(name, kind))
         device, device_id = "cuda", int(arr.device.id)
     elif kind == "torch":
         t = x.detach() if x.requires_grad else x        # the data: numpy() refuses a tensor that needs grad
         if not t.is_contiguous():
-            t = _read_copy(t, lambda t: t.contiguous(), name, kind, read_only)
+            t = _read_copy(t, lambda t: t.contiguous(), read_only, lambda: _contiguity_error(name, kind))
         if t.is_conj() or t.is_neg():       # a lazy conjugate (x.conj()): DLPack takes only what is stored
-            t = _read_copy(t, lambda t: t.resolve_conj().resolve_neg(), name, kind, read_only)
+            t = _read_copy(t, lambda t: t.resolve_conj().resolve_neg(), read_only, lambda: ValidationError(
+                f"{name}: a lazy conjugate or negation (x.conj(), -x of a conjugate) cannot receive a "
+                "result: pass a plain tensor (x.resolve_conj() is a copy)"))
         dt = _TORCH_NAMES.get(t.dtype) or _TORCH_NAMES.setdefault(t.dtype, dtype_name(t.dtype))
         if dt not in DTYPES:        # before numpy meets it (float8, complex32: a TypeError there)
             raise _dtype_error(name, dt)

@@ -105,6 +105,7 @@ def test_torch_host_path_edges_match_the_reference(comm, monkeypatch):
     int32, f32 = torch.ones(3, dtype=torch.int32), torch.empty(n, dtype=torch.float32)
     for bad, match in [(lambda c: c.allreduce(x, out=f32), "out has dtype float32"),
                        (lambda c: c.allreduce(z.imag, out=z.conj().imag), "out: array is not contiguous"),
+                       (lambda c: c.allreduce(z, out=z.conj()), "out: a lazy conjugate"),
                        (lambda c: c.allreduce(int32, op="avg"), "needs a floating")]:
         spare = comm.split(0)            # a rejected input aborts the communicator it was given to
         with pytest.raises(commlib.ValidationError, match=match):

@@ -13,39 +13,87 @@ the operation's completion, and an NCCL wait polls its event before it backs
 off; default 0.001, ``inf`` never sleeps), ``COMMLIB_DEVICE`` (``device``: the
 GPU of this rank's NCCL communicator; default: the current CUDA device if the
 user chose one, else the node-local rank).  A keyword given to
-:func:`commlib.init` wins over the variable.
+:func:`commlib.init` wins over the variable, and is read as the variable is.
 """
 
 from __future__ import annotations
 
+import numbers
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 from .errors import ValidationError
 
 _BACKENDS = ("auto", "mpi", "nccl")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def _env_bool(name: str, default: bool) -> bool:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    if raw.lower() in ("1", "true", "yes", "on"):
-        return True
-    if raw.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValidationError(f"{name}={raw!r}: expected 0 or 1")
+def _flag(raw: Any, what: str) -> bool:
+    """A switch: a bool, 0 or 1, or its spelling in a string (1/true/yes/on, 0/false/no/off)."""
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, numbers.Integral) and raw in (0, 1):
+        return bool(raw)
+    if isinstance(raw, str) and raw.lower() in _TRUE + _FALSE:
+        return raw.lower() in _TRUE
+    raise ValidationError(f"{what}={raw!r}: expected 0 or 1")
 
 
-def _env_seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
+def _seconds(raw: Any, what: str) -> float:
+    """Seconds: a number or its spelling in a string (``inf`` too); not a bool."""
+    if isinstance(raw, numbers.Real) and not isinstance(raw, bool):
         return float(raw)
-    except ValueError:
-        raise ValidationError(f"{name}={raw!r}: expected seconds") from None
+    if isinstance(raw, str):
+        try:
+            return float(raw)
+        except ValueError:
+            pass
+    raise ValidationError(f"{what}={raw!r}: expected seconds")
+
+
+def _backend(raw: Any, what: str) -> str:
+    if isinstance(raw, str) and raw.lower() in _BACKENDS:
+        return raw.lower()
+    raise ValidationError(f"{what}={raw!r}: expected one of {_BACKENDS}")
+
+
+def _cuda_aware(raw: Any, what: str) -> bool | None:
+    """``auto`` (``None``: ask MPI), or a switch."""
+    if isinstance(raw, str) and raw.lower() == "auto":
+        return None
+    try:
+        return _flag(raw, what)
+    except ValidationError:
+        raise ValidationError(f"{what}={raw!r}: expected auto, 0 or 1") from None
+
+
+def _device(raw: Any, what: str) -> int:
+    if isinstance(raw, numbers.Integral) and not isinstance(raw, bool) and raw >= 0:
+        return int(raw)
+    if isinstance(raw, str) and raw.isdigit():
+        return int(raw)
+    raise ValidationError(f"{what}={raw!r}: expected a GPU index (0, 1, ...)")
+
+
+def _path(raw: Any, what: str) -> str | None:
+    if isinstance(raw, (str, os.PathLike)):
+        return os.fspath(raw) or None
+    raise ValidationError(f"{what}={raw!r}: expected a file path")
+
+
+#: each setting: its variable and its parser (a keyword given to init() is parsed as its variable is)
+_SETTINGS = {
+    "backend": ("COMMLIB_BACKEND", _backend),
+    "timeout": ("COMMLIB_TIMEOUT", _seconds),
+    "stall_warning": ("COMMLIB_STALL_WARNING", _seconds),
+    "check": ("COMMLIB_CHECK", _flag),
+    "timeline": ("COMMLIB_TIMELINE", _path),
+    "nvtx": ("COMMLIB_NVTX", lambda raw, what: raw == "force" or _flag(raw, what)),
+    "cuda_aware": ("COMMLIB_MPI_CUDA_AWARE", _cuda_aware),
+    "poll_spin": ("COMMLIB_POLL_SPIN", _seconds),
+    "device": ("COMMLIB_DEVICE", _device),
+}
 
 
 @dataclass(frozen=True)
@@ -69,29 +117,20 @@ class Config:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "Config":
-        """Read ``COMMLIB_*`` variables, then apply non-``None`` keyword overrides."""
-        aware_raw = os.environ.get("COMMLIB_MPI_CUDA_AWARE", "auto").lower()
-        if aware_raw not in ("auto", "0", "1"):
-            raise ValidationError(f"COMMLIB_MPI_CUDA_AWARE={aware_raw!r}: expected auto, 0 or 1")
-        raw_device = os.environ.get("COMMLIB_DEVICE", "")
-        if raw_device and not raw_device.isdigit():
-            raise ValidationError(f"COMMLIB_DEVICE={raw_device!r}: expected a GPU index (0, 1, ...)")
-        cfg = cls(
-            device=int(raw_device) if raw_device else None,
-            poll_spin=_env_seconds("COMMLIB_POLL_SPIN", cls.poll_spin),
-            backend=os.environ.get("COMMLIB_BACKEND", cls.backend).lower(),
-            timeout=_env_seconds("COMMLIB_TIMEOUT", cls.timeout),
-            stall_warning=_env_seconds("COMMLIB_STALL_WARNING", cls.stall_warning),
-            check=_env_bool("COMMLIB_CHECK", False),
-            timeline=os.environ.get("COMMLIB_TIMELINE") or None,
-            nvtx=os.environ.get("COMMLIB_NVTX") == "force" or _env_bool("COMMLIB_NVTX", True),
-            cuda_aware=None if aware_raw == "auto" else aware_raw == "1",
-        )
-        known = {f.name for f in fields(cls)}
-        unknown = set(overrides) - known
+        """Read ``COMMLIB_*`` variables, then apply non-``None`` keyword overrides (each parsed as
+        its variable is: ``timeout="5"``, ``check=0``, ``cuda_aware="auto"``, ``backend="MPI"``)."""
+        unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
             raise TypeError(f"unknown commlib setting(s): {sorted(unknown)}")
-        cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+        values = {}
+        for name, (var, parse) in _SETTINGS.items():
+            raw, what = overrides.get(name), name
+            if raw is None:
+                raw, what = os.environ.get(var), var
+                if raw is None or raw == "":
+                    continue
+            values[name] = parse(raw, what)
+        cfg = cls(**values)
         cfg.validate()
         return cfg
 

@@ -207,6 +207,26 @@ def test_config_from_environment(monkeypatch):
 
 
 @pytest.mark.mpi(min_size=1)
+def test_config_keywords_are_read_as_their_variables():
+    """A keyword of init() is parsed as its COMMLIB_* variable is (``cuda_aware="auto"`` stayed the
+    string, a truthy one: device pointers would have gone to an MPI that is not CUDA-aware), and a
+    bad one is refused naming the keyword."""
+    cfg = commlib.Config.from_env
+    assert cfg(cuda_aware="auto").cuda_aware is None
+    assert cfg(cuda_aware="1").cuda_aware is True and cfg(cuda_aware=0).cuda_aware is False
+    assert cfg(check="0").check is False and cfg(check="yes").check is True and cfg(check=1).check
+    assert cfg(timeout="5").timeout == 5.0 and cfg(poll_spin="inf").poll_spin == float("inf")
+    assert cfg(backend="MPI").backend == "mpi" and cfg(device="2").device == 2
+    for kw, match in [({"timeout": "soon"}, "timeout='soon': expected seconds"),
+                      ({"timeout": True}, "expected seconds"), ({"check": "maybe"}, "check='maybe'"),
+                      ({"cuda_aware": "sometimes"}, "expected auto, 0 or 1"),
+                      ({"device": True}, "device=True"), ({"backend": "gloo"}, "backend='gloo'"),
+                      ({"timeline": 3}, "expected a file path")]:
+        with pytest.raises(commlib.ValidationError, match=match):
+            cfg(**kw)
+
+
+@pytest.mark.mpi(min_size=1)
 def test_device_choice():
     """The ``device`` setting wins, then a current device the user chose (not 0), then the local rank."""
     from commlib.device import choose_device

@@ -54,6 +54,10 @@ def test_surface_and_basics():
         hvd.allreduce(torch.ones(2), op=hvd.Adasum)
     with pytest.raises(NotImplementedError):
         hvd.start_timeline("/tmp/x.json")
+    with pytest.raises(NotImplementedError, match="elastic training"):
+        hvd.elastic.run(lambda state: None)
+    with pytest.raises(NotImplementedError, match="elastic training"):
+        hvd.elastic.TorchState(model=None)
 
 
 def test_compression_fp16_passes_integers_unchanged():
@@ -152,6 +156,9 @@ def test_allgather_broadcast_alltoall_reducescatter(dtype):
     out, got_splits = hvd.alltoall(send, torch.tensor([r + s + 1 for s in range(n)], dtype=torch.int32))
     want = torch.cat([torch.full((k + r + 1, 2), 10 * k + r) for k in range(n)]).to(getattr(torch, dtype))
     assert torch.equal(out, want) and got_splits.tolist() == [k + r + 1 for k in range(n)]
+    for splits in ([r + s + 1 for s in range(n)], torch.tensor([r + s + 1 for s in range(n)])):  # list, int64
+        out, got_splits = hvd.alltoall(send, splits)
+        assert torch.equal(out, want) and got_splits.tolist() == [k + r + 1 for k in range(n)]
     if dtype in ("float32", "int64"):
         x = rank_tensor(r, (2 * n + 1, 3), dtype)
         full = stacked(n, (2 * n + 1, 3), dtype).sum(0)

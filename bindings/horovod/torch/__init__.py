@@ -24,6 +24,7 @@ Example (``mpiexec -n 2 python train.py``):
 
 from commlib.bindings.torch_norm import SyncBatchNorm
 
+from . import elastic
 from .basics import (
     Adasum,
     Average,
@@ -90,6 +91,7 @@ from .mpi_ops import (
 from .optimizer import DistributedOptimizer
 
 __all__ = [
+    "elastic",
     "Adasum", "Average", "Max", "Min", "Product", "ProcessSet", "Sum", "Compression", "HorovodInternalError",
     "DistributedOptimizer", "SyncBatchNorm", "add_process_set", "remove_process_set", "global_process_set",
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",

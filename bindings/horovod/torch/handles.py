@@ -15,7 +15,9 @@ Example:
 from __future__ import annotations
 
 import itertools
+import numbers
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -207,8 +209,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     return submit(Request("broadcast", tensor, True, name, root=int(root_rank)))
 
 
-def alltoall_async(tensor: torch.Tensor, splits: torch.Tensor | None = None, name: str | None = None,
-                   process_set: ProcessSet = global_process_set) -> int:
+def alltoall_async(tensor: torch.Tensor, splits: torch.Tensor | Sequence[int] | None = None,
+                   name: str | None = None, process_set: ProcessSet = global_process_set) -> int:
     """Start sending rows of ``tensor`` to each rank (``splits[r]`` rows to rank r; equal parts by default).
 
     :func:`synchronize` returns ``(output, received_splits)``.
@@ -219,10 +221,13 @@ def alltoall_async(tensor: torch.Tensor, splits: torch.Tensor | None = None, nam
     check_process_set(process_set)
     n = size()
     problem, split_list = None, None
-    if splits is not None:
-        if not torch.is_tensor(splits) or splits.dtype != torch.int32:
-            raise ValueError("alltoall: splits must be a tensor of 32-bit integers (torch.int32)")
-        split_list = [int(s) for s in splits.reshape(-1).tolist()]
+    if splits is not None:      # a tensor of integers (Horovod's int32, or any), or a list of them
+        integral = (not splits.dtype.is_floating_point and not splits.dtype.is_complex
+                    and splits.dtype != torch.bool) if torch.is_tensor(splits) else \
+            all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in splits)
+        if not integral:
+            raise ValueError(f"alltoall: splits must be integers (a tensor or a list), got {splits!r}")
+        split_list = [int(s) for s in (splits.reshape(-1).tolist() if torch.is_tensor(splits) else splits)]
     first = tensor.shape[0] if tensor.dim() else 1
     if split_list is None and first % n:
         problem = f"alltoall: the first dimension ({first}) is not a multiple of the number of ranks ({n})"

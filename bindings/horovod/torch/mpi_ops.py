@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -207,8 +208,8 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
-def alltoall(tensor: torch.Tensor, splits: torch.Tensor | None = None, name: str | None = None,
-             process_set: ProcessSet = global_process_set) -> Any:
+def alltoall(tensor: torch.Tensor, splits: torch.Tensor | Sequence[int] | None = None,
+             name: str | None = None, process_set: ProcessSet = global_process_set) -> Any:
     """Send ``splits[r]`` rows of ``tensor`` to rank r; differentiable.  Returns the received rows,
     and with ``splits`` given also the rows received from each rank (Horovod 0.28).
 

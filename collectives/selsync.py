@@ -141,6 +141,9 @@ class SelSync(Strategy):
         checked_strategy(inner, "SelSync(inner=...)")
         if isinstance(inner, SelSync):
             raise ValueError("SelSync cannot wrap another SelSync")
+        if inner.tune:
+            raise ValueError(f"SelSync(inner={inner.name}(tune=...)): the cap of a wrapped strategy is not "
+                             "tuned (the tuner would never be fed); give it a fixed cap_mb")
         if inner.updates_parameters:
             raise ValueError(f"SelSync(inner={inner.name}): the inner strategy averages the gradients of "
                              f"synchronized steps, but {inner.name} writes the parameters itself")

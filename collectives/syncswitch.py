@@ -118,6 +118,9 @@ class SyncSwitch(Strategy):
         inner = checked_strategy(bsp, "SyncSwitch(bsp=...)") if bsp is not None else AllReduce()
         if isinstance(inner, SyncSwitch):
             raise ValueError("SyncSwitch cannot wrap another SyncSwitch")
+        if inner.tune:
+            raise ValueError(f"SyncSwitch(bsp={inner.name}(tune=...)): the cap of a wrapped strategy is not "
+                             "tuned (the tuner would never be fed); give it a fixed cap_mb")
         if staleness < 0:
             raise ValueError(f"staleness {staleness!r}: expected >= 0")
         super().__init__(cap_mb=inner.cap_bytes / (1 << 20),

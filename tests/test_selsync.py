@@ -350,6 +350,9 @@ def test_bad_arguments():
         SelSync(inner=SyncSwitch(bsp=DeAR()))   # its update changes with its phase: not a gradient average
     with pytest.raises(ValueError, match="SyncSwitch cannot wrap another SyncSwitch"):
         SyncSwitch(bsp=SyncSwitch())
+    for wrap in (lambda s: SelSync(inner=s), lambda s: SyncSwitch(bsp=s)):    # its tuner never fed
+        with pytest.raises(ValueError, match=r"\(tune=...\)\): the cap of a wrapped strategy is not tuned"):
+            wrap(AllReduce(tune=True))
     with pytest.raises(ValueError, match=r"mode='params'\): the parameters are averaged whole"):
         SelSync(inner=SparseAllReduce(selector=ExDyna(0.1)))     # params mode would never run it
     SelSync(inner=SparseAllReduce(selector=ExDyna(0.1)), mode="grads")

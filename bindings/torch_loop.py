@@ -138,6 +138,9 @@ class TrainingLoop:
         """A newer optimizer wraps these parameters, or :meth:`close`: finish what is in flight, leave
         the model; ``by`` says why, as :meth:`step` will."""
         self._flush()
+        # left in ASP or SSP, Sync-Switch returned to BSP there: its GradScalers one again now (every
+        # rank retires at the same point, past its last step; no gradient is in flight)
+        self._loss_scale.agree(self.comm)
         for h in self._hooks + self._loop_hooks:
             h.remove()
         self._hooks, self._loop_hooks = [], []

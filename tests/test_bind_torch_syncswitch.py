@@ -170,6 +170,41 @@ def test_grad_scalers_that_drifted_in_asp_agree_again_at_bsp(comm, bsp, skip_at,
 
 
 @pytest.mark.mpi(min_size=2)
+def test_grad_scalers_agree_when_an_optimizer_in_asp_is_closed(comm):
+    """Rank 0's scaler alone backs off in ASP; the job then leaves Sync-Switch in ASP by ``close()``
+    and trains on with AllReduce: the scalers are made one at the close, so the BSP steps that follow
+    keep the replicas identical."""
+    model = make_model(comm.rank)
+    ss = SyncSwitch(bsp=AllReduce(), policy=SchedulePolicy([(0, "bsp"), (1, "asp")]))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, strategy=ss, comm=comm,
+                               grad_scaler=scaler)
+    for step in range(4):
+        x, y = batch(step + 17 * comm.rank, comm.size)
+        opt.zero_grad()
+        loss = loss_fn(model, x[:LOCAL], y[:LOCAL])
+        if step == 2 and comm.rank == 0:            # ASP: this rank alone overflows
+            loss = loss + model.fc1.bias[0] * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert ss.phase == "asp"
+    opt.close()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, strategy=AllReduce(),
+                               comm=comm, grad_scaler=scaler)
+    table = comm.allgather(np.array([scaler.get_scale(), scaler.state_dict()["_growth_tracker"]]))
+    assert all(np.array_equal(t, table[0]) for t in table), table
+    for step in range(4, 7):
+        x, y = batch(step + 17 * comm.rank, comm.size)
+        opt.zero_grad()
+        scaler.scale(loss_fn(model, x[:LOCAL], y[:LOCAL])).backward()
+        scaler.step(opt)
+        scaler.update()
+    same_on_all_ranks(comm, model)
+    ss.close()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_asp_steps_leave_out_this_ranks_unused_parameters_without_meeting(comm):
     """Sync-Switch's ASP with a parameter no rank uses: each rank leaves out what it gave no gradient
     on its own, so the ranks do not meet at every step (an agreement there held ASP in lockstep:

@@ -217,12 +217,13 @@ class Board:
             text += f"; ranks {unknown} are on other nodes (state unknown)"
         return waiting, missing, unknown, text
 
-    def timeout_error(self, name: str, seq: int, timeout: float, rank: int,
-                      size: int) -> CommTimeoutError:
-        """The error for operation ``seq`` timing out on ``rank``: who waits, who is elsewhere."""
+    def timeout_error(self, name: str, seq: int, timeout: float, rank: int, size: int,
+                      limit: str = "COMMLIB_TIMEOUT sets the limit") -> CommTimeoutError:
+        """The error for operation ``seq`` timing out on ``rank``: who waits, who is elsewhere
+        (``limit``: what set the time it gave up at)."""
         waiting, missing, unknown, text = self.who_waits(name, seq, size)
         msg = (f"{name} #{seq} timed out after {timeout:g} s on rank {rank}: {text} "
-               "(COMMLIB_TIMEOUT sets the limit; COMMLIB_CHECK=1 catches mismatched calls)")
+               f"({limit}; COMMLIB_CHECK=1 catches mismatched calls)")
         return CommTimeoutError(msg, name, seq, waiting, missing if not unknown else None)
 
     def free(self) -> None:

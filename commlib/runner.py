@@ -177,7 +177,10 @@ class Runner:
                 f"{self.board.who_waits(name, seq, self.size)[3]}; it goes on ("
                 + (f"CommTimeoutError after {self.timeout:g} s" if self.timeout > 0 else "no timeout")
                 + "; COMMLIB_STALL_WARNING sets this warning)")):
-            return self.board.timeout_error(name, seq, self.stall_warning, self.rank, self.size)
+            return self.board.timeout_error(
+                name, seq, self.stall_warning, self.rank, self.size,
+                "a warnings filter made the CommStallWarning an error, so the wait ends at "
+                f"COMMLIB_STALL_WARNING's {self.stall_warning:g} s; COMMLIB_TIMEOUT is {self.timeout:g} s")
         return None
 
     def _warn_stall(self, seq: int, waited: float, message: Callable[[], str]) -> bool:

@@ -105,6 +105,7 @@ def stall_made_an_error() -> None:
     err = expect(commlib.CommTimeoutError, lambda: c.allreduce(np.ones(4)),
                  "allreduce #1 timed out after 0.3 s")
     assert err.missing == [0], err.missing
+    assert "made the CommStallWarning an error" in str(err) and "COMMLIB_TIMEOUT sets" not in str(err), err
 
 
 def only_rank0() -> None:

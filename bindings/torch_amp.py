@@ -71,6 +71,12 @@ class LossScale:
         self.scaler.load_state_dict(state)
         return float(low[0]) / own
 
+    def backed_off(self) -> bool:
+        """Whether the scaler's scale fell below that of the last gradients seen: its ``update()``
+        found them non-finite, so the step was skipped (a rank-local fact)."""
+        return (self.scaler is not None and self._seen is not None and self.scaler.is_enabled()
+                and self.scaler.get_scale() < self._seen)
+
     @property
     def seen(self) -> float | None:
         """The scale of the last step's gradients (``None``: none seen, or no scaler), which the

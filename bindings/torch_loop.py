@@ -183,6 +183,11 @@ class TrainingLoop:
         parameter no longer lives in its bucket (the model moved or converted after wrapping) or a loaded
         checkpoint's cap is not the plan's (it was tuned).  Never traced by ``torch.compile``, like every
         hook that waits: Dynamo would replay the state it saw while tracing instead of waiting."""
+        if self._synced and torch.is_grad_enabled() and self._loss_scale.backed_off():
+            # GradScaler skipped the last step and the loop zeroed with model.zero_grad(): the step
+            # ends before this forward reads the parameters (Sync-Switch may switch and pull them),
+            # and the skipped gradients are zeroed, as opt.zero_grad() would have done
+            self.zero_grad()
         if self._pending_load is not None and torch.is_grad_enabled():
             self._take_pending_load()       # a collective: every rank has loaded by its next forward
         with torch._C.DisableTorchFunctionSubclass():     # parameters DeAR still gathers: metadata only

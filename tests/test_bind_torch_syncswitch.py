@@ -113,14 +113,15 @@ def test_adams_state_that_parted_in_asp_agrees_again_at_bsp(comm, bsp):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("bsp", ["allreduce", "dear"])
 @pytest.mark.parametrize("skip_at", [3, 4])
-@pytest.mark.parametrize("resume", [False, True])
-def test_grad_scalers_that_drifted_in_asp_agree_again_at_bsp(comm, bsp, skip_at, resume):
+@pytest.mark.parametrize("zero,resume", [("opt", False), ("opt", True), ("model", False)])
+def test_grad_scalers_that_drifted_in_asp_agree_again_at_bsp(comm, bsp, skip_at, zero, resume):
     """Under ASP one rank's GradScaler skips an overflowed step and halves its scale alone (at step 3,
     or at step 4, the step at whose end BSP resumes: that rank's step then ends at its next
-    zero_grad()); with ``grad_scaler=`` the binding gives the scalers one scale and one growth count
-    again at the first backward in BSP, so that the BSP steps after it (a growth among them) train as
-    one process on the concatenated batch, from the replicas the return left.  Also across each
-    rank's own checkpoint taken before that backward (``resume``: a fresh job loads it)."""
+    ``opt.zero_grad()``, or with ``model.zero_grad()`` at its next forward); with ``grad_scaler=``
+    the binding gives the scalers one scale and one growth count again at the first backward in BSP,
+    so that the BSP steps after it (a growth among them) train as one process on the concatenated
+    batch, from the replicas the return left.  Also across each rank's own checkpoint taken before
+    that backward (``resume``: a fresh job loads it)."""
     def job():
         model = make_model(comm.rank)
         strategy = AllReduce(cap_mb=0.0003) if bsp == "allreduce" else DeAR(cap_mb=0.0003)
@@ -134,19 +135,19 @@ def test_grad_scalers_that_drifted_in_asp_agree_again_at_bsp(comm, bsp, skip_at,
     ref = ref_opt = None
     for step in range(10):
         x, y = batch(step + 17 * comm.rank, comm.size)
-        opt.zero_grad()
-        if step == 5:                               # back in BSP on every rank: the reference starts
+        opt.zero_grad() if zero == "opt" else model.zero_grad()
+        if step == 5 and resume:                    # each rank's own checkpoint, into a fresh job
             opt.flush()
-            if resume:                              # each rank's own checkpoint, into a fresh job
-                saved = copy.deepcopy([model.state_dict(), opt.state_dict(), scaler.state_dict()])
-                ss.close()
-                model, ss, scaler, opt = job()
-                model.load_state_dict(saved[0])
-                opt.load_state_dict(saved[1])
-                scaler.load_state_dict(saved[2])
+            saved = copy.deepcopy([model.state_dict(), opt.state_dict(), scaler.state_dict()])
+            ss.close()
+            model, ss, scaler, opt = job()
+            model.load_state_dict(saved[0])
+            opt.load_state_dict(saved[1])
+            scaler.load_state_dict(saved[2])
+        loss = loss_fn(model, x[:LOCAL], y[:LOCAL])
+        if step == 5:               # back in BSP on every rank, by this forward: the reference starts
             ref = copy.deepcopy(model)
             ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-        loss = loss_fn(model, x[:LOCAL], y[:LOCAL])
         if step == skip_at and comm.rank == 0:      # ASP: this rank alone overflows
             loss = loss + model.fc1.bias[0] * float("inf")
         scaler.scale(loss).backward()

@@ -173,9 +173,13 @@ class SelSync(Strategy):
         self.synced = False
         self.stats.update({"syncs": 0, "local_steps": 0, "lssr": 0.0, "bytes_saved": 0.0,
                            "sync_bytes": 0.0, "consensus_s": 0.0, "consensus_calls": 0,
-                           "observe_s": 0.0, "flush_syncs": 0})
+                           "observe_s": 0.0, "flush_syncs": 0, "overflow_checks": 0})
         self._norm = self._significance = float("nan")    # this step's, once observed
         self._want: bool | None = None        # this step's local vote, once observed
+        self._finite = True                   # this step's local gradient norm is finite
+        # params mode: a rank's gradient is not finite this step, so the gradients are averaged (the
+        # overflow reaches every rank, whose GradScaler then skips, as one process's would)
+        self._overflow = False
         self._decided: bool | None = None     # this step's consensus, once decided
         self._drift = False                   # local steps since the replicas were last averaged
         self._state_drift = False             # local steps since the optimizers were last averaged
@@ -235,7 +239,7 @@ class SelSync(Strategy):
         if self._want is None:
             self.observe()
         sync = self.decide() if self._decided is None else self._decided
-        if sync and self.mode == "grads":
+        if sync and self._averages_gradients():
             inner = self.inner
             before = inner.stats["bytes"]
             for b in range(len(self.buckets)):
@@ -253,7 +257,7 @@ class SelSync(Strategy):
     def after_update(self) -> None:
         """In params mode on a sync step (grads mode: after drift), start averaging the parameters."""
         sync = bool(self._decided)
-        if sync and self.mode == "grads":
+        if sync and self._averages_gradients():
             if self.inner.sharded:
                 Strategy.after_update(self.inner)   # its bookkeeping, not its all-gather of parameters
             else:
@@ -299,7 +303,11 @@ class SelSync(Strategy):
         return bool(self._decided) and (self.mode == "params" or self._drift or self._state_drift)
 
     def gradients_are_local(self) -> bool:
-        return not self.synced or self.mode == "params"
+        return not self.synced or not self._averages_gradients()
+
+    def _averages_gradients(self) -> bool:
+        """The gradients of a synchronized step are averaged: grads mode, or an overflow in params mode."""
+        return self.mode == "grads" or self._overflow
 
     def writes_in_flight(self) -> bool:
         return (bool(self._avg_other) or any(self._avg_works)
@@ -332,12 +340,13 @@ class SelSync(Strategy):
 
     def step_reads_gradients(self) -> bool:
         """Undecided: True; decided (:meth:`observe_norm`): only a synchronized step in grads mode."""
-        return self._decided is None or (self._decided and self.mode == "grads")
+        return self._decided is None or (bool(self._decided) and self._averages_gradients())
 
     def _measured(self, norm: float, t0: float) -> float:
         significance = self.meter.update(norm) if math.isfinite(norm) else math.inf
         self.stats["observe_s"] += time.perf_counter() - t0
         self._want = not significance < self.delta       # NaN or inf: sync
+        self._finite = math.isfinite(norm)
         self._norm, self._significance = norm, significance
         return significance
 
@@ -350,7 +359,9 @@ class SelSync(Strategy):
         """Agree on whether this step syncs: True when any rank wants to (one flag all-reduce).
 
         ``want`` overrides this rank's vote (e.g. to force a sync).  During warm-up and
-        with ``delta = 0`` every rank knows the answer: no collective is made.
+        with ``delta = 0`` every rank knows the answer: no collective is made, but in params
+        mode, where a rank's overflowed gradient would otherwise stay its own, the flag
+        still goes round (4 bytes) to tell the ranks of one.
         """
         if self.comm is None:
             raise RuntimeError("SelSync.decide() before setup()")
@@ -361,14 +372,20 @@ class SelSync(Strategy):
         forced = self.step_index <= self.warmup or self.delta == 0.0
         t0 = time.perf_counter()
         start_us = self.comm.tracer.now_us()
-        if forced or self.comm.size == 1:
+        if self.comm.size == 1 or (forced and self.mode == "grads"):
             sync = forced or bool(want)
-        else:
-            self._flag[0] = 1.0 if want else 0.0
+            overflow = not self._finite
+        else:       # 2: this rank's gradient is not finite (it votes to sync too)
+            self._flag[0] = 2.0 if not self._finite else 1.0 if want else 0.0
             self.comm.allreduce(self._flag, "max", out=self._flag, tag="selsync.flag")
-            sync = bool(float(self._flag[0]) > 0)
-            self.stats["consensus_s"] += time.perf_counter() - t0
-            self.stats["consensus_calls"] += 1
+            flag = float(self._flag[0])
+            sync, overflow = forced or flag > 0, flag > 1
+            if forced:
+                self.stats["overflow_checks"] += 1
+            else:
+                self.stats["consensus_s"] += time.perf_counter() - t0
+                self.stats["consensus_calls"] += 1
+        self._overflow = overflow and self.mode == "params"
         tr = self.comm.tracer
         if tr.recording:
             tr.add("running", "selsync", "control", start_us, tr.now_us(), step=self.step_index,
@@ -403,6 +420,7 @@ class SelSync(Strategy):
         self.stats["lssr"] = self.stats["local_steps"] / total if total else 0.0
         Strategy.after_update(self)
         self._want = self._decided = None
+        self._finite, self._overflow = True, False
 
     # ------------------------------------------------------------------ helpers
     def _count_bytes(self, nbytes: float) -> None:
@@ -497,6 +515,7 @@ class SelSync(Strategy):
         self.trace = [(int(s), float(n), float(e), float(g), bool(y)) for s, n, e, g, y in state["trace"]]
         self.inner.load_state_dict(state["inner"])
         self._want = self._decided = None
+        self._finite, self._overflow = True, False
 
     def __repr__(self) -> str:
         return (f"SelSync(inner={self.inner!r}, delta={self.delta:g}, window={self.meter.window}, "

@@ -35,7 +35,7 @@ if HAVE_TORCH:
 
     from commlib import ValidationError
     from commlib.bindings.torch import DistributedOptimizer
-    from commlib.collectives import AllReduce, SelSync, SyncSwitch
+    from commlib.collectives import AllReduce, DeAR, SelSync, SyncSwitch
 
     torch.set_num_threads(1)
 
@@ -306,6 +306,39 @@ def test_selsync_gate_survives_an_overflowed_step(comm):
         scaler.update()
     assert np.isfinite(gate.meter.value) and gate.trace[2][4]      # the overflowed step synced
     assert scaler.get_scale() == 512.0
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("inner", ["allreduce", "dear"])
+def test_selsync_params_mode_makes_one_ranks_overflow_every_ranks(comm, inner):
+    """SelSync(mode="params") synchronizes by averaging parameters, not gradients: an overflow on one
+    rank (at a warm-up step and at a gated one) still reaches every rank, so every rank's GradScaler
+    skips that step (no rank's parameters move) and backs off, alike (one rank skipped while the
+    others updated, the parameter average mixed them, and the scalers parted)."""
+    model, base = make(0, "plain")
+    strategy = AllReduce(**SMALL) if inner == "allreduce" else DeAR(**SMALL)
+    gate = SelSync(inner=strategy, delta=0.3, window=2, warmup=2, mode="params")
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    opt = DistributedOptimizer(base, model, strategy=gate, comm=comm, grad_scaler=scaler)
+    scales = []
+    for step in range(7):
+        x, y = batch(step + 17 * comm.rank, comm.size)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x[:LOCAL]), y[:LOCAL])
+        if step in (1, 4) and comm.rank == 0:
+            loss = loss + model.fc1.bias[0] * float("inf")
+        scaler.scale(loss).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(opt)
+        if step in (1, 4):
+            assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), step
+        scaler.update()
+        scales.append(scaler.get_scale())
+    assert scales[1] == 2 * scales[4] == 512.0, scales
+    table = comm.allgather(np.array(scales))
+    assert all(np.array_equal(t, table[0]) for t in table), table
+    opt.flush()
+    assert_same_on_every_rank(comm, torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
 
 
 @pytest.mark.mpi

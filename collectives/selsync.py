@@ -92,7 +92,7 @@ from commlib.arrays import INEXACT_DTYPES, as_view
 from .allreduce import AllReduce
 from .buckets import Bucket
 from .significance import SignificanceMeter, l2_norm
-from .strategy import Strategy, checked_strategy
+from .strategy import Strategy, checked_inner
 
 MODES = ("params", "grads")
 
@@ -138,12 +138,9 @@ class SelSync(Strategy):
         super().__init__()
         if inner is None:
             inner = AllReduce()
-        checked_strategy(inner, "SelSync(inner=...)")
+        checked_inner(inner, "SelSync(inner=...)")
         if isinstance(inner, SelSync):
             raise ValueError("SelSync cannot wrap another SelSync")
-        if inner.tune:
-            raise ValueError(f"SelSync(inner={inner.name}(tune=...)): the cap of a wrapped strategy is not "
-                             "tuned (the tuner would never be fed); give it a fixed cap_mb")
         if inner.updates_parameters:
             raise ValueError(f"SelSync(inner={inner.name}): the inner strategy averages the gradients of "
                              f"synchronized steps, but {inner.name} writes the parameters itself")
@@ -339,7 +336,8 @@ class SelSync(Strategy):
         self.decide()
 
     def step_reads_gradients(self) -> bool:
-        """Undecided: True; decided (:meth:`observe_norm`): only a synchronized step in grads mode."""
+        """Undecided: True; decided (:meth:`observe_norm`): only a synchronized step that averages the
+        gradients (grads mode, or an overflow in params mode)."""
         return self._decided is None or (bool(self._decided) and self._averages_gradients())
 
     def _measured(self, norm: float, t0: float) -> float:

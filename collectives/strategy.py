@@ -109,6 +109,20 @@ def checked_strategy(strategy: Any, where: str) -> "Strategy":
                     f"SyncSwitch(...), SparseAllReduce(...)), got {type(strategy).__name__}{hint}")
 
 
+def checked_inner(strategy: Any, where: str) -> "Strategy":
+    """:func:`checked_strategy` for a strategy that another wraps (``where``: ``"SelSync(inner=...)"``),
+    refused also when made with ``tune=``: the wrapper plans the buckets, so its tuner would never be fed.
+
+    Example:
+        >>> self.inner = checked_inner(inner, "SelSync(inner=...)")
+    """
+    inner = checked_strategy(strategy, where)
+    if inner.tune:
+        raise ValueError(f"{where.replace('...', inner.name + '(tune=...)')}: the cap of a wrapped strategy "
+                         "is not tuned (the tuner would never be fed); give it a fixed cap_mb")
+    return inner
+
+
 class Strategy:
     """Base of every strategy; subclasses override :meth:`launch` and the moments they need.
 

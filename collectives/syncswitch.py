@@ -83,7 +83,7 @@ from .allreduce import AllReduce
 from .buckets import Bucket
 from .paramstore import ParamStore
 from .policies import PHASES, Policy, SchedulePolicy
-from .strategy import Strategy, checked_strategy
+from .strategy import Strategy, checked_inner
 
 #: what a peer sees while a rank re-enters a checkpoint's phase (a rank loading alone is named with it)
 LOADING = ("SyncSwitch.load_state_dict, re-entering the checkpoint's phase: a collective (every rank "
@@ -115,12 +115,9 @@ class SyncSwitch(Strategy):
     def __init__(self, bsp: Strategy | None = None, policy: Policy | None = None, staleness: int = 0,
                  layout: str = "sharded", progress: str = "auto", progress_interval_s: float = 1e-3,
                  ssp_timeout: float | None = None):
-        inner = checked_strategy(bsp, "SyncSwitch(bsp=...)") if bsp is not None else AllReduce()
+        inner = checked_inner(bsp, "SyncSwitch(bsp=...)") if bsp is not None else AllReduce()
         if isinstance(inner, SyncSwitch):
             raise ValueError("SyncSwitch cannot wrap another SyncSwitch")
-        if inner.tune:
-            raise ValueError(f"SyncSwitch(bsp={inner.name}(tune=...)): the cap of a wrapped strategy is not "
-                             "tuned (the tuner would never be fed); give it a fixed cap_mb")
         if staleness < 0:
             raise ValueError(f"staleness {staleness!r}: expected >= 0")
         super().__init__(cap_mb=inner.cap_bytes / (1 << 20),

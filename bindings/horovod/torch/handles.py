@@ -222,12 +222,10 @@ def alltoall_async(tensor: torch.Tensor, splits: torch.Tensor | Sequence[int] | 
     n = size()
     problem, split_list = None, None
     if splits is not None:      # a tensor of integers (Horovod's int32, or any), or a list of them
-        integral = (not splits.dtype.is_floating_point and not splits.dtype.is_complex
-                    and splits.dtype != torch.bool) if torch.is_tensor(splits) else \
-            all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in splits)
-        if not integral:
+        given = splits.reshape(-1).tolist() if torch.is_tensor(splits) else list(splits)
+        if not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in given):
             raise ValueError(f"alltoall: splits must be integers (a tensor or a list), got {splits!r}")
-        split_list = [int(s) for s in (splits.reshape(-1).tolist() if torch.is_tensor(splits) else splits)]
+        split_list = [int(s) for s in given]
     first = tensor.shape[0] if tensor.dim() else 1
     if split_list is None and first % n:
         problem = f"alltoall: the first dimension ({first}) is not a multiple of the number of ranks ({n})"

@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -173,6 +174,7 @@ class SelSync(Strategy):
                            "observe_s": 0.0, "flush_syncs": 0, "overflow_checks": 0})
         self._norm = self._significance = float("nan")    # this step's, once observed
         self._want: bool | None = None        # this step's local vote, once observed
+        self._loaded_from: tuple[Any, Any] = (None, None)    # (rank, world size) of a state loaded
         self._finite = True                   # this step's local gradient norm is finite
         # params mode: a rank's gradient is not finite this step, so the gradients are averaged (the
         # overflow reaches every rank, whose GradScaler then skips, as one process's would)
@@ -199,6 +201,7 @@ class SelSync(Strategy):
                 self._inner_shards.append(v.wrap(v.empty(b.shard_numel), (b.shard_numel,)))
         self.inner.setup(comm, buckets, params, grads,
                          self._inner_shards if self.inner.sharded else None, broadcast=False)
+        self._check_loaded_rank()
         self._avg_works = [[] for _ in self.buckets]
         v = as_view(self.grads[0], "selsync: gradient buffer") if self.grads else None
         if v is None or v.device == "cpu" or comm.backend == "mpi":
@@ -497,6 +500,8 @@ class SelSync(Strategy):
         st.update({"delta": self.delta, "mode": self.mode, "warmup": self.warmup,
                    "meter": self.meter.state_dict(), "drift": self._drift, "state_drift": self._state_drift,
                    "stats": dict(self.stats), "trace": [list(t) for t in self.trace[-self.trace_len:]],
+                   "rank": self._loaded_from[0] if self.comm is None else self.comm.rank,
+                   "world_size": self._loaded_from[1] if self.comm is None else self.comm.size,
                    "inner": self.inner.state_dict()})
         return st
 
@@ -514,6 +519,21 @@ class SelSync(Strategy):
         self.inner.load_state_dict(state["inner"])
         self._want = self._decided = None
         self._finite, self._overflow = True, False
+        self._loaded_from = (state.get("rank"), state.get("world_size"))
+        if self.comm is not None:
+            self._check_loaded_rank()
+
+    def _check_loaded_rank(self) -> None:
+        """Warn where the loaded state is another rank's: the meter's EWMA is the saving rank's
+        (its gate decides from that rank's history; a rank's own checkpoint resumes exactly)."""
+        rank, size = self._loaded_from
+        self._loaded_from = (None, None)
+        if rank is not None and (rank, size) != (self.comm.rank, self.comm.size):
+            warnings.warn(f"{self.name}: state saved by rank {rank} of {size} loaded on rank "
+                          f"{self.comm.rank} of {self.comm.size}: the significance EWMA is rank {rank}'s, so "
+                          "this rank's gate "
+                          "votes from that rank's history (each rank's own state resumes exactly)",
+                          stacklevel=3)
 
     def __repr__(self) -> str:
         return (f"SelSync(inner={self.inner!r}, delta={self.delta:g}, window={self.meter.window}, "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -275,6 +276,33 @@ def test_state_round_trips(comm):
     assert c.stats["syncs"] == a.stats["syncs"] and c.stats["local_steps"] == a.stats["local_steps"]
     with pytest.raises(ValueError):
         SelSync(mode="grads").load_state_dict(state)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_state_of_another_rank_warns(comm):
+    """The meter's EWMA is the saving rank's: a state loaded on another rank (or world) says so,
+    whether loaded before setup or after; a rank's own state loads silently."""
+    steps = 6
+    X, y = _problem(steps, comm.size, seed=9, noise=2.0)
+    a = SelSync(delta=0.04, window=5, mode="params")
+    _, m = _train(comm, a, X, y, steps)
+    own = a.state_dict()
+    assert (own["rank"], own["world_size"]) == (comm.rank, comm.size)
+    other = dict(own, rank=(comm.rank + 1) % (comm.size + 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SelSync(delta=0.04, window=5, mode="params").load_state_dict(own)    # before setup: checked there
+        b = SelSync(delta=0.04, window=5, mode="params")
+        b.load_state_dict(own)
+        b.setup(comm, m.buckets, m.params, m.grads, broadcast=False)
+        b.load_state_dict(own)
+    c = SelSync(delta=0.04, window=5, mode="params")
+    c.load_state_dict(other)
+    with pytest.warns(UserWarning, match=f"saved by rank {other['rank']} of {comm.size} .*significance EWMA"):
+        c.setup(comm, m.buckets, m.params, m.grads, broadcast=False)
+    with pytest.warns(UserWarning, match=f"of {comm.size + 1} loaded on rank {comm.rank}"):
+        b.load_state_dict(dict(own, world_size=comm.size + 1))
+    assert b.meter.value == a.meter.value
 
 
 @pytest.mark.mpi(min_size=1)

@@ -23,6 +23,7 @@ shards the update reads, and communicate nothing.
 
 from __future__ import annotations
 
+import math
 import numbers
 import weakref
 from collections.abc import Callable
@@ -52,7 +53,7 @@ class ShardNorms:
 
     Example:
         >>> norms = ShardNorms(comm, n_params, parts, flat_grads)
-        >>> finite = norms.settle()         # collective: after the reduce-scatter
+        >>> largest = norms.settle()        # collective: after the reduce-scatter
         >>> norms.of(3, 2.0)                # the 2-norm of parameter 3's averaged gradient
     """
 
@@ -77,14 +78,16 @@ class ShardNorms:
         """Whether the norms held are those of ``.grad`` as it is."""
         return bool(self._cached) and self._versions == self._now()
 
-    def settle(self) -> bool:
-        """After the reduction (collective): every parameter's 2-norm; False when some element
-        of the gradient is not finite on some rank (then nothing is held)."""
+    def settle(self) -> float:
+        """After the reduction (collective): every parameter's 2-norm; returns the largest, which is
+        not finite when some element of the averaged gradient is not (NaN where one is NaN, else
+        inf, as one process's norm reads; then nothing is held)."""
         norms = self._over_ranks(2.0, in_order=True)
-        finite = bool(torch.isfinite(norms).all())
+        largest = float(norms.max()) if len(norms) else 0.0
+        finite = math.isfinite(largest)
         self._cached, self._versions = ({2.0: norms}, self._now()) if finite else ({}, ())
         self._scalings = []
-        return finite
+        return largest
 
     def of(self, index: int, ord: float) -> torch.Tensor:
         """The ``ord``-norm of parameter ``index``'s averaged gradient (float64, 0-d); a collective

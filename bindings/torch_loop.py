@@ -35,6 +35,7 @@ Example (the full loop; ``scaler`` may be ``GradScaler("cpu", enabled=False)``):
 
 from __future__ import annotations
 
+import math
 import operator
 import warnings
 from collections.abc import Iterator
@@ -363,10 +364,11 @@ class TrainingLoop:
         for b, g, sg in zip(self.buckets, self._flat_grads, self._shard_grads):
             g[b.shard(rank)].copy_(sg)
         if self._shard_norms is not None:       # more than one rank
-            finite = self._shard_norms.settle()
-            if not finite:
+            largest = self._shard_norms.settle()
+            finite = math.isfinite(largest)
+            if not finite:      # NaN where the average has a NaN, else inf: its norm reads as one process's
                 for g in self._flat_grads:
-                    g.fill_(float("nan"))
+                    g.fill_(largest)
             self._shards_settled(finite)
 
     def _shards_settled(self, settled: bool) -> None:

@@ -107,6 +107,37 @@ def test_norms_of_sharded_gradients_read_as_one_process(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_a_non_finite_gradient_reads_as_one_processs_norm(comm, bad):
+    """One element of one rank's gradient not finite: every rank's ``.grad`` is non-finite (so that
+    each rank's GradScaler skips), and its norms read what one process's read: inf for an infinity,
+    NaN for a NaN (they read NaN for an infinity before)."""
+    norms = []
+    for size, rank in ((comm.size, comm.rank), (1, 0)):
+        model = make()
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, comm=comm,
+                                   strategy=DeAR(**SMALL)) if size > 1 else None
+        poke = torch.zeros(3, dtype=torch.float64)
+        if size == 1 or rank == comm.size - 1:
+            poke[1] = bad
+        model[2].bias.register_hook(lambda g, poke=poke: g + poke)
+        x, y = batch(comm.size)
+        sl = slice(rank * LOCAL, rank * LOCAL + LOCAL * (comm.size if size == 1 else 1))
+        backward(model, x[sl], y[sl])
+        if opt is not None:
+            assert all(not torch.isfinite(p.grad).any() for p in model.parameters())
+        read = [torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]),
+                model[2].bias.grad.norm()]
+        clipped = (opt.clip_grad_norm_(1.0) if opt is not None
+                   else torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        norms.append([str(float(v)) for v in [*read, clipped]])
+        if opt is not None:
+            opt.close()
+    want = "nan" if bad != bad else "inf"
+    assert norms == [[want] * 3] * 2, norms
+
+
+@pytest.mark.mpi(min_size=2)
 def test_after_synchronize_and_in_copies_norms_are_local_reads(comm):
     model, opt = sharded(comm)
     ref = reference(comm.size)

@@ -128,7 +128,6 @@ class TrainingLoop:
             >>> torch.jit.script(model).save("model.pt")
         """
         if not self._retired_by:
-            self.strategy.close()       # Sync-Switch: back to BSP (replicas alike), its windows freed
             self._retire("closed by close(); wrap the model in a new one to train on")
             remove_inert_twins(self._copies)      # copies made meanwhile (an EMA) are plain too
             for p in self._params:     # read as a plain model's: the whole average, in a plain tensor
@@ -136,8 +135,11 @@ class TrainingLoop:
                     p.grad = p.grad.clone()
 
     def _retire(self, by: str) -> None:
-        """A newer optimizer wraps these parameters, or :meth:`close`: finish what is in flight, leave
-        the model; ``by`` says why, as :meth:`step` will."""
+        """A newer optimizer wraps these parameters, or :meth:`close`: end the strategy (Sync-Switch
+        returns to BSP, the replicas and optimizers alike, and frees its windows; a newer optimizer
+        given the same strategy sets it up again), finish what is in flight, leave the model; ``by``
+        says why, as :meth:`step` will."""
+        self.strategy.close()
         self._flush()
         # left in ASP or SSP, Sync-Switch returned to BSP there: its GradScalers one again now (every
         # rank retires at the same point, past its last step; no gradient is in flight)

@@ -171,12 +171,16 @@ def test_grad_scalers_that_drifted_in_asp_agree_again_at_bsp(comm, bsp, skip_at,
 
 
 @pytest.mark.mpi(min_size=2)
-def test_grad_scalers_agree_when_an_optimizer_in_asp_is_closed(comm):
-    """Rank 0's scaler alone backs off in ASP; the job then leaves Sync-Switch in ASP by ``close()``
-    and trains on with AllReduce: the scalers are made one at the close, so the BSP steps that follow
-    keep the replicas identical."""
+@pytest.mark.parametrize("end", ["close", "replace", "replace-same"])
+def test_grad_scalers_agree_when_an_optimizer_in_asp_is_closed(comm, end):
+    """Rank 0's scaler alone backs off in ASP; the job then leaves Sync-Switch in ASP by ``close()``,
+    or by a new optimizer over the model (its strategy AllReduce, or the same SyncSwitch, which
+    enters ASP again from replicas alike, then BSP at step 5), and trains on: the scalers are made
+    one and the replicas alike when the old one ends, so the BSP steps that follow keep the
+    replicas identical.  Replaced without ``close()``, Sync-Switch stayed in ASP, and the replicas
+    and the scalers apart."""
     model = make_model(comm.rank)
-    ss = SyncSwitch(bsp=AllReduce(), policy=SchedulePolicy([(0, "bsp"), (1, "asp")]))
+    ss = SyncSwitch(bsp=AllReduce(), policy=SchedulePolicy([(0, "bsp"), (1, "asp"), (5, "bsp")]))
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, strategy=ss, comm=comm,
                                grad_scaler=scaler)
@@ -190,11 +194,18 @@ def test_grad_scalers_agree_when_an_optimizer_in_asp_is_closed(comm):
         scaler.step(opt)
         scaler.update()
     assert ss.phase == "asp"
-    opt.close()
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, strategy=AllReduce(),
-                               comm=comm, grad_scaler=scaler)
+    if end == "close":
+        opt.close()
+    old = opt
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model,
+                               strategy=ss if end == "replace-same" else AllReduce(), comm=comm,
+                               grad_scaler=scaler, broadcast=False)
+    assert ss.phase == ("asp" if end == "replace-same" else "bsp")
+    same_on_all_ranks(comm, model)
     table = comm.allgather(np.array([scaler.get_scale(), scaler.state_dict()["_growth_tracker"]]))
     assert all(np.array_equal(t, table[0]) for t in table), table
+    with pytest.raises(RuntimeError, match="closed by close" if end == "close" else "replaced by a newer"):
+        old.step()
     for step in range(4, 7):
         x, y = batch(step + 17 * comm.rank, comm.size)
         opt.zero_grad()

@@ -79,6 +79,23 @@ def test_reduce_scatter_any_size(comm, dtype, op, mode):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_large_bfloat16_reductions_match_reference(comm, mode, op):
+    """bfloat16 reduces through a float32 copy of the input, held until the operation is done:
+    from 131072 elements (a 512 KiB copy) reduce_scatter's was freed as the call returned and rank
+    0's chunk came back wrong (errors of 1.3 at 2 ranks, 3.5e37 at 4)."""
+    n = 300_001
+    x = rank_input(comm.rank, n, "bfloat16", salt=7)
+    every = all_inputs(comm.size, n, "bfloat16", salt=7)
+    full = reference(op, every)
+    got = _mode_call(comm, mode, "reduce_scatter", x, op=op)
+    assert_close(got, np.array_split(full, comm.size)[comm.rank], "bfloat16")
+    assert_close(_mode_call(comm, mode, "allreduce", x, op=op), full, "bfloat16")
+    assert_close(x, every[comm.rank], "bfloat16")          # input untouched
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
 def test_allgather(comm, dtype, mode):
@@ -314,14 +331,18 @@ def test_complex_numbers_have_no_max_or_min(comm):
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
-def test_an_out_overlapping_x_receives_the_result(comm, mode, kind):
+@pytest.mark.parametrize("n", [10, 200_003])
+def test_an_out_overlapping_x_receives_the_result(comm, mode, kind, n):
     """``out`` and ``x`` may share memory without being one array (MPI forbids aliased buffers:
     a raw error on one rank and a hang on the others, or MPICH's abort of the job): this rank's
     chunk of ``x`` as reduce_scatter's ``out`` (ZeRO's in-place shard), an ``out`` shifted over
-    ``x``, an allgather(v) input inside its output but not at its own block."""
+    ``x``, an allgather(v) input inside its output but not at its own block.  ``x`` is sent from
+    a copy, held until the operation is done: 1.6 MB copies were freed as the call returned (the
+    memory given back to the system, or reused) and reduce_scatter's result was wrong."""
     if kind == "torch":
         torch = pytest.importorskip("torch")
-    n, size, rank = 10, comm.size, comm.rank
+    size, rank = comm.size, comm.rank
+    k = min(n, 3) if n < 100 else n // 4        # allgather's block, allgatherv's unit
     every = all_inputs(size, n, "float64")
     counts = commlib.split_counts(n, size)
     lo = sum(counts[:rank])
@@ -342,20 +363,23 @@ def test_an_out_overlapping_x_receives_the_result(comm, mode, kind):
     buf[:n] = every[rank]
     call("allreduce", arr(buf[:n]), out=arr(buf[1:]))                       # shifted by one element
     assert_close(buf[1:], every.sum(0), "float64")
-    out = np.zeros(size * 3 + 1)
-    out[1:4] = every[rank, :3]                  # inside the output, not at this rank's block
-    call("allgather", arr(out[1:4]), out=arr(out[:size * 3]))
-    assert_close(out[:size * 3], every[:, :3].reshape(-1), "float64")
-    mine = every[rank, :rank + 1]
-    out = np.zeros(size * (size + 1) // 2)
-    start = rank * (rank + 1) // 2              # at its own displacement: the in-place form
-    out[start:start + rank + 1] = mine
-    call("allgatherv", arr(out[start:start + rank + 1]), out=arr(out))
-    assert_close(out, np.concatenate([every[r, :r + 1] for r in range(size)]), "float64")
-    out = np.zeros(size * (size + 1) // 2 + 1)
-    out[-rank - 1:] = mine                      # at the end: elsewhere
-    call("allgatherv", arr(out[len(out) - rank - 1:]), out=arr(out[:-1]))
-    assert_close(out[:-1], np.concatenate([every[r, :r + 1] for r in range(size)]), "float64")
+    out = np.zeros(size * k + 1)
+    out[1:k + 1] = every[rank, :k]              # inside the output, not at this rank's block
+    call("allgather", arr(out[1:k + 1]), out=arr(out[:size * k]))
+    assert_close(out[:size * k], every[:, :k].reshape(-1), "float64")
+    unit = 1 if n < 100 else k // size
+    mine = every[rank, :(rank + 1) * unit]
+    total = unit * size * (size + 1) // 2
+    gathered = np.concatenate([every[r, :(r + 1) * unit] for r in range(size)])
+    out = np.zeros(total)
+    start = unit * rank * (rank + 1) // 2       # at its own displacement: the in-place form
+    out[start:start + mine.size] = mine
+    call("allgatherv", arr(out[start:start + mine.size]), out=arr(out))
+    assert_close(out, gathered, "float64")
+    out = np.zeros(total + 1)
+    out[-mine.size:] = mine                     # at the end: elsewhere
+    call("allgatherv", arr(out[len(out) - mine.size:]), out=arr(out[:-1]))
+    assert_close(out[:-1], gathered, "float64")
 
 
 @pytest.mark.mpi(min_size=1)

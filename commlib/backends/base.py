@@ -35,18 +35,22 @@ class Pending:
     that complete on a device stream: their ``test`` is polled).  ``test``
     must not block; ``finish`` (``None``: nothing to do) runs the completion
     steps (copy back from a staging buffer, divide for ``avg``) and may block
-    briefly.
+    briefly.  ``keep``: a buffer the operation reads or writes that nothing else
+    holds (a copy sent apart from an overlapping ``out``, a float32 stand-in for
+    bfloat16), held until the operation is done: MPI reads it after the call that
+    posted it returns, and mpi4py's request does not hold every buffer.
     """
 
-    __slots__ = ("test", "finish", "request")
+    __slots__ = ("test", "finish", "request", "keep")
 
     def __init__(self, test: Callable[[], bool], finish: Callable[[], None] | None = None,
-                 request: Any = None):
+                 request: Any = None, keep: Any = None):
         #: ``test()``: whether the operation is complete (the backend's own callable:
         #: a wait loop calls it back to back, so no frame of ours sits in between)
         self.test = test
         self.finish = finish
         self.request = request
+        self.keep = keep
 
 
 class Backend(Protocol):

@@ -144,16 +144,18 @@ class MPIBackend:
             else:
                 sbuf = MPI.IN_PLACE if send is recv or _same(send, recv) else _apart(send, recv)
             req = self.comm.Iallreduce(sbuf, recv, _MPI_OPS[op])
-            return Pending(req.Test, None if op != "avg" else lambda: _divide(recv, self.size, dtype), req)
+            return Pending(req.Test, None if op != "avg" else lambda: _divide(recv, self.size, dtype), req,
+                           sbuf)
         upcast = dtype == "bfloat16"
         (hsend, hrecv), back = self._host(send, recv, ctx=ctx, force=upcast)
         if upcast:  # MPI has no bfloat16 arithmetic: reduce in float32
-            work = hsend.view(_BF16).astype(np.float32)
+            work = keep = hsend.view(_BF16).astype(np.float32)
             req = self.comm.Iallreduce(MPI.IN_PLACE, work, _MPI_OPS[op])
         else:
             work = hrecv
             sbuf = MPI.IN_PLACE if hsend is hrecv or _same(hsend, hrecv) else _apart(hsend, hrecv)
             req = self.comm.Iallreduce(sbuf, hrecv, _MPI_OPS[op])
+            keep = sbuf
 
         def finish() -> None:
             if op == "avg":
@@ -162,22 +164,25 @@ class MPIBackend:
                 hrecv[...] = work.astype(_BF16).view(np.uint16)
             self._copy_back(back, recv)
 
-        return Pending(req.Test, finish, req)
+        return Pending(req.Test, finish, req, keep)
 
     def reduce_scatter(self, send: Any, recv: Any, dtype: str, op: str,
                        counts: Sequence[int], ctx: CallerStream | None = None) -> Pending:
         if type(send) is np.ndarray and type(recv) is np.ndarray and dtype != "bfloat16":
-            req = self.comm.Ireduce_scatter(_apart(send, recv), recv, counts, _MPI_OPS[op])
-            return Pending(req.Test, None if op != "avg" else lambda: _divide(recv, self.size, dtype), req)
+            sbuf = _apart(send, recv)
+            req = self.comm.Ireduce_scatter(sbuf, recv, counts, _MPI_OPS[op])
+            return Pending(req.Test, None if op != "avg" else lambda: _divide(recv, self.size, dtype), req,
+                           sbuf)
         upcast = dtype == "bfloat16"
         (hsend, hrecv), back = self._host(send, recv, ctx=ctx, force=upcast)
         if upcast:
-            s = hsend.view(_BF16).astype(np.float32)
+            sbuf = hsend.view(_BF16).astype(np.float32)
             work = np.empty(hrecv.size, np.float32)
-            req = self.comm.Ireduce_scatter(s, work, counts, _MPI_OPS[op])
+            req = self.comm.Ireduce_scatter(sbuf, work, counts, _MPI_OPS[op])
         else:
             work = hrecv
-            req = self.comm.Ireduce_scatter(_apart(hsend, hrecv), hrecv, counts, _MPI_OPS[op])
+            sbuf = _apart(hsend, hrecv)
+            req = self.comm.Ireduce_scatter(sbuf, hrecv, counts, _MPI_OPS[op])
 
         def finish() -> None:
             if op == "avg":
@@ -186,24 +191,26 @@ class MPIBackend:
                 hrecv[...] = work.astype(_BF16).view(np.uint16)
             self._copy_back(back, recv)
 
-        return Pending(req.Test, finish, req)
+        return Pending(req.Test, finish, req, sbuf)
 
     def allgather(self, send: Any, recv: Any, dtype: str, ctx: CallerStream | None = None) -> Pending:
         if type(send) is np.ndarray and type(recv) is np.ndarray:
-            req = self.comm.Iallgather(
-                MPI.IN_PLACE if self._gathers_in_place(send, recv) else _apart(send, recv), recv)
-            return Pending(req.Test, None, req)
+            sbuf = MPI.IN_PLACE if self._gathers_in_place(send, recv) else _apart(send, recv)
+            req = self.comm.Iallgather(sbuf, recv)
+            return Pending(req.Test, None, req, sbuf)
         (hsend, hrecv), back = self._host(send, recv, ctx=ctx)
         inplace = not back and self._gathers_in_place(hsend, hrecv)
-        req = self.comm.Iallgather(MPI.IN_PLACE if inplace else _apart(hsend, hrecv), hrecv)
-        return Pending(req.Test, lambda: self._copy_back(back, recv), req)
+        sbuf = MPI.IN_PLACE if inplace else _apart(hsend, hrecv)
+        req = self.comm.Iallgather(sbuf, hrecv)
+        return Pending(req.Test, lambda: self._copy_back(back, recv), req, sbuf)
 
     def allgatherv(self, send: Any, recv: Any, dtype: str, counts: Sequence[int],
                    ctx: CallerStream | None = None) -> Pending:
         (hsend, hrecv), back = self._host(send, recv, ctx=ctx)
         displs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(int).tolist()
-        req = self.comm.Iallgatherv(_apart(hsend, hrecv), [hrecv, list(counts), displs, None])
-        return Pending(req.Test, lambda: self._copy_back(back, recv), req)
+        sbuf = _apart(hsend, hrecv)
+        req = self.comm.Iallgatherv(sbuf, [hrecv, list(counts), displs, None])
+        return Pending(req.Test, lambda: self._copy_back(back, recv), req, sbuf)
 
     def broadcast(self, buf: Any, dtype: str, root: int, ctx: CallerStream | None = None) -> Pending:
         if type(buf) is np.ndarray:      # host (the common case): nothing staged, nothing to finish

@@ -173,8 +173,12 @@ class Board:
         return [p for p in self.peers() if p.state == IN_CALL and p.calls > self.calls]
 
     def rejected(self, seq: int) -> list[PeerState]:
-        """Peers that rejected their input to operation ``seq``."""
-        return [p for p in self.peers() if p.state == REJECTED and p.seq == seq]
+        """Peers that rejected their input to operation ``seq``, or to an earlier one that this rank
+        did not reject: this rank called it with valid input and went on (a root's broadcast ends
+        without its peers), so their verdict on it is an abort and they will not call ``seq``."""
+        mine = self._mine_mv[4]
+        return [p for p in self.peers() if p.state == REJECTED and (
+            p.seq == seq or (p.seq < seq and p.seq != mine))]
 
     def rejected_alike(self, seq: int) -> tuple[bool | None, PeerState | None]:
         """After this rank rejected its input to operation ``seq`` with nothing in flight: whether

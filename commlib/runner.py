@@ -201,7 +201,10 @@ class Runner:
         rejected = self.board.rejected(seq) if rejections else []
         if rejected:
             return ValidationError(f"{name} #{seq}: " + "; ".join(
-                f"rank {r.rank} rejected its input: {r.reason}" for r in rejected))
+                f"rank {r.rank} rejected its input: {r.reason}" if r.seq == seq else
+                f"rank {r.rank} rejected its input to {r.op} #{r.seq}, which this rank called with valid "
+                f"input and left (it ended here without that rank), so that rank will not call {name} "
+                f"#{seq}: {r.reason}" for r in rejected))
         # a peer that gave up on this same operation (its own timeout) is a
         # fellow waiter: this rank's own timeout will follow
         aborted = [r for r in self.board.aborted() if (r.seq, r.op) != (seq, name)]

@@ -47,6 +47,26 @@ def rejected() -> None:
            "and not every rank did" if c.rank == 1 else "rank 1 rejected")
 
 
+def rejected_broadcast_left_by_its_root() -> None:
+    """A broadcast's root ends it without its peers, so it goes on while a peer rejected its input
+    to it and stays away (writing a log, a checkpoint): the root's next operation raises within
+    milliseconds (the board shows the rejection of an operation it called with valid input), not
+    after the timeout."""
+    c = fresh(check=False, timeout=60)
+    c.barrier()
+    if c.rank == 0:
+        np.testing.assert_array_equal(c.broadcast(np.arange(4.0), root=0), np.arange(4.0))
+        t0 = time.monotonic()
+        expect(commlib.ValidationError, lambda: c.allreduce(np.ones(2)),
+               "rank 1 rejected its input to broadcast #2, which this rank called with valid input")
+        assert time.monotonic() - t0 < 10, "must not wait for the timeout"
+    else:
+        expect(commlib.ValidationError, lambda: c.broadcast(np.arange(4.0), root=c.size), "root")
+        time.sleep(1.0 if c.rank == 1 else 0.0)
+        expect(commlib.CommAbortedError, lambda: c.allreduce(np.ones(2)),
+               "and not every rank did" if c.rank == 1 else "")
+
+
 def rejected_while_peers_are_late() -> None:
     """A rank that rejected its input waits, at its next call, for every rank to reach the operation
     (to learn whether all rejected it alike); past the timeout it aborts, and a late peer's valid
@@ -354,7 +374,8 @@ def refused_at_post() -> None:
     report_and_end()
 
 
-CASES = {f.__name__: f for f in (refused_at_post, rejected, rejected_while_peers_are_late, deadlock,
+CASES = {f.__name__: f for f in (refused_at_post, rejected, rejected_broadcast_left_by_its_root,
+                                  rejected_while_peers_are_late, deadlock,
                                   never_arrives, stall_made_an_error, only_rank0, unwaited, closed_early,
                                   state_on_rank0, state_on_rank0_with_syncbn, state_on_rank0_at_the_end,
                                   norm_on_rank0, values_on_rank0, call_while_ops_in_flight,

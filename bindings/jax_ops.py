@@ -48,8 +48,7 @@ def allreduce(x: Any, op: str = "sum", comm: commlib.Communicator | None = None)
     Example:
         >>> mean_loss = allreduce(loss, "avg")      # inside a jitted step too
     """
-    comm = _checked("allreduce", x, comm)
-    check_reduce_op(op, dtype_name(x.dtype), "allreduce")     # while tracing: every rank, before any call
+    comm = _checked("allreduce", x, comm, lambda _: check_reduce_op(op, dtype_name(x.dtype), "allreduce"))
     if not is_tracer(x):        # a concrete value is never differentiated: the call itself
         return _eager(comm.allreduce(x, op), x.shape)
 
@@ -96,10 +95,12 @@ def broadcast(x: Any, root: int = 0, comm: commlib.Communicator | None = None) -
     Example:
         >>> params = jax.tree.map(lambda p: broadcast(p, 0), params)
     """
-    comm = _checked("broadcast", x, comm)
-    if (isinstance(root, (bool, np.bool_)) or not isinstance(root, (int, np.integer))
-            or not 0 <= root < comm.size):
-        raise ValidationError(f"broadcast: root {root!r}: expected an int in [0, {comm.size})")
+    def check_root(c: commlib.Communicator) -> None:
+        if (isinstance(root, (bool, np.bool_)) or not isinstance(root, (int, np.integer))
+                or not 0 <= root < c.size):
+            raise ValidationError(f"broadcast: root {root!r}: expected an int in [0, {c.size})")
+
+    comm = _checked("broadcast", x, comm, check_root)
     root = int(root)        # numpy's integers too, as the communicator's broadcast takes them
     if not is_tracer(x):
         return _eager(comm.broadcast(x, root), x.shape)
@@ -117,14 +118,24 @@ def broadcast(x: Any, root: int = 0, comm: commlib.Communicator | None = None) -
     return run(x)
 
 
-def _checked(name: str, x: Any, comm: commlib.Communicator | None) -> commlib.Communicator:
-    """The communicator, once ``x`` is an array of a dtype commlib carries (static: every rank
-    raises alike, before any collective)."""
-    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-        raise ValidationError(f"{name}: expected a jax or numpy array, got {type(x).__name__}")
-    if dtype_name(x.dtype) not in DTYPES:
-        raise ValidationError(f"{name}: dtype {x.dtype} is not carried (expected one of {', '.join(DTYPES)})")
-    return comm if comm is not None else commlib.world()
+def _checked(name: str, x: Any, comm: commlib.Communicator | None,
+             check: Callable[[commlib.Communicator], None] = lambda _: None) -> commlib.Communicator:
+    """The communicator, once ``x`` is an array of a dtype commlib carries and ``check(comm)`` (the
+    operation's own arguments) passes.  Else this rank refuses the call on the communicator the
+    call would run on (the one of traced calls for a traced ``x``), so that peers whose inputs
+    were valid raise too instead of pairing their call with this rank's next (a bad ``op`` on
+    one rank; on every rank, each raises it alike, while tracing)."""
+    comm = comm if comm is not None else commlib.world()
+    try:
+        if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+            raise ValidationError(f"{name}: expected a jax or numpy array, got {type(x).__name__}")
+        if dtype_name(x.dtype) not in DTYPES:
+            raise ValidationError(f"{name}: dtype {x.dtype} is not carried (expected one of "
+                                  f"{', '.join(DTYPES)})")
+        check(comm)
+    except ValidationError as err:
+        (_side(comm) if is_tracer(x) else comm).refuse(name, err)
+    return comm
 
 
 def _eager(result: Any, shape: tuple[int, ...]) -> jax.Array:
@@ -141,11 +152,18 @@ def _call(comm: commlib.Communicator, x: Any, shape: tuple[int, ...],
     calls, reading ``x`` from and writing into XLA's own buffers."""
     if not is_tracer(x):
         return _eager(host(comm, x, None), shape)      # (a backward pass's cotangent, outside jit)
-    side = _JIT_COMMS.get(comm)
-    if side is None:        # tracing: every rank, at the same point of the same program
-        side = _JIT_COMMS[comm] = comm.split(0)
+    side = _side(comm)
 
     def run(a: np.ndarray, out: np.ndarray) -> None:
         host(side, a.reshape(-1) if a.ndim == 0 else a, out.reshape(-1) if out.ndim == 0 else out)
 
     return host_call(run, jax.ShapeDtypeStruct(shape, x.dtype), x, into=True)
+
+
+def _side(comm: commlib.Communicator) -> commlib.Communicator:
+    """The communicator of ``comm``'s traced calls, split from it at the first call traced (every
+    rank, at the same point of the same program)."""
+    side = _JIT_COMMS.get(comm)
+    if side is None:
+        side = _JIT_COMMS[comm] = comm.split(0)
+    return side

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from mpi4py import MPI
 
@@ -132,6 +132,22 @@ class Communicator(CommunicatorOps):
             self._run.aborted = CommAbortedError(reason)
             self._tracer.instant("abort", reason=str(reason))
             self._board.set(self._seq, "?", _board.ABORTED, reason)
+
+    def refuse(self, name: str, err: Exception) -> NoReturn:
+        """Raise ``err`` as this rank's refusal of its next operation ``name``, found bad before the
+        call (a layer above that validates first: the JAX binding while tracing), so that peers that
+        make that call with valid input raise too, as for an input the operation itself rejects:
+        within milliseconds on this node without check mode (the communicator is then aborted
+        unless every rank refused alike), through the agreement under ``COMMLIB_CHECK=1``.
+
+        Example:
+            >>> if op not in ("sum", "avg"):
+            ...     comm.refuse("allreduce", ValidationError(f"allreduce: op {op!r}"))
+        """
+        def build() -> Op:
+            raise err
+        self._call(name, build, (), True)
+        raise AssertionError("unreachable: _call raised")     # pragma: no cover
 
     def dangling(self) -> list[str]:
         """Operations this rank gave up on (timeout, a peer's failure) that MPI still holds."""

@@ -33,6 +33,7 @@ def run_job(case: str, ranks: int, timeout: float, tmp_path, job: str = "broken.
 
 @pytest.mark.parametrize("case,ranks,timeout", [
     ("rejected", 2, 60), ("refused_at_post", 2, 60), ("rejected_broadcast_left_by_its_root", 2, 60),
+    ("jax_op_refused_on_one_rank", 2, 60),
     ("rejected_while_peers_are_late", 2, 1),
     ("deadlock", 3, 1),
     ("never_arrives", 2, 0.5), ("unwaited", 2, 1), ("stall_made_an_error", 3, 2.3), ("closed_early", 3, 60),

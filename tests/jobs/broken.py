@@ -67,6 +67,29 @@ def rejected_broadcast_left_by_its_root() -> None:
                "and not every rank did" if c.rank == 1 else "")
 
 
+def jax_op_refused_on_one_rank() -> None:
+    """Inside ``jax.jit`` a bad ``op`` on one rank raises there while tracing; the peers, whose
+    step traced fine, raise when their step's all-reduce runs (it paired with that rank's next
+    jitted call: wrong numbers, silently), and every rank's next jitted call finds the
+    communicator of traced calls aborted."""
+    import jax
+    import jax.numpy as jnp
+
+    from commlib.bindings.jax import allreduce
+
+    c = fresh(check=False, timeout=60)
+    x = jnp.arange(4.0) + c.rank
+    bad = c.rank == 1
+    t0 = time.monotonic()
+    if bad:
+        expect(commlib.ValidationError, lambda: jax.jit(lambda v: allreduce(v, "mean", comm=c))(x), "'mean'")
+    else:
+        expect(Exception, lambda: np.asarray(jax.jit(lambda v: allreduce(v, "sum", comm=c))(x)),
+               "rank 1 rejected its input: allreduce: op 'mean'")
+    assert time.monotonic() - t0 < 30, "must not wait for the timeout"
+    expect(Exception, lambda: np.asarray(jax.jit(lambda v: allreduce(v, comm=c))(jnp.ones(3))), "aborted")
+
+
 def rejected_while_peers_are_late() -> None:
     """A rank that rejected its input waits, at its next call, for every rank to reach the operation
     (to learn whether all rejected it alike); past the timeout it aborts, and a late peer's valid
@@ -375,6 +398,7 @@ def refused_at_post() -> None:
 
 
 CASES = {f.__name__: f for f in (refused_at_post, rejected, rejected_broadcast_left_by_its_root,
+                                  jax_op_refused_on_one_rank,
                                   rejected_while_peers_are_late, deadlock,
                                   never_arrives, stall_made_an_error, only_rank0, unwaited, closed_early,
                                   state_on_rank0, state_on_rank0_with_syncbn, state_on_rank0_at_the_end,

@@ -394,14 +394,15 @@ class Runner:
         """``Work.wait``: yield the core for ``poll_spin``, then sleep on the work's event;
         every :data:`~commlib.poll.CHECK_EVERY_S` give up if :meth:`verdict` says so.
 
-        A work still queued and next in line is claimed and completed on this
-        thread instead; it then runs to completion (bounded by the communicator's
-        timeout, not by ``timeout``)."""
+        Without ``timeout``, a work still queued and next in line is claimed and
+        completed on this thread instead (it then runs to completion, bounded by the
+        communicator's timeout); with one, the engine's thread completes it, so that
+        this wait can end at ``timeout`` while the operation goes on."""
         op = work.op
         tr = self.tracer
         token = tr.begin("waiting", op.name, "caller", op.tag, seq=op.seq) if tr.active else None
         try:
-            if self.engine.claim(work):     # still queued, next in line: complete it here
+            if timeout is None and self.engine.claim(work):     # queued, next in line: complete it here
                 try:
                     work.complete(self.finish(op, work.started or self.start(op)))
                 except BaseException as exc:  # noqa: BLE001 - Work.wait raises it

@@ -142,6 +142,24 @@ def test_work_wait_timeout_does_not_abort(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_work_wait_timeout_ends_the_wait_of_a_lone_operation(comm):
+    """``wait(timeout)`` on the only operation in flight, a peer late: ``TimeoutError`` at the
+    timeout, and the operation goes on (the wait took the queued operation over and ran it to the
+    peer's arrival, 0.8 s)."""
+    comm.barrier()
+    if comm.rank == 0:
+        w = comm.iallreduce(np.ones(4))
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="still running after wait"):
+            w.wait(timeout=0.1)
+        assert time.monotonic() - t0 < 0.5
+        np.testing.assert_array_equal(w.wait(), np.full(4, comm.size))
+    else:
+        time.sleep(0.8)
+        np.testing.assert_array_equal(comm.iallreduce(np.ones(4)).wait(), np.full(4, comm.size))
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("form", ["blocking", "nonblocking"])
 def test_a_stall_warns_once_naming_the_missing_rank_and_the_operation_goes_on(form):
     c = fresh(timeout=60, stall_warning=0.2)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from .backends.base import Pending
+from .board import IN_OP
 from .errors import MismatchError, ValidationError
 from .ops import OPS, check_agreement
 from .runner import Runner
@@ -43,6 +44,8 @@ class Control:
         """COMMLIB_CHECK: all ranks compare their calls before any enters the operation."""
         mine = np.array(fp if err is None else [0, OPS.index(name), -1, -1, -1, -1], np.int64)
         table = np.empty((self.size, mine.size), np.int64)
+        if self._run.engine.idle:       # the board shows this rank in the call while it agrees on it
+            self._run.board.set(seq, name, IN_OP)   # (a timeout's message names who waits in it)
         with self._tracer.span("running", "check", "control", seq=seq):
             req = self.ctl.Iallgather(mine, table)
             self._wait(req, name, seq)

@@ -161,8 +161,11 @@ def test_work_wait_timeout_ends_the_wait_of_a_lone_operation(comm):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("form", ["blocking", "nonblocking"])
-def test_a_stall_warns_once_naming_the_missing_rank_and_the_operation_goes_on(form):
-    c = fresh(timeout=60, stall_warning=0.2)
+@pytest.mark.parametrize("check", [False, True])
+def test_a_stall_warns_once_naming_the_missing_rank_and_the_operation_goes_on(form, check):
+    """Under check mode too, where the wait is in the agreement on the call: the message named no
+    rank waiting and this rank among those not arrived."""
+    c = fresh(timeout=60, stall_warning=0.2, check=check)
     late = c.size - 1
     c.barrier()                                    # #1: everybody; then the last rank dawdles
 
@@ -182,6 +185,8 @@ def test_a_stall_warns_once_naming_the_missing_rank_and_the_operation_goes_on(fo
         assert len(stalls) == 1, stalls
         assert re.match(rf"allreduce #2 has waited 0\.[2-9]\d* s on rank {c.rank}: ", stalls[0]), stalls[0]
         assert f"not arrived: rank {late} idle after barrier #1" in stalls[0], stalls[0]
+        waiting = re.search(r"ranks \[([\d, ]*)\] are waiting in it", stalls[0])
+        assert waiting and str(c.rank) in waiting.group(1).split(", "), stalls[0]
         assert "it goes on (CommTimeoutError after 60 s" in stalls[0], stalls[0]
     assert np.all(out == c.size) and np.all(quiet == c.size)
     c.close()

@@ -375,6 +375,6 @@ class GradientClipping:
             total = torch.linalg.vector_norm(norms, p)
         total = total.to(parts[0].dtype)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in self._flat_grads:
-            g.mul_(coef.to(g.dtype))
+        for b, g in zip(self.buckets, self._flat_grads):
+            g[:b.numel].mul_(coef.to(g.dtype))     # not the padding: 0 * NaN would stay in it for good
         return total

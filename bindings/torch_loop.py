@@ -369,8 +369,8 @@ class TrainingLoop:
             largest = self._shard_norms.settle()
             finite = math.isfinite(largest)
             if not finite:      # NaN where the average has a NaN, else inf: its norm reads as one process's
-                for g in self._flat_grads:
-                    g.fill_(largest)
+                for b, g in zip(self.buckets, self._flat_grads):
+                    g[:b.numel].fill_(largest)      # the padding stays zero (it is never zeroed again)
             self._shards_settled(finite)
 
     def _shards_settled(self, settled: bool) -> None:

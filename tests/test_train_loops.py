@@ -513,3 +513,51 @@ def test_gan_with_two_optimizers_trains_as_one_process(comm, strategy):
 
     np.testing.assert_allclose(run(True), run(False), rtol=2e-5, atol=2e-6)
 
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
+@pytest.mark.parametrize("scaler", [False, True])
+def test_a_non_finite_step_leaves_no_trace_in_a_model_zero_grad_loop(comm, strategy, scaler):
+    """One sample of the last rank holds an inf at step 1; the loop zeroes with ``model.zero_grad()``,
+    clips with ``opt.clip_grad_norm_`` and skips the step its norm (or GradScaler) finds not finite.
+    Every later step is one process's: the norms and the parameters.  Clipping multiplied the
+    buckets' padding (beyond the parameters, never zeroed by ``model.zero_grad()``) by the NaN factor,
+    so every later norm read NaN (and under GradScaler every replica went NaN)."""
+
+    def run(dist: bool) -> tuple[list[float], np.ndarray]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if dist:
+            opt = wrap(comm, strategy, model, opt)
+            assert any(b.padded > b.numel for b in opt.buckets), "no padding to test"
+        amp = torch.amp.GradScaler("cpu", init_scale=64.0) if scaler else None
+        norms = []
+        for step in range(STEPS + 1):
+            g = torch.Generator().manual_seed(50 + step)
+            x, y = torch.randn(LOCAL * comm.size, 5, generator=g).double(), torch.randn(LOCAL * comm.size, 3,
+                                                                                       generator=g).double()
+            if step == 1:
+                x[-1, 2] = float("inf")
+            if dist:
+                x, y = x.chunk(comm.size)[comm.rank], y.chunk(comm.size)[comm.rank]
+            model.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            (amp.scale(loss) if amp else loss).backward()
+            if amp:
+                amp.unscale_(opt)
+            norm = (opt.clip_grad_norm_(MAX_NORM) if dist
+                    else torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+            norms.append(float(norm))
+            if amp:
+                amp.step(opt)
+                amp.update()
+            elif torch.isfinite(norm):
+                opt.step()
+        return norms, torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+
+    (got, params), (want, ref) = run(True), run(False)
+    assert not np.isfinite(got[1]) and not np.isfinite(want[1])
+    np.testing.assert_allclose(got[2:], want[2:], rtol=1e-12)
+    np.testing.assert_allclose(params, ref, rtol=1e-12, atol=1e-14)

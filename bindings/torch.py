@@ -195,9 +195,15 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
         if not self._wrapped:
             super().add_param_group(param_group)
             return
-        if self._synced or any(self._got):
+        self._end_skipped_step()       # with grad_scaler=: a step GradScaler skipped ends here
+        if any(self._got) and not self._synced:
             raise RuntimeError("DistributedOptimizer.add_param_group: gradients of this step are already "
                                "being averaged; add the group before the forward, after step()")
+        if self._synced:
+            raise RuntimeError("DistributedOptimizer.add_param_group: this step's gradients are averaged "
+                               "and its step() has not run (a step GradScaler skipped: pass grad_scaler= "
+                               "when wrapping, and it ends here); add the group after step() or "
+                               "opt.zero_grad(), before the forward")
         self._inner.add_param_group(param_group)
         try:
             self.replan()

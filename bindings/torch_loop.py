@@ -134,6 +134,13 @@ class TrainingLoop:
                 if isinstance(p.grad, ShardedGrad):
                     p.grad = p.grad.clone()
 
+    def _end_skipped_step(self) -> None:
+        """GradScaler skipped the last step and the loop zeroes with ``model.zero_grad()`` (or not
+        yet): the step ends here, at the next training forward or ``add_param_group``, its
+        gradients zeroed as ``opt.zero_grad()`` would have."""
+        if self._synced and self._loss_scale.backed_off():
+            self.zero_grad()
+
     def _retire(self, by: str) -> None:
         """A newer optimizer wraps these parameters, or :meth:`close`: end the strategy (Sync-Switch
         returns to BSP, the replicas and optimizers alike, and frees its windows; a newer optimizer
@@ -186,11 +193,9 @@ class TrainingLoop:
         parameter no longer lives in its bucket (the model moved or converted after wrapping) or a loaded
         checkpoint's cap is not the plan's (it was tuned).  Never traced by ``torch.compile``, like every
         hook that waits: Dynamo would replay the state it saw while tracing instead of waiting."""
-        if self._synced and torch.is_grad_enabled() and self._loss_scale.backed_off():
-            # GradScaler skipped the last step and the loop zeroed with model.zero_grad(): the step
-            # ends before this forward reads the parameters (Sync-Switch may switch and pull them),
-            # and the skipped gradients are zeroed, as opt.zero_grad() would have done
-            self.zero_grad()
+        if self._synced and torch.is_grad_enabled():
+            self._end_skipped_step()    # before this forward reads the parameters (Sync-Switch may
+                                        # switch and pull them)
         if self._pending_load is not None and torch.is_grad_enabled():
             self._take_pending_load()       # a collective: every rank has loaded by its next forward
         with torch._C.DisableTorchFunctionSubclass():     # parameters DeAR still gathers: metadata only

@@ -561,3 +561,46 @@ def test_a_non_finite_step_leaves_no_trace_in_a_model_zero_grad_loop(comm, strat
     assert not np.isfinite(got[1]) and not np.isfinite(want[1])
     np.testing.assert_allclose(got[2:], want[2:], rtol=1e-12)
     np.testing.assert_allclose(params, ref, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
+def test_add_param_group_after_a_step_grad_scaler_skipped(comm, strategy):
+    """GradScaler skips step 1 (an inf on the last rank); the loop adds a group at the top of step 2,
+    before zeroing.  With ``grad_scaler=`` the skipped step ends there and the run is one process's;
+    without it the refusal says what happened and what to do (it said to add the group after step(),
+    which the loop had called)."""
+
+    def run(dist: bool, hand_over: bool = True) -> np.ndarray:
+        torch.manual_seed(0)
+        body, head = torch.nn.Linear(5, 3).double(), torch.nn.Linear(5, 3).double()
+        model = torch.nn.ModuleList([body, head])
+        scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
+        opt = torch.optim.SGD(body.parameters(), lr=0.1, momentum=0.9)
+        if dist:
+            opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[strategy](), comm=comm,
+                                       grad_scaler=scaler if hand_over else None)
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(70 + step)
+            x, y = torch.randn(LOCAL * comm.size, 5, generator=g).double(), torch.randn(LOCAL * comm.size, 3,
+                                                                                       generator=g).double()
+            if step == 1:
+                x[-1, 0] = float("inf")
+            if dist:
+                x, y = x.chunk(comm.size)[comm.rank], y.chunk(comm.size)[comm.rank]
+            if step == 2:
+                if dist and not hand_over:
+                    with pytest.raises(RuntimeError, match="GradScaler skipped: pass grad_scaler="):
+                        opt.add_param_group({"params": head.parameters(), "lr": 0.05})
+                    return np.zeros(0)
+                opt.add_param_group({"params": head.parameters(), "lr": 0.05})
+            opt.zero_grad()
+            out = body(x) + (head(x) if step >= 2 else 0)
+            scaler.scale(torch.nn.functional.mse_loss(out, y)).backward()
+            scaler.step(opt)
+            scaler.update()
+        assert scaler.get_scale() == 32.0
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+
+    np.testing.assert_allclose(run(True), run(False), rtol=1e-12, atol=1e-14)
+    run(True, hand_over=False)

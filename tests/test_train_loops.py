@@ -515,6 +515,17 @@ def test_gan_with_two_optimizers_trains_as_one_process(comm, strategy):
 
 
 
+def batch_with_an_inf(comm, seed: int, inf: bool, dist: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float64 global batch (5 features, 3 targets); with ``inf``, one input of the last rank's
+    sample is infinite; ``dist``: this rank's slice."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(LOCAL * comm.size, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(LOCAL * comm.size, 3, generator=g, dtype=torch.float64)
+    if inf:
+        x[-1, 2] = float("inf")
+    return (x.chunk(comm.size)[comm.rank], y.chunk(comm.size)[comm.rank]) if dist else (x, y)
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("strategy", ["allreduce", "dear"])
 @pytest.mark.parametrize("scaler", [False, True])
@@ -535,13 +546,7 @@ def test_a_non_finite_step_leaves_no_trace_in_a_model_zero_grad_loop(comm, strat
         amp = torch.amp.GradScaler("cpu", init_scale=64.0) if scaler else None
         norms = []
         for step in range(STEPS + 1):
-            g = torch.Generator().manual_seed(50 + step)
-            x, y = torch.randn(LOCAL * comm.size, 5, generator=g).double(), torch.randn(LOCAL * comm.size, 3,
-                                                                                       generator=g).double()
-            if step == 1:
-                x[-1, 2] = float("inf")
-            if dist:
-                x, y = x.chunk(comm.size)[comm.rank], y.chunk(comm.size)[comm.rank]
+            x, y = batch_with_an_inf(comm, 50 + step, step == 1, dist)
             model.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x), y)
             (amp.scale(loss) if amp else loss).backward()
@@ -581,13 +586,7 @@ def test_add_param_group_after_a_step_grad_scaler_skipped(comm, strategy):
             opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[strategy](), comm=comm,
                                        grad_scaler=scaler if hand_over else None)
         for step in range(STEPS):
-            g = torch.Generator().manual_seed(70 + step)
-            x, y = torch.randn(LOCAL * comm.size, 5, generator=g).double(), torch.randn(LOCAL * comm.size, 3,
-                                                                                       generator=g).double()
-            if step == 1:
-                x[-1, 0] = float("inf")
-            if dist:
-                x, y = x.chunk(comm.size)[comm.rank], y.chunk(comm.size)[comm.rank]
+            x, y = batch_with_an_inf(comm, 70 + step, step == 1, dist)
             if step == 2:
                 if dist and not hand_over:
                     with pytest.raises(RuntimeError, match="GradScaler skipped: pass grad_scaler="):

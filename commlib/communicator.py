@@ -169,6 +169,8 @@ class Communicator(CommunicatorOps):
             op, err = build(*args), None
         except Exception as exc:     # a ValidationError, or an input that cannot be read (deleted jax array)
             op, err = None, exc if isinstance(exc, ValidationError) else ValidationError(f"{name}: {exc!r}")
+        if err is not None and err.agreed:      # check mode's agreement in build (allgatherv's, before
+            raise err                           # its counts travel) raised it on every rank
         if self.config.check:
             self._control.agree(name, seq, fingerprint(*op.check_args) if op else [], err)
         elif err is not None:

@@ -52,8 +52,10 @@ class Control:
         invalid = [r for r in range(self.size) if table[r, 0] == 0]
         if invalid:
             reasons = self.ctl.allgather(None if err is None else str(err))
-            raise ValidationError(f"{name} #{seq}: " + "; ".join(
+            agreed = ValidationError(f"{name} #{seq}: " + "; ".join(
                 f"rank {r} rejected its input: {reasons[r]}" for r in invalid))
+            agreed.agreed = True
+            raise agreed
         check_agreement(table, name, seq)
 
     def exchange_counts(self, mine: int, seq: int) -> list[int]:

@@ -24,6 +24,9 @@ class ValidationError(CommlibError, ValueError):
         commlib.errors.ValidationError: allreduce: dtype complex64 is not supported
     """
 
+    #: raised alike on every rank by check mode's agreement on a call (nothing left to tell the peers)
+    agreed: bool = False
+
 
 class MismatchError(CommlibError):
     """Ranks called different operations, shapes or dtypes at the same step.

@@ -249,11 +249,13 @@ class CommunicatorOps:
         return self._call("allgatherv", self._allgatherv, (x, counts, out, tag), False)
 
     def _broadcast(self, x: Any, root: int, out: Any, tag: str | None) -> Op:
-        v = as_view(x, "broadcast: x", read_only=out is not None and out is not x)
+        # x is only read where the result goes to out, or to a new array (x immutable: not in place)
+        immutable = isinstance(x, np.ndarray) and not x.flags.writeable
+        v = as_view(x, "broadcast: x", read_only=(out is not None and out is not x) or immutable)
         if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
             raise ValidationError(f"broadcast: root {root!r} is not a rank of 0..{self.size - 1}")
         root = int(root)
-        if (out is None or out is x) and v.writable:
+        if (out is None or out is x) and v.writable and not immutable:
             buf, value = v.data, x
         else:
             buf, value = out_buffer(v, None if out is x else out, v.count, "broadcast")

@@ -219,6 +219,11 @@ def test_host_path_edges_match_the_reference(comm):
         view = rank_input(comm.rank, n, "float32").reshape(3, 4)[1:]
         assert comm.broadcast(view, root=root) is view
         assert_close(view, inputs[root].reshape(3, 4)[1:], "float32")
+        for form in (ro.reshape(3, 4).T, ro.astype(">f4")):     # read through a copy: refused before
+            form.flags.writeable = False
+            got = comm.broadcast(form, root=root)
+            assert got is not form and got.shape == form.shape
+            assert_close(got.reshape(-1) if form.ndim == 1 else got.T.reshape(-1), inputs[root], "float32")
     comm.barrier()
     for bad, match in [(lambda c: c.allreduce(x, out=np.empty(5, np.float32)), "out has 5 elements"),
                        (lambda c: c.allreduce(np.ones(3, np.int32), op="avg"), "needs a floating"),

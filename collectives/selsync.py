@@ -205,10 +205,10 @@ class SelSync(Strategy):
         self._avg_works = [[] for _ in self.buckets]
         v = as_view(self.grads[0], "selsync: gradient buffer") if self.grads else None
         if v is None or v.device == "cpu" or comm.backend == "mpi":
-            self._flag = np.zeros(1, np.float32)
+            self._flag = np.zeros(1, np.int32)     # an integer max: no float compare
         else:                # beside the gradients on the NCCL communicator's GPU
             with v.xp.cuda.Device(v.device_id):
-                self._flag = v.xp.zeros(1, v.xp.float32)
+                self._flag = v.xp.zeros(1, v.xp.int32)
 
     def syncs_optimizer_state(self) -> bool:
         """With ``sync_optimizer_state``, the step that just synchronized asks the
@@ -377,7 +377,7 @@ class SelSync(Strategy):
             sync = forced or bool(want)
             overflow = not self._finite
         else:       # 2: this rank's gradient is not finite (it votes to sync too)
-            self._flag[0] = 2.0 if not self._finite else 1.0 if want else 0.0
+            self._flag[0] = 2 if not self._finite else 1 if want else 0
             self.comm.allreduce(self._flag, "max", out=self._flag, tag="selsync.flag")
             flag = float(self._flag[0])
             sync, overflow = forced or flag > 0, flag > 1

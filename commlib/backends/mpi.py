@@ -27,6 +27,9 @@ from .base import Pending
 
 _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _BF16 = np.dtype(ml_dtypes.bfloat16)
+#: the floating dtypes, whose max and min carry their NaNs beside them (:meth:`MPIBackend._reduce_ordered`)
+_FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
+_ORDERED_OPS = frozenset({"max", "min"})
 
 def mpi_cuda_aware() -> bool:
     """Whether the loaded MPI library says it accepts CUDA device pointers."""
@@ -135,6 +138,8 @@ class MPIBackend:
     # -- operations ------------------------------------------------------
     def allreduce(self, send: Any, recv: Any, dtype: str, op: str,
                   ctx: CallerStream | None = None) -> Pending:
+        if op in _ORDERED_OPS and dtype in _FLOATING:
+            return self._reduce_ordered(send, recv, dtype, op, None, ctx)
         if type(send) is np.ndarray and type(recv) is np.ndarray and dtype != "bfloat16":
             # host arrays (the common case): no staging, nothing to finish but avg.  The general
             # path below handles them too; this branch skips _host and the finish closure, which
@@ -168,6 +173,8 @@ class MPIBackend:
 
     def reduce_scatter(self, send: Any, recv: Any, dtype: str, op: str,
                        counts: Sequence[int], ctx: CallerStream | None = None) -> Pending:
+        if op in _ORDERED_OPS and dtype in _FLOATING:
+            return self._reduce_ordered(send, recv, dtype, op, counts, ctx)
         if type(send) is np.ndarray and type(recv) is np.ndarray and dtype != "bfloat16":
             sbuf = _apart(send, recv)
             req = self.comm.Ireduce_scatter(sbuf, recv, counts, _MPI_OPS[op])
@@ -192,6 +199,40 @@ class MPIBackend:
             self._copy_back(back, recv)
 
         return Pending(req.Test, finish, req, sbuf)
+
+    def _reduce_ordered(self, send: Any, recv: Any, dtype: str, op: str, counts: Sequence[int] | None,
+                        ctx: CallerStream | None) -> Pending:
+        """``max``/``min`` of floating values, all-reduced (``counts`` None) or reduce-scattered.
+        MPI compares a NaN in the order its algorithm meets the ranks' values, so that the ranks'
+        results differed (a NaN on one rank: NaN on some ranks, a number on others, with nonblocking
+        MPICH); so where each element is NaN on some rank travels beside it (one byte an element, a
+        max of its own, posted with it) and is NaN on every rank, as numpy's max gives."""
+        upcast = dtype == "bfloat16"
+        (hsend, hrecv), back = self._host(send, recv, ctx=ctx, force=True)
+        values = hsend.view(_BF16).astype(np.float32) if upcast else hsend    # read before any write
+        nan = np.isnan(values).view(np.uint8)
+        if counts is None:
+            work = values if upcast else hrecv
+            sbuf = MPI.IN_PLACE if upcast or hsend is hrecv or _same(hsend, hrecv) else _apart(hsend, hrecv)
+            mask = nan
+            reqs = [self.comm.Iallreduce(sbuf, work, _MPI_OPS[op]),
+                    self.comm.Iallreduce(MPI.IN_PLACE, mask, MPI.MAX)]
+        else:
+            work = np.empty(hrecv.size, np.float32) if upcast else hrecv
+            sbuf = values if upcast else _apart(hsend, hrecv)
+            mask = np.empty(hrecv.size, np.uint8)
+            reqs = [self.comm.Ireduce_scatter(sbuf, work, counts, _MPI_OPS[op]),
+                    self.comm.Ireduce_scatter(nan, mask, counts, MPI.MAX)]
+
+        def finish() -> None:
+            MPI.Request.Waitall(reqs)       # the engine waited for the last one
+            if mask.any():
+                work[mask.view(bool)] = np.nan
+            if upcast:
+                hrecv[...] = work.astype(_BF16).view(np.uint16)
+            self._copy_back(back, recv)
+
+        return Pending(lambda: MPI.Request.Testall(reqs), finish, reqs[-1], (sbuf, values, nan, mask, work))
 
     def allgather(self, send: Any, recv: Any, dtype: str, ctx: CallerStream | None = None) -> Pending:
         if type(send) is np.ndarray and type(recv) is np.ndarray:

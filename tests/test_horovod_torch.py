@@ -8,6 +8,7 @@ inputs), errors raised on every rank with the job still usable after them, and
 
 from __future__ import annotations
 
+import copy
 import importlib
 import time
 import warnings
@@ -257,7 +258,7 @@ def _train(n: int, r: int, make_opt, passes: int = 1) -> torch.nn.Module:
     model = _net(seed=0 if r == 0 else 1 + r)            # different starts: the broadcast fixes them
     opt = make_opt(model)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(opt, root_rank=0)      # no state yet: made, then rank 0's sent
+    hvd.broadcast_optimizer_state(opt, root_rank=0)      # no state yet: rank 0's (none) sent
     for step in range(STEPS):
         x, y = _batch(step, n)
         xs, ys = x[r * LOCAL:(r + 1) * LOCAL], y[r * LOCAL:(r + 1) * LOCAL]
@@ -291,6 +292,51 @@ def test_distributed_optimizer_matches_one_process(variant):
     mine = model.state_dict()          # DeAR: completes the all-gathers that overlap the next forward
     for k, q in ref.state_dict().items():
         torch.testing.assert_close(mine[k], q, rtol=tol, atol=tol)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["adamw", "sgd-wd"])
+def test_horovods_resume_with_weight_decay_trains_as_one_process(kind):
+    """Horovod's recipe from the first step and on resume: rank 0 alone loads the checkpoint, then
+    ``broadcast_parameters`` and ``broadcast_optimizer_state``.  Horovod makes the state of ranks
+    that have none with a local step on zero gradients, which decayed the parameters just
+    broadcast (AdamW: rank 1 at 0.881 where rank 0 held 0.890) and counted a step one process
+    never took; here both runs are one process's."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+
+    def make(model):
+        if kind == "adamw":
+            return torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+
+    def steps(model, opt, first, last, dist):
+        for step in range(first, last):
+            x, y = _batch(step, n)
+            if dist:
+                x, y = x[r * LOCAL:(r + 1) * LOCAL], y[r * LOCAL:(r + 1) * LOCAL]
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+    ref = _net()
+    steps(ref, make(ref), 0, STEPS, False)
+    model = _net(seed=0 if r == 0 else 1 + r)
+    opt = hvd.DistributedOptimizer(make(model), named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    steps(model, opt, 0, STEPS // 2, True)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    model = _net(seed=7 + r)                            # a fresh job: rank 0 alone reads the checkpoint
+    opt = hvd.DistributedOptimizer(make(model), named_parameters=model.named_parameters())
+    if r == 0:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    steps(model, opt, STEPS // 2, STEPS, True)
+    for k, q in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], q, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.mpi(min_size=2)

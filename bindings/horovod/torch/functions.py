@@ -44,28 +44,17 @@ def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
     """Give every rank ``root_rank``'s optimizer state and hyperparameters (a collective).
 
-    An optimizer that has not stepped yet gets its state first, as Horovod does:
-    parameters that require a gradient and have none get a zero gradient, and one
-    local ``step()`` runs (no communication).
+    The state travels whole (the state dict, pickled), so an optimizer that has not stepped yet
+    needs none first: Horovod runs one local step on zero gradients to make it, which decays
+    the parameters it has just broadcast under a decoupled weight decay (AdamW) on the ranks
+    that had none (its resume: rank 0 loads the checkpoint alone) and counts a step one process
+    never took.  Here the parameters and the step count stay as one process's.
 
     Example:
         >>> hvd.broadcast_optimizer_state(opt, root_rank=0)
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
-    from commlib.bindings.torch import DistributedOptimizer as StrategyOptimizer
-
-    # commlib's strategy optimizers load an empty state as it is (no local step: their step is a collective)
-    if not isinstance(optimizer, StrategyOptimizer) and len(optimizer.state_dict()["state"]) == 0:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and p.grad is None:
-                    p.grad = p.data.new(p.size()).zero_()
-        step = getattr(optimizer, "_hvd_local_step", None)
-        if step is not None:
-            step()
-        else:
-            optimizer.step()
     torch_comm.broadcast_optimizer_state(optimizer, root_rank, basics.world())
 
 

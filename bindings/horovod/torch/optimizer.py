@@ -237,10 +237,6 @@ class HorovodOptimizerMixin:
         self._synchronized = False
         return super().step(closure)  # type: ignore[misc]
 
-    def _hvd_local_step(self) -> Any:
-        """The wrapped optimizer's step alone (no communication): state initialization."""
-        return super().step()  # type: ignore[misc]
-
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the gradients (in place by default); not between ``backward()`` and ``step()``.
 

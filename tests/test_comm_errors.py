@@ -148,8 +148,8 @@ def test_work_wait_timeout_does_not_abort(comm):
 @pytest.mark.mpi(min_size=2)
 def test_work_wait_timeout_ends_the_wait_of_a_lone_operation(comm):
     """``wait(timeout)`` on the only operation in flight, a peer late: ``TimeoutError`` at the
-    timeout, and the operation goes on (the wait took the queued operation over and ran it to the
-    peer's arrival, 0.8 s)."""
+    timeout, and the operation goes on.  Before, the wait took the queued operation over and ran
+    it to the peer's arrival (0.8 s), past its timeout."""
     comm.barrier()
     if comm.rank == 0:
         w = comm.iallreduce(np.ones(4))

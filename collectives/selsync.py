@@ -93,7 +93,7 @@ from commlib.arrays import INEXACT_DTYPES, as_view
 from .allreduce import AllReduce
 from .buckets import Bucket
 from .significance import SignificanceMeter, l2_norm
-from .strategy import Strategy, checked_inner
+from .strategy import Strategy, checked_inner, saved_elsewhere
 
 MODES = ("params", "grads")
 
@@ -528,11 +528,10 @@ class SelSync(Strategy):
         (its gate decides from that rank's history; a rank's own checkpoint resumes exactly)."""
         rank, size = self._loaded_from
         self._loaded_from = (None, None)
-        if rank is not None and (rank, size) != (self.comm.rank, self.comm.size):
-            warnings.warn(f"{self.name}: state saved by rank {rank} of {size} loaded on rank "
-                          f"{self.comm.rank} of {self.comm.size}: the significance EWMA is rank {rank}'s, so "
-                          "this rank's gate "
-                          "votes from that rank's history (each rank's own state resumes exactly)",
+        elsewhere = saved_elsewhere(rank, size, self.comm) if rank is not None else ""
+        if elsewhere:
+            warnings.warn(f"{self.name}: {elsewhere}: the significance EWMA is rank {rank}'s, so this rank's "
+                          "gate votes from that rank's history (each rank's own state resumes exactly)",
                           stacklevel=3)
 
     def __repr__(self) -> str:

@@ -109,6 +109,20 @@ def checked_strategy(strategy: Any, where: str) -> "Strategy":
                     f"SyncSwitch(...), SparseAllReduce(...)), got {type(strategy).__name__}{hint}")
 
 
+def saved_elsewhere(rank: Any, size: Any, comm: Any) -> str:
+    """``"state saved by rank R of W loaded on rank r of w"`` where a strategy's state was saved by
+    another rank or world than ``comm``'s (its per-rank parts, residuals or a meter, are that
+    rank's); ``""`` where it is this rank's own.
+
+    Example:
+        >>> saved_elsewhere(0, 2, comm)          # on rank 1 of 2
+        'state saved by rank 0 of 2 loaded on rank 1 of 2'
+    """
+    if (rank, size) == (comm.rank, comm.size):
+        return ""
+    return f"state saved by rank {rank} of {size} loaded on rank {comm.rank} of {comm.size}"
+
+
 def checked_inner(strategy: Any, where: str) -> "Strategy":
     """:func:`checked_strategy` for a strategy that another wraps (``where``: ``"SelSync(inner=...)"``),
     refused also when made with ``tune=``: the wrapper plans the buckets, so its tuner would never be fed.

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from commlib import Communicator, ValidationError
-from commlib.collectives.strategy import Strategy
+from commlib.collectives.strategy import Strategy, saved_elsewhere
 
 from ._arrays import GRAD_DTYPES, acc_dtype_for, all_finite, flat_view, read_as, write_as
 from .base import Selector, StepStats
@@ -179,13 +179,11 @@ class SparseAllReduce(Strategy):
         if got != want:
             raise ValueError(f"{self.name}: state of buckets {got} given to buckets {want}")
         same_world = state.get("world_size") == self.comm.size
-        same_rank = same_world and state.get("rank") == self.comm.rank
-        if not same_rank:
-            warnings.warn(f"{self.name}: state saved by rank {state.get('rank')} of "
-                          f"{state.get('world_size')} loaded on rank {self.comm.rank} of {self.comm.size}: "
-                          "residuals start from zero" + ("" if same_world else
-                                                         ", partition boundaries from the start"),
-                          stacklevel=3)
+        elsewhere = saved_elsewhere(state.get("rank"), state.get("world_size"), self.comm)
+        same_rank = not elsewhere
+        if elsewhere:
+            warnings.warn(f"{self.name}: {elsewhere}: residuals start from zero" + (
+                "" if same_world else ", partition boundaries from the start"), stacklevel=3)
         for s, sel, fb in zip(saved, self.selectors, self.feedback):
             sel.load_state_dict(s["selector"], same_world)
             if same_rank:

@@ -74,6 +74,12 @@ def _apart(send: Any, recv: Any) -> Any:
     return send.copy() if type(send) is np.ndarray and _may_overlap(send, recv) else send
 
 
+def _reduce_send(send: Any, recv: Any) -> Any:
+    """What an all-reduce of ``send`` into ``recv`` sends: ``MPI.IN_PLACE`` for an in-place call,
+    else ``send`` (a copy where it overlaps ``recv``: :func:`_apart`)."""
+    return MPI.IN_PLACE if send is recv or _same(send, recv) else _apart(send, recv)
+
+
 def _ptr(a: Any) -> int:
     if isinstance(a, np.ndarray):       # mpi4py's buffer: 0.2 us; __array_interface__ builds a dict: 1 us
         return MPI.buffer(a).address
@@ -147,7 +153,7 @@ class MPIBackend:
             if send is not recv and send.base is None and recv.base is None:
                 sbuf = send     # two arrays that own their memory are apart (_may_overlap's first test)
             else:
-                sbuf = MPI.IN_PLACE if send is recv or _same(send, recv) else _apart(send, recv)
+                sbuf = _reduce_send(send, recv)
             req = self.comm.Iallreduce(sbuf, recv, _MPI_OPS[op])
             return Pending(req.Test, None if op != "avg" else lambda: _divide(recv, self.size, dtype), req,
                            sbuf)
@@ -158,7 +164,7 @@ class MPIBackend:
             req = self.comm.Iallreduce(MPI.IN_PLACE, work, _MPI_OPS[op])
         else:
             work = hrecv
-            sbuf = MPI.IN_PLACE if hsend is hrecv or _same(hsend, hrecv) else _apart(hsend, hrecv)
+            sbuf = _reduce_send(hsend, hrecv)
             req = self.comm.Iallreduce(sbuf, hrecv, _MPI_OPS[op])
             keep = sbuf
 
@@ -213,7 +219,7 @@ class MPIBackend:
         nan = np.isnan(values).view(np.uint8)
         if counts is None:
             work = values if upcast else hrecv
-            sbuf = MPI.IN_PLACE if upcast or hsend is hrecv or _same(hsend, hrecv) else _apart(hsend, hrecv)
+            sbuf = MPI.IN_PLACE if upcast else _reduce_send(hsend, hrecv)
             mask = nan
             reqs = [self.comm.Iallreduce(sbuf, work, _MPI_OPS[op]),
                     self.comm.Iallreduce(MPI.IN_PLACE, mask, MPI.MAX)]

@@ -1,0 +1,116 @@
+"""Steps whose gradients are not finite (an inf in one rank's sample), in the loops people write:
+the loop skips them (its clipping norm is not finite) or GradScaler does, the loop zeroes with
+``model.zero_grad()`` or adds a parameter group right after one; every later step must be one
+process's on the concatenated batch (float64, tight tolerances).  (The overflow patterns of the
+training-loop sweep: ``fp16-scaler`` in test_train_loops.py.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import HAVE_TORCH, STRATEGIES
+
+pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+
+if HAVE_TORCH:
+    import torch
+
+    from commlib.bindings.torch import DistributedOptimizer
+
+    torch.set_num_threads(1)
+
+LOCAL = 4          # samples per rank per step
+STEPS = 4
+MAX_NORM = 0.05    # small enough that every step clips
+
+
+def batch_with_an_inf(comm, seed: int, inf: bool, dist: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float64 global batch (5 features, 3 targets); with ``inf``, one input of the last rank's
+    sample is infinite; ``dist``: this rank's slice."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(LOCAL * comm.size, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(LOCAL * comm.size, 3, generator=g, dtype=torch.float64)
+    if inf:
+        x[-1, 2] = float("inf")
+    return (x.chunk(comm.size)[comm.rank], y.chunk(comm.size)[comm.rank]) if dist else (x, y)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
+@pytest.mark.parametrize("scaler", [False, True])
+def test_a_non_finite_step_leaves_no_trace_in_a_model_zero_grad_loop(comm, strategy, scaler):
+    """One sample of the last rank holds an inf at step 1; the loop zeroes with ``model.zero_grad()``,
+    clips with ``opt.clip_grad_norm_`` and skips the step its norm (or GradScaler) finds not finite.
+    Every later step is one process's: the norms and the parameters.  Clipping multiplied the
+    buckets' padding (beyond the parameters, never zeroed by ``model.zero_grad()``) by the NaN factor,
+    so every later norm read NaN (and under GradScaler every replica went NaN)."""
+
+    def run(dist: bool) -> tuple[list[float], np.ndarray]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if dist:
+            opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[strategy](), comm=comm)
+            assert any(b.padded > b.numel for b in opt.buckets), "no padding to test"
+        amp = torch.amp.GradScaler("cpu", init_scale=64.0) if scaler else None
+        norms = []
+        for step in range(STEPS + 1):
+            x, y = batch_with_an_inf(comm, 50 + step, step == 1, dist)
+            model.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            (amp.scale(loss) if amp else loss).backward()
+            if amp:
+                amp.unscale_(opt)
+            norm = (opt.clip_grad_norm_(MAX_NORM) if dist
+                    else torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+            norms.append(float(norm))
+            if amp:
+                amp.step(opt)
+                amp.update()
+            elif torch.isfinite(norm):
+                opt.step()
+        return norms, torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+
+    (got, params), (want, ref) = run(True), run(False)
+    assert not np.isfinite(got[1]) and not np.isfinite(want[1])
+    np.testing.assert_allclose(got[2:], want[2:], rtol=1e-12)
+    np.testing.assert_allclose(params, ref, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("strategy", ["allreduce", "dear"])
+def test_add_param_group_after_a_step_grad_scaler_skipped(comm, strategy):
+    """GradScaler skips step 1 (an inf on the last rank); the loop adds a group at the top of step 2,
+    before zeroing.  With ``grad_scaler=`` the skipped step ends there and the run is one process's;
+    without it the refusal says what happened and what to do (it said to add the group after step(),
+    which the loop had called)."""
+
+    def run(dist: bool, hand_over: bool = True) -> np.ndarray:
+        torch.manual_seed(0)
+        body, head = torch.nn.Linear(5, 3).double(), torch.nn.Linear(5, 3).double()
+        model = torch.nn.ModuleList([body, head])
+        scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
+        opt = torch.optim.SGD(body.parameters(), lr=0.1, momentum=0.9)
+        if dist:
+            opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[strategy](), comm=comm,
+                                       grad_scaler=scaler if hand_over else None)
+        for step in range(STEPS):
+            x, y = batch_with_an_inf(comm, 70 + step, step == 1, dist)
+            if step == 2:
+                if dist and not hand_over:
+                    with pytest.raises(RuntimeError, match="GradScaler skipped: pass grad_scaler="):
+                        opt.add_param_group({"params": head.parameters(), "lr": 0.05})
+                    return np.zeros(0)
+                opt.add_param_group({"params": head.parameters(), "lr": 0.05})
+            opt.zero_grad()
+            out = body(x) + (head(x) if step >= 2 else 0)
+            scaler.scale(torch.nn.functional.mse_loss(out, y)).backward()
+            scaler.step(opt)
+            scaler.update()
+        assert scaler.get_scale() == 32.0
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+
+    np.testing.assert_allclose(run(True), run(False), rtol=1e-12, atol=1e-14)
+    run(True, hand_over=False)

@@ -169,6 +169,22 @@ def test_allgather_broadcast_alltoall_reducescatter(dtype):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_alltoall_of_an_empty_tensor_from_numpy():
+    """A rank with nothing to send (MoE dispatch: no tokens) whose (0, 4) tensor comes from numpy
+    (strides (0, 0)): it raised there alone while its peers completed the exchange, and its next
+    alltoall received their stale rows, silently."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    x = torch.from_numpy(np.empty((0, 4), np.float32)) if r == 0 else torch.full((2 * n, 4), 100.0 + r)
+    out, got = hvd.alltoall(x, splits=[0] * n if r == 0 else [2] * n)
+    want = [100.0 + k for k in range(1, n) for _ in range(2)]
+    assert got.tolist() == [0] + [2] * (n - 1) and out.shape == (2 * (n - 1), 4)
+    assert out[:, 0].tolist() == want
+    out = hvd.alltoall(torch.full((2 * n, 4), 200.0 + r))
+    assert out[:, 0].tolist() == [200.0 + k for k in range(n) for _ in range(2)]
+
+
+@pytest.mark.mpi(min_size=2)
 def test_autograd_through_collectives():
     hvd.init()
     r, n = hvd.rank(), hvd.size()

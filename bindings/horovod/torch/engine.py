@@ -392,9 +392,17 @@ class Engine:
         tail = list(t.shape[1:])
         row_bytes = (int(np.prod(tail, dtype=np.int64)) if tail else 1) * t.element_size()
         splits = req.splits if req.splits is not None else [t.shape[0] // self.size] * self.size
-        table = np.asarray(self.comm.allgather(np.asarray(splits, np.int64), tag="horovod-splits"))
-        recv_rows = [int(table[r].reshape(-1)[self.rank]) for r in range(self.size)]
-        send = t.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy()
+        try:    # read before the splits travel: a rank that cannot says so there, and every rank raises
+            send, problem = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy(), None
+        except Exception as exc:  # noqa: BLE001 - raised below, after the peers have heard of it
+            send, problem = None, exc
+        mine = np.asarray([*splits, int(problem is not None)], np.int64)
+        table = np.asarray(self.comm.allgather(mine, tag="horovod-splits")).reshape(self.size, -1)
+        failed = np.flatnonzero(table[:, -1]).tolist()
+        if failed:
+            raise problem if problem is not None else HorovodInternalError(
+                f"alltoall: ranks {failed} could not read their tensor")
+        recv_rows = [int(table[r, self.rank]) for r in range(self.size)]
         recv = np.empty(sum(recv_rows) * row_bytes, np.uint8)
         scounts = [s * row_bytes for s in splits]
         rcounts = [s * row_bytes for s in recv_rows]

@@ -32,6 +32,7 @@ from .errors import (
     ValidationError,
 )
 from .ops import OPS
+from .tracing import timeline_problem
 from .work import Work
 
 #: set by MPI launchers in every rank's environment (MPICH/Intel MPI, PMIx, Open MPI, MVAPICH)
@@ -136,7 +137,7 @@ def init(backend: str | None = None, comm: Any = None, **settings: Any) -> Commu
     never used directly).  ``settings``: keywords of :class:`Config`
     (``timeout``, ``check``, ``timeline``, ``nvtx``, ``cuda_aware``,
     ``device``), each overriding its ``COMMLIB_*`` variable.  Calling ``init()`` again without
-    arguments returns the same communicator.
+    arguments returns the same communicator (a new one once it is closed).
 
     Example:
         >>> comm = commlib.init(timeout=60, check=True)
@@ -148,7 +149,7 @@ def init(backend: str | None = None, comm: Any = None, **settings: Any) -> Commu
         raise CommlibError("commlib.init() in a process that multiprocessing started from an MPI rank "
                            "(a DataLoader worker, a Pool): only the rank's own process communicates; "
                            "call commlib.init() under `if __name__ == '__main__':`")
-    if _world is not None and backend is None and comm is None and not settings:
+    if _world is not None and backend is None and comm is None and not settings and not _world.closed:
         return _world
     from mpi4py import MPI
 
@@ -167,6 +168,10 @@ def init(backend: str | None = None, comm: Any = None, **settings: Any) -> Commu
             "Let commlib or mpi4py initialize MPI (mpi4py.rc.thread_level = 'multiple', the "
             "default), or call MPI_Init_thread with MPI_THREAD_MULTIPLE")
     base = MPI.COMM_WORLD if comm is None else comm
+    problems = base.allgather(timeline_problem(cfg.timeline_path(MPI.COMM_WORLD.rank)))
+    if any(problems):
+        raise ValidationError("COMMLIB_TIMELINE: " + "; ".join(
+            f"rank {r}: {p}" for r, p in enumerate(problems) if p))
     name, device = _nccl_plan(base, cfg.backend, cfg.device)
     if name == "nccl":
         import cupy

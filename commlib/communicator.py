@@ -106,6 +106,11 @@ class Communicator(CommunicatorOps):
         self._run.timeout = float(seconds)
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (operations then raise :class:`CommAbortedError`)."""
+        return self._run.closed
+
+    @property
     def seq(self) -> int:
         """Number of operations called so far (the last one's sequence number)."""
         return self._seq
@@ -192,7 +197,7 @@ class Communicator(CommunicatorOps):
             >>> half = comm.split(color=comm.rank % 2)
         """
         self._run.check_alive()
-        self._run.engine.drain()
+        self._run.drain()
         sub = self._mpi.Split(MPI.UNDEFINED if color < 0 else color,
                               self.rank if key is None else key)
         if sub == MPI.COMM_NULL:
@@ -204,8 +209,16 @@ class Communicator(CommunicatorOps):
         return comm
 
     def synchronize(self) -> None:
-        """Wait until every nonblocking operation submitted so far has finished."""
-        self._run.engine.drain()
+        """Wait until every nonblocking operation submitted so far has finished (their results
+        and errors stay with their :class:`~commlib.work.Work`).  Raises, and aborts the
+        communicator, where a :class:`~commlib.work.Work`'s wait would: on the timeout, or when
+        a peer failed or will not call the operation in progress.
+
+        Example:
+            >>> works = [comm.iallreduce(g) for g in grads]
+            >>> comm.synchronize()          # every one done; each works[i].wait() returns at once
+        """
+        self._run.drain()
 
     def close(self) -> None:
         """Finish pending operations, close what :meth:`close_with` was given, free MPI resources
@@ -233,7 +246,6 @@ class Communicator(CommunicatorOps):
             for resource in reversed(resources):
                 resource.close()
         run.closed = True
-        self._tracer.write()
         if run.aborted is None:
             self._board.free()
             if self._backend is not self._host_backend:
@@ -241,6 +253,7 @@ class Communicator(CommunicatorOps):
             self._host_backend.free()
             self._control.free()
             self._user.Free()
+        self._tracer.write()    # after the collective frees: a failed write must not skip them
 
     def close_with(self, resource: Closable) -> None:
         """Have :meth:`close` (explicit, or at interpreter exit) close ``resource`` first.

@@ -76,6 +76,16 @@ def _device(raw: Any, what: str) -> int:
     raise ValidationError(f"{what}={raw!r}: expected a GPU index (0, 1, ...)")
 
 
+def _nvtx(raw: Any, what: str) -> bool | str:
+    """A switch, or ``force`` (ranges emitted with no NVTX tool attached)."""
+    if isinstance(raw, str) and raw.lower() == "force":
+        return "force"
+    try:
+        return _flag(raw, what)
+    except ValidationError:
+        raise ValidationError(f"{what}={raw!r}: expected 0, 1 or force") from None
+
+
 def _path(raw: Any, what: str) -> str | None:
     if isinstance(raw, (str, os.PathLike)):
         return os.fspath(raw) or None
@@ -89,7 +99,7 @@ _SETTINGS = {
     "stall_warning": ("COMMLIB_STALL_WARNING", _seconds),
     "check": ("COMMLIB_CHECK", _flag),
     "timeline": ("COMMLIB_TIMELINE", _path),
-    "nvtx": ("COMMLIB_NVTX", lambda raw, what: raw == "force" or _flag(raw, what)),
+    "nvtx": ("COMMLIB_NVTX", _nvtx),
     "cuda_aware": ("COMMLIB_MPI_CUDA_AWARE", _cuda_aware),
     "poll_spin": ("COMMLIB_POLL_SPIN", _seconds),
     "device": ("COMMLIB_DEVICE", _device),
@@ -110,7 +120,7 @@ class Config:
     stall_warning: float = 60.0
     check: bool = False
     timeline: str | None = None
-    nvtx: bool = True
+    nvtx: bool | str = True         # "force": emitted with no NVTX tool attached
     cuda_aware: bool | None = None  # None: ask MPI
     poll_spin: float = 1e-3
     device: int | None = None       # None: commlib.init chooses (commlib.device.choose_device)

@@ -44,7 +44,8 @@ class Runner:
         self.timeout = config.timeout
         #: seconds a wait may take before a :class:`CommStallWarning` (0: none)
         self.stall_warning = config.stall_warning
-        self._stall_warned = 0      # the last operation warned about (its sequence number)
+        #: the last wait warned about: an operation's sequence number, or a call's (seq, calls made)
+        self._stall_warned: int | tuple[int, int] | None = None
         self.backend = backend
         self.board = board
         # the last operation posted (what the board shows).  start() and finish() need no
@@ -124,11 +125,35 @@ class Runner:
         if alike is None:    # peers that come later must not read the rejection as a verdict
             self.board.set(seq, "?", _board.ABORTED, str(self.aborted))
 
+    def drain(self) -> None:
+        """Wait until every operation submitted so far has finished (``synchronize()``), giving up
+        as a :class:`Work`'s wait does (:meth:`verdict`: the timeout, counted from when the
+        operation became the one in progress, or a peer's failure or state that says it cannot end;
+        the communicator is then aborted and the operation left dangling).  The operations' own
+        errors stay with their :class:`Work`."""
+        engine = self.engine
+        watched, since = None, 0.0
+        while not engine.settled(CHECK_EVERY_S):
+            op = self.running or engine.head()
+            if op is None:      # a caller completes it (a claim, a start): that caller watches it
+                continue
+            now = time.monotonic()
+            if op is not watched:
+                watched, since = op, now
+            err = self.verdict(op.seq, op.name, now - since)
+            if err is not None:
+                self.dangling.append((f"{op.name} #{op.seq}", lambda: engine.idle))
+                self.fail(err, op.name, op.seq)
+
     def close_engine(self) -> None:
-        """Let the engine finish what is queued; give up (aborted, dangling) after the timeout."""
-        if not self.engine.close(self.timeout or None):
-            self.aborted = CommAbortedError(f"close: {self.running} still running after {self.timeout:g} s")
-            self.dangling.append((str(self.running), lambda: False))
+        """Take no more submissions, let the engine finish what is queued (:meth:`drain`: given up,
+        the communicator aborted, on the timeout or a peer's failure) and stop its thread."""
+        self.engine.close()
+        try:
+            self.drain()
+        except CommlibError:    # aborted, the operation dangling: the thread stays in it
+            return
+        self.engine.join()
 
     def unfinished(self) -> list[str]:
         """Operations given up (timeout, a peer's failure) that MPI still holds (an NCCL operation
@@ -172,7 +197,7 @@ class Runner:
                 return err
         if self.timeout > 0 and waited >= self.timeout:
             return self.board.timeout_error(name, seq, self.timeout, self.rank, self.size)
-        if not self._warn_stall(seq, waited, lambda: (
+        if not self._warn_stall(seq if name in OPS else (seq, self.board.calls), waited, lambda: (
                 f"{name} #{seq} has waited {waited:.3g} s on rank {self.rank}: "
                 f"{self.board.who_waits(name, seq, self.size)[3]}; it goes on ("
                 + (f"CommTimeoutError after {self.timeout:g} s" if self.timeout > 0 else "no timeout")
@@ -183,13 +208,14 @@ class Runner:
                 f"COMMLIB_STALL_WARNING's {self.stall_warning:g} s; COMMLIB_TIMEOUT is {self.timeout:g} s")
         return None
 
-    def _warn_stall(self, seq: int, waited: float, message: Callable[[], str]) -> bool:
-        """Warn once for operation ``seq`` when it has waited ``stall_warning`` seconds (``message()``
-        is built only then); False when a warnings filter made the warning an error: the wait is
-        then given up as on a timeout."""
-        if not 0 < self.stall_warning <= waited or self._stall_warned == seq:
+    def _warn_stall(self, key: int | tuple[int, int], waited: float, message: Callable[[], str]) -> bool:
+        """Warn once for the wait ``key`` (an operation's sequence number, or a call's: the last
+        operation's and the calls made, :attr:`Board.calls`) when it has waited ``stall_warning``
+        seconds (``message()`` is built only then); False when a warnings filter made the warning an
+        error: the wait is then given up as on a timeout."""
+        if not 0 < self.stall_warning <= waited or self._stall_warned == key:
             return True
-        self._stall_warned = seq
+        self._stall_warned = key
         try:    # explicit: no commlib source line under the message
             warnings.warn_explicit(message(), CommStallWarning, "commlib", 0, module="commlib")
         except CommStallWarning:

@@ -34,6 +34,32 @@ _COLORS = {"allreduce": "green", "reduce_scatter": "blue", "allgather": "purple"
            "allgatherv": "purple", "broadcast": "orange", "barrier": "red",
            "check": "yellow"}
 _TIDS = {"caller": 1, "engine": 2, "control": 3}
+#: by timeline path: (the tracer that writes it, its events, their lock, perf_counter and wall
+#: clock at its start)
+_RECORDS: dict[str, tuple[Any, list[dict[str, Any]], threading.Lock, float, float]] = {}
+
+
+def timeline_problem(path: str | None) -> str | None:
+    """Why the timeline cannot be written at ``path`` (``None``: it can, or there is none); its
+    folder is made here.  :func:`commlib.init` asks every rank before it starts, so that a bad
+    path on one rank fails on every rank at once, not at exit with its peers left waiting.
+
+    Example:
+        >>> timeline_problem("/proc/x/t.json")
+        "timeline /proc/x/t.json: [Errno 2] No such file or directory: '/proc/x'"
+    """
+    if not path:
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        return f"timeline {path}: {exc}"
+    if os.path.isdir(path):
+        return f"timeline {path}: a folder is there"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"timeline {path}: folder {folder} is not writable"
+    return None
 
 
 def format_bytes(n: int) -> str:
@@ -54,21 +80,24 @@ class Tracer:
         ...     pass
     """
 
-    def __init__(self, rank: int, path: str | None, nvtx: bool = True):
+    def __init__(self, rank: int, path: str | None, nvtx: bool | str = True):
         self.rank = rank
         self.path = path
         # NVTX ranges cost label formatting per call: build them only when a tool
-        # (Nsight Systems sets NVTX_INJECTION64_PATH) is attached to collect them
-        self.nvtx = bool(nvtx and _nvtx is not None and (
-            os.environ.get("NVTX_INJECTION64_PATH") or os.environ.get("COMMLIB_NVTX") == "force"))
+        # (Nsight Systems sets NVTX_INJECTION64_PATH) is attached to collect them, or when forced
+        self.nvtx = _nvtx is not None and (nvtx == "force" or (
+            bool(nvtx) and bool(os.environ.get("NVTX_INJECTION64_PATH"))))
         #: whether begin()/end() do anything (NVTX or timeline)
         self.active = bool(self.nvtx or path)
-        self._events: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
-        self._t0 = time.perf_counter()
-        self._t0_wall = time.time()
-        if path:
-            atexit.register(self.write)
+        # the events of one file: tracers of one path in a process (two communicators from
+        # init() with one COMMLIB_TIMELINE) share them, so that no write replaces another's
+        shared = _RECORDS.get(path) if path else None
+        if shared is None:
+            shared = (self, [], threading.Lock(), time.perf_counter(), time.time())
+            if path:
+                _RECORDS[path] = shared
+                atexit.register(self.write)
+        self._writer, self._events, self._lock, self._t0, self._t0_wall = shared
 
     @property
     def recording(self) -> bool:
@@ -137,9 +166,12 @@ class Tracer:
             self.end(token)
 
     def write(self) -> str | None:
-        """Write the timeline file now (also done at exit); return its path."""
+        """Write the timeline file now (also done at exit), with the events of every tracer of
+        its path in this process; return its path."""
         if not self.path:
             return None
+        if self._writer is not self:
+            return self._writer.write()
         with self._lock:
             events = list(self._events)
         meta = [{"name": "process_name", "ph": "M", "pid": self.rank,

@@ -252,22 +252,30 @@ class ProgressEngine:
             self._busy = False
         self.done()
 
-    def drain(self) -> None:
-        """Wait until every submitted operation has finished."""
+    def settled(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every submitted operation to finish; True once they
+        have (:meth:`Runner.drain <commlib.runner.Runner.drain>` watches peers between such waits)."""
         with self._lock:
-            while self._pending:
-                self._settled.wait()
+            if self._pending:
+                self._settled.wait(timeout)
+            return not self._pending
 
-    def close(self, timeout: float | None = None) -> bool:
-        """Finish what is queued, then stop the thread; False if it is still busy
-        after ``timeout`` seconds (an operation that never completes)."""
+    def head(self) -> Any:
+        """The operation first in the queue (``None``: nothing queued)."""
+        with self._lock:
+            return self._queue[0].op if self._queue else None
+
+    def close(self) -> None:
+        """Take no more submissions; the thread ends once what is queued has finished
+        (:meth:`Runner.close_engine <commlib.runner.Runner.close_engine>` waits for that)."""
         with self._lock:
             self._closed = True
             self._cv.notify_all()
+
+    def join(self) -> None:
+        """After :meth:`close` and once nothing is pending: wait for the thread to end."""
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-            return not self._thread.is_alive()
-        return True
+            self._thread.join()
 
     def _loop(self) -> None:
         while True:

@@ -227,6 +227,10 @@ def test_host_path_edges_match_the_reference(comm):
     scalar = np.array(comm.rank + 1.0)
     got = comm.allreduce(scalar)
     assert got.shape == () and float(got) == comm.size * (comm.size + 1) / 2
+    for dtype in ("float16", "float32", "float64"):   # a 0-d max/min (a metric): the NaN-aware path
+        for op, want in (("max", comm.size), ("min", 1)):       # aborted the communicator before
+            got = comm.allreduce(np.array(comm.rank + 1.0, NUMPY_DTYPES[dtype]), op=op)
+            assert got.shape == () and float(got) == want, (dtype, op, got)
     buf = np.zeros(2 * n, np.float32)                           # out a view into a larger buffer
     counts = commlib.split_counts(n, comm.size)
     chunks = np.array_split(expected, comm.size)

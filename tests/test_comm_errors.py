@@ -196,6 +196,47 @@ def test_a_stall_warns_once_naming_the_missing_rank_and_the_operation_goes_on(fo
     c.close()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_call_stalled_before_any_operation_warns_every_time():
+    """``allgather_object`` as the first call (no operation before it) and again after one that
+    warned: each stalled wait warns once (the first was taken for operation #0, already warned)."""
+    c = fresh(timeout=60, stall_warning=0.2)
+    late = c.size - 1
+    for round_ in range(2):
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            if c.rank == late:
+                time.sleep(0.8)
+            assert c.allgather_object(round_) == [round_] * c.size
+        stalls = [str(w.message) for w in got if issubclass(w.category, commlib.CommStallWarning)]
+        assert len(stalls) == (0 if c.rank == late else 1), (round_, stalls)
+    c.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_infinite_timeout_waits_forever_and_closes():
+    """``timeout=inf`` (as ``0``: no limit) was accepted, then ``close()`` raised OverflowError
+    (the engine thread's join got it) and a job ending with an operation in flight hung."""
+    c = fresh(timeout=float("inf"))
+    if c.rank == c.size - 1:
+        time.sleep(0.3)                         # the others' all-reduce goes to the engine thread
+    work = c.iallreduce(np.ones(1 << 18))
+    c.timeout = float("inf")
+    c.close()                                   # finishes it
+    assert work.test() and work.wait()[0] == c.size
+
+
+@pytest.mark.mpi(min_size=1)
+def test_init_after_close_makes_a_new_communicator():
+    """As ``hvd.init()`` after ``hvd.shutdown()``: ``init()`` returned the closed one."""
+    first = commlib.init(timeout=120)
+    first.close()
+    assert first.closed
+    again = commlib.init()
+    assert again is not first and not again.closed and commlib.init() is again
+    assert again.allreduce(np.ones(2))[0] == again.size
+
+
 @pytest.mark.mpi(min_size=1)
 def test_default_timeout_is_torch_distributeds(monkeypatch):
     """Long enough for a rank-0-only evaluation or checkpoint that DDP survives."""

@@ -98,6 +98,8 @@ def test_torch_host_path_edges_match_the_reference(comm, monkeypatch):
     scalar = comm.allreduce(torch.tensor(comm.rank + 1.0, requires_grad=True))
     assert scalar.shape == () and not scalar.requires_grad
     assert float(scalar) == comm.size * (comm.size + 1) / 2
+    top = comm.allreduce(torch.tensor(comm.rank + 1.0), op="max")      # a 0-d metric's max
+    assert top.shape == () and float(top) == comm.size
     z = torch.from_numpy(rank_input(comm.rank, n, "complex128"))
     zs = all_inputs(comm.size, n, "complex128")
     np.testing.assert_allclose(comm.allreduce(z.conj()).numpy(), zs.conj().sum(0))

@@ -54,3 +54,56 @@ def test_tracer_timeline_path_and_nvtx_off(tmp_path):
     doc = json.loads(open(tr.write()).read())
     names = [e["name"] for e in doc["traceEvents"]]
     assert "allreduce running" in names and "switch" in names
+
+
+@pytest.mark.mpi(min_size=1)
+def test_two_communicators_of_one_timeline_write_both(tmp_path_factory):
+    """Two communicators from ``init()`` (the second with another setting) under one
+    ``COMMLIB_TIMELINE``: the file holds both's events (each wrote its own at exit, the last one
+    replacing the other's)."""
+    base = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("tl2")) if MPI.COMM_WORLD.rank == 0
+                                else None)
+    path = os.path.join(base, "t.json")
+    a = commlib.init(comm=MPI.COMM_WORLD, timeline=path)
+    b = commlib.init(comm=MPI.COMM_WORLD, timeline=path, timeout=600)
+    a.allreduce(np.ones(4), tag="on_a")
+    b.allgather(np.ones(4), tag="on_b")
+    b.close()
+    a.close()
+    with open(os.path.join(base, f"t.rank{MPI.COMM_WORLD.rank}.json")) as f:
+        tags = {e["args"].get("tag") for e in json.load(f)["traceEvents"] if e["ph"] == "X"}
+    assert {"on_a", "on_b"} <= tags, tags
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_timeline_one_rank_cannot_write_fails_init_on_every_rank(tmp_path_factory):
+    """Rank 1's timeline folder is a file: ``init()`` raises on every rank, naming it (it used to
+    start, and at exit rank 1's failed write skipped the collective frees its peers waited in:
+    the job never ended)."""
+    base = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("tl3")) if MPI.COMM_WORLD.rank == 0
+                                else None)
+    if MPI.COMM_WORLD.rank == 0:
+        open(os.path.join(base, "r1"), "w").close()
+    MPI.COMM_WORLD.Barrier()
+    with pytest.raises(commlib.ValidationError, match=r"COMMLIB_TIMELINE: rank 1: timeline .*r1/t\.json"):
+        commlib.init(comm=MPI.COMM_WORLD, timeline=os.path.join(base, "r{rank}", "t.json"))
+    c = commlib.init(comm=MPI.COMM_WORLD, timeline=os.path.join(base, "ok{rank}", "t.json"))
+    assert c.allreduce(np.ones(2))[0] == c.size
+    c.close()
+    assert os.path.exists(os.path.join(base, f"ok{c.rank}", "t.json"))
+
+
+def test_nvtx_force_is_a_keyword_as_it_is_a_variable(monkeypatch):
+    """``init(nvtx="force")`` forces the ranges as ``COMMLIB_NVTX=force`` does (the keyword was read
+    as 1: ranges only with a tool attached); 1 without a tool attached emits none."""
+    pytest.importorskip("nvtx")
+    monkeypatch.delenv("NVTX_INJECTION64_PATH", raising=False)
+    monkeypatch.delenv("COMMLIB_NVTX", raising=False)
+    cfg = commlib.Config.from_env(nvtx="force")
+    assert cfg.nvtx == "force" and Tracer(0, None, cfg.nvtx).nvtx
+    assert not Tracer(0, None, commlib.Config.from_env(nvtx=1).nvtx).nvtx
+    monkeypatch.setenv("COMMLIB_NVTX", "force")
+    assert not Tracer(0, None, commlib.Config.from_env(nvtx=0).nvtx).nvtx    # the keyword wins
+    assert Tracer(0, None, commlib.Config.from_env().nvtx).nvtx
+    with pytest.raises(commlib.ValidationError, match="expected 0, 1 or force"):
+        commlib.Config.from_env(nvtx="sometimes")

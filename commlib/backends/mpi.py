@@ -216,7 +216,7 @@ class MPIBackend:
         upcast = dtype == "bfloat16"
         (hsend, hrecv), back = self._host(send, recv, ctx=ctx, force=True)
         values = hsend.view(_BF16).astype(np.float32) if upcast else hsend    # read before any write
-        nan = np.isnan(values).view(np.uint8)
+        nan = np.isnan(values.reshape(-1)).view(np.uint8)     # an array, a 0-d input too
         if counts is None:
             work = values if upcast else hrecv
             sbuf = MPI.IN_PLACE if upcast else _reduce_send(hsend, hrecv)

@@ -198,6 +198,51 @@ def closed_early() -> None:
     report_and_end()
 
 
+def synchronize_with_a_peer_gone() -> None:
+    """``synchronize()`` watches the operation in progress as ``Work.wait`` does: rank 0's
+    all-reduce, which rank 1 (its program ended: closed) never calls, fails at once, naming it (it
+    waited without end, past the timeout too)."""
+    c = fresh(timeout=60)
+    if c.rank == 0:
+        c.iallreduce(np.ones(1 << 18))       # 2 MiB: the engine thread's
+        t0 = time.monotonic()
+        expect(commlib.MismatchError, c.synchronize, "rank 1 closed the communicator after #0")
+        assert time.monotonic() - t0 < 30, "must not wait for the timeout"
+    else:
+        with open(os.path.join(sys.argv[2], f"ok.{c.rank}"), "w") as f:
+            f.write(sys.argv[1])
+        c.close()       # ended by rank 0's MPI_Abort
+    report_and_end()
+
+
+def synchronize_times_out() -> None:
+    """``synchronize()`` ends at the timeout with the wait's error, as ``Work.wait`` does."""
+    c = fresh(timeout=1.0)
+    if c.rank == 0:
+        c.iallreduce(np.ones(1 << 18))
+        expect(commlib.CommTimeoutError, c.synchronize, "allreduce #1 timed out after 1 s")
+    report_and_end()       # rank 1 never calls it
+
+
+def closed_with_an_operation_in_flight() -> None:
+    """Rank 1's program ends (close at exit) with an all-reduce in flight that rank 0, waiting in a
+    call every rank must make, cannot join: the close gives it up at once (the board shows rank 0
+    in a call rank 1 has not made), not after the timeout, and rank 0's call fails, naming rank 1."""
+    c = fresh(timeout=60)
+    t0 = time.monotonic()
+    if c.rank == 1:
+        c.iallreduce(np.ones(1 << 18))
+        time.sleep(0.3)
+        c.close()
+        assert c.dangling() == ["allreduce #1 (rank 1 of 2)"], c.dangling()
+    else:
+        expect(commlib.CommAbortedError, lambda: c.allgather_object(0, label="rank 0's call"),
+               "rank 1 aborted the communicator after #1: allreduce #1 on rank 1 waits for ranks that "
+               "will not call it: rank 0 is in rank 0's call")
+    assert time.monotonic() - t0 < 30, "must not wait for the timeout"
+    report_and_end()
+
+
 def _dear(c: commlib.Communicator, syncbn: bool = False, strategy=None):
     """A small model trained by Adam under ``strategy`` (default DeAR): the optimizer and one step."""
     import torch
@@ -401,6 +446,8 @@ CASES = {f.__name__: f for f in (refused_at_post, rejected, rejected_broadcast_l
                                   jax_op_refused_on_one_rank,
                                   rejected_while_peers_are_late, deadlock,
                                   never_arrives, stall_made_an_error, only_rank0, unwaited, closed_early,
+                                  synchronize_with_a_peer_gone, synchronize_times_out,
+                                  closed_with_an_operation_in_flight,
                                   state_on_rank0, state_on_rank0_with_syncbn, state_on_rank0_at_the_end,
                                   norm_on_rank0, values_on_rank0, call_while_ops_in_flight,
                                   syncswitch_load_on_rank0, syncswitch_load_on_rank0_unbroadcast)}

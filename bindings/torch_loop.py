@@ -48,7 +48,7 @@ from .torch_amp import LossScale
 from .torch_comm import average_loss
 from .torch_grads import ShardedGrad, ShardNorms
 from .torch_hooks import InertHook, ModelHook, guard_module_hooks_under_compile, remove_inert_twins
-from .torch_owners import claim, owner_of
+from .torch_owners import claim, drive, driver_of, owner_of
 from .torch_params import InFlight
 from .torch_unused import OutsideParameters, UnusedParameters
 
@@ -108,7 +108,16 @@ class TrainingLoop:
             owner = owner_of(p)
             if owner is not None and owner is not self and owner not in older:
                 older.append(owner)
+        driver = driver_of(self.strategy)
+        if driver is not None and driver not in older:      # before any change (same on every rank)
+            raise ValueError(
+                f"DistributedOptimizer: this {type(self.strategy).__name__} already drives another "
+                f"DistributedOptimizer, over other parameters (it holds that optimizer's buckets and "
+                f"state: shared, one optimizer's gradients were never averaged); give each optimizer a "
+                f"strategy of its own (a new {type(self.strategy).__name__}(...) for each)")
+        for p in self._params + self._frozen:
             claim(p, self)
+        drive(self.strategy, self)
         for owner in older:
             owner._retire(f"replaced by a newer one ({type(self._inner).__name__} with "
                           f"{self.strategy.name}) wrapping the same parameters; step the new one")

@@ -9,10 +9,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["owner_of", "claim"]
+__all__ = ["owner_of", "claim", "driver_of", "drive"]
 
 #: id(parameter) -> (the parameter, the optimizer that trains it), both weakly held
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+#: id(strategy) -> (the strategy, the optimizer it drives), both weakly held
+_DRIVERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
 def owner_of(p: torch.Tensor) -> Any:
@@ -34,3 +36,24 @@ def claim(p: torch.Tensor, opt: Any) -> None:
         >>> claim(p, opt)
     """
     _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(opt))
+
+
+def driver_of(strategy: Any) -> Any:
+    """The optimizer ``strategy`` drives now, or ``None`` (none, or it was retired or closed).
+
+    Example:
+        >>> driver_of(opt.strategy) is opt
+        True
+    """
+    entry = _DRIVERS.get(id(strategy))
+    driver = entry[1]() if entry is not None and entry[0]() is strategy else None
+    return None if driver is None or driver._retired_by else driver
+
+
+def drive(strategy: Any, opt: Any) -> None:
+    """``strategy`` drives ``opt`` from now on (it holds that optimizer's buckets and state).
+
+    Example:
+        >>> drive(opt.strategy, opt)
+    """
+    _DRIVERS[id(strategy)] = (weakref.ref(strategy), weakref.ref(opt))

@@ -199,3 +199,32 @@ def test_elementwise_optimizers_train_on_shards_as_one_process(comm, kind):
         return torch.cat([v.reshape(-1) for v in model.state_dict().values()]).numpy()
 
     np.testing.assert_allclose(run(True), run(False), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["allreduce", "sparse"])
+def test_one_strategy_for_two_optimizers_is_refused(comm, kind):
+    """A GAN's two models, each its own optimizer, given one strategy object: the strategy held the
+    second optimizer's buckets, so the first one's gradients were never averaged (2e-1 from one
+    process after 4 steps, replicas apart), silently.  Refused at the second construction; a
+    strategy whose optimizer was closed, or that a replacement over the same parameters takes
+    over, drives again."""
+    from commlib.sparsify import SparseAllReduce
+
+    shared = AllReduce() if kind == "allreduce" else SparseAllReduce(selector=ExDyna(0.5))
+    g, d = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    opt_g = DistributedOptimizer(torch.optim.SGD(g.parameters(), lr=0.1), g, strategy=shared, comm=comm)
+    with pytest.raises(ValueError, match="already drives another DistributedOptimizer"):
+        DistributedOptimizer(torch.optim.SGD(d.parameters(), lr=0.1), d, strategy=shared, comm=comm)
+    again = DistributedOptimizer(torch.optim.Adam(g.parameters(), lr=0.1), g, strategy=shared, comm=comm)
+    again.close()                            # replaced opt_g, over the same parameters
+    assert opt_g._retired_by
+    opt_d = DistributedOptimizer(torch.optim.SGD(d.parameters(), lr=0.1), d, strategy=shared, comm=comm)
+    opt_d.zero_grad()
+    d(torch.full((2, 4), float(comm.rank))).sum().backward()
+    opt_d.step()
+    if kind == "allreduce":                  # the average over ranks of 2 * rank
+        np.testing.assert_allclose(d.weight.grad.numpy(), np.full((1, 4), comm.size - 1.0))
+    w = comm.allgather(d.weight.detach().numpy().copy())
+    assert (w == w[0]).all()
+    opt_d.close()

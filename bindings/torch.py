@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 import commlib
-from commlib.collectives import AllReduce, Strategy, TensorSpec, checked_strategy, plan_buckets
+from commlib.collectives import AllReduce, Move, Strategy, TensorSpec, checked_strategy, plan_buckets
 
 from .torch_amp import LossScale
 from .torch_comm import (
@@ -492,7 +492,11 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
                 p.grad = None
         if cap_bytes is not None:
             self.strategy.cap_bytes = int(cap_bytes)
+        placed = {id(before[sl.index]): (b.index, sl.offset) for b in self.buckets for sl in b.slots}
         self._build(self.strategy.cap_bytes, broadcast=False)
+        self.strategy.replanned([Move(*placed[id(self._params[sl.index])], b.index, sl.offset, sl.numel)
+                                 for b in self.buckets for sl in b.slots
+                                 if id(self._params[sl.index]) in placed])
         self._restore_states(kept, before)
         self._install_hooks()
         if [id(p) for p in self._params] != [id(p) for p in before]:

@@ -6,7 +6,7 @@ Example:
 """
 
 from .allreduce import AllReduce
-from .buckets import Bucket, Slot, TensorSpec, plan_buckets
+from .buckets import Bucket, Move, Slot, TensorSpec, plan_buckets
 from .dear import DeAR
 from .paramstore import ParamStore
 from .policies import OfflinePolicy, SchedulePolicy, StragglerPolicy, find_bsp_fraction
@@ -16,4 +16,4 @@ from .syncswitch import SyncSwitch
 
 __all__ = ["Strategy", "AllReduce", "DeAR", "SelSync", "SyncSwitch", "ParamStore", "OfflinePolicy",
            "SchedulePolicy", "StragglerPolicy", "find_bsp_fraction", "Bucket", "Slot", "TensorSpec",
-           "plan_buckets", "checked_strategy"]
+           "Move", "plan_buckets", "checked_strategy"]

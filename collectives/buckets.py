@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 MiB = 1 << 20
 DEFAULT_CAP = 25 * MiB
@@ -37,6 +38,18 @@ class Slot:
     """Tensor ``index`` occupies ``[offset, offset + numel)`` of its bucket."""
 
     index: int
+    offset: int
+    numel: int
+
+
+class Move(NamedTuple):
+    """Where a tensor that trains before and after a re-plan moved: ``numel`` elements from
+    ``[old_offset, ...)`` of bucket ``old_bucket`` of the old plan to ``[offset, ...)`` of bucket
+    ``bucket`` of the new one (:meth:`Strategy.replanned <collectives.strategy.Strategy.replanned>`)."""
+
+    old_bucket: int
+    old_offset: int
+    bucket: int
     offset: int
     numel: int
 

@@ -91,7 +91,7 @@ from commlib import Communicator, Work
 from commlib.arrays import INEXACT_DTYPES, as_view
 
 from .allreduce import AllReduce
-from .buckets import Bucket
+from .buckets import Bucket, Move
 from .significance import SignificanceMeter, l2_norm
 from .strategy import Strategy, checked_inner, saved_elsewhere
 
@@ -493,6 +493,9 @@ class SelSync(Strategy):
     def rescale_gradients(self, factor: float) -> None:
         self.meter.rescale(factor)
         self.inner.rescale_gradients(factor)
+
+    def replanned(self, moves: Sequence[Move]) -> None:
+        self.inner.replanned(moves)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -90,7 +90,7 @@ from typing import Any
 
 from commlib import Communicator, Work
 
-from .buckets import DEFAULT_CAP, DEFAULT_FIRST_CAP, Bucket, MiB
+from .buckets import DEFAULT_CAP, DEFAULT_FIRST_CAP, Bucket, MiB, Move
 from .tuning import CapTuner
 
 
@@ -223,6 +223,15 @@ class Strategy:
         if broadcast:
             for b, p in enumerate(self.params):
                 comm.broadcast(p, 0, out=p, tag=f"bcast{b}")
+
+    def replanned(self, moves: Sequence[Move]) -> None:
+        """After the :meth:`setup` of a re-plan (a parameter frozen or unfrozen, a group added, a
+        tuned cap): where each tensor that trains in both plans moved.  A strategy that keeps state
+        per element (the sparse strategies' residuals) carries it over; nothing for most.
+
+        Example (what a binding does after a re-plan's setup):
+            >>> strategy.replanned([Move(old_bucket=0, old_offset=0, bucket=1, offset=16, numel=8)])
+        """
 
     def _reset_step(self) -> None:
         self._ready = [False] * len(self.buckets)

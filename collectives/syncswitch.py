@@ -80,7 +80,7 @@ import numpy as np
 from commlib import Communicator, ValidationError
 
 from .allreduce import AllReduce
-from .buckets import Bucket
+from .buckets import Bucket, Move
 from .paramstore import ParamStore
 from .policies import PHASES, Policy, SchedulePolicy
 from .strategy import Strategy, checked_inner
@@ -407,6 +407,9 @@ class SyncSwitch(Strategy):
     # ------------------------------------------------------------------ state
     def rescale_gradients(self, factor: float) -> None:
         self.bsp.rescale_gradients(factor)
+
+    def replanned(self, moves: Sequence[Move]) -> None:
+        self.bsp.replanned(moves)
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()

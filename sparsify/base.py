@@ -203,13 +203,14 @@ class Selector:
 
     def load_state_dict(self, state: dict[str, Any], same_world: bool = True) -> None:
         """Continue from ``state``.  ``same_world=False``: it was saved at another
-        world size, so only what does not depend on the ranks is taken (the step,
-        the threshold; partition boundaries start afresh)."""
+        world size, or over another bucket layout (a re-plan), so only what does not depend
+        on the ranks or the layout is taken (the step, the threshold; partition boundaries
+        start afresh)."""
         if state.get("name") != self.name:
             raise ValueError(f"state of selector {state.get('name')!r} given to {self.name!r}")
         if self.comm is None:
             raise RuntimeError(f"{self.name}: call setup(comm, numel) before load_state_dict()")
-        if int(state["numel"]) != self.numel:
+        if same_world and int(state["numel"]) != self.numel:    # elsewhere: padded to another size
             raise ValueError(f"{self.name}: state for {state['numel']} elements given to a selector "
                              f"of {self.numel}")
         self.step = int(state["step"])

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from commlib import Communicator, ValidationError
+from commlib.collectives.buckets import Move
 from commlib.collectives.strategy import Strategy, saved_elsewhere
 
 from ._arrays import GRAD_DTYPES, acc_dtype_for, all_finite, flat_view, read_as, write_as
@@ -82,6 +83,8 @@ class SparseAllReduce(Strategy):
         self._views: list[tuple[Any, str, Any]] = []
         self._layout: list[tuple[int, str, str]] = []
         self._pending: dict[str, Any] | None = None
+        #: the last plan's residuals and selectors, until a re-plan's replanned() carries them over
+        self._before: tuple[list[ErrorFeedback], list[Selector]] | None = None
         self.stats["nonfinite_steps"] = 0      # buckets averaged densely: a rank's gradient overflowed
 
     # ------------------------------------------------------------------ lifecycle
@@ -100,7 +103,10 @@ class SparseAllReduce(Strategy):
             layout.append((int(data.size), dtype, xp.__name__))
         super().setup(comm, buckets, params, grads, shard_grads, broadcast)
         if layout != self._layout or any(s.comm is not comm for s in self.selectors):
-            # a new plan (or communicator): fresh selectors and residuals
+            # a new plan (or communicator): fresh selectors and residuals; a re-plan's binding
+            # carries the old ones' over where its parameters moved (replanned())
+            self._before = (self.feedback, self.selectors) if self.selectors and all(
+                s.comm is comm for s in self.selectors) else None
             self.selectors = [self.selector.clone().setup(comm, n, xp)
                               for (n, _, _), (_, _, xp) in zip(layout, views)]
             self.feedback = [ErrorFeedback(n, acc_dtype_for(dt), xp)
@@ -110,6 +116,26 @@ class SparseAllReduce(Strategy):
         if self._pending is not None:
             state, self._pending = self._pending, None
             self._load_buckets(state)
+
+    def replanned(self, moves: Sequence[Move]) -> None:
+        """Each parameter's residual moves with it to its place in the new plan; a new bucket's
+        selector continues the step and threshold of the old bucket most of its elements come from
+        (partition boundaries start afresh, as for another world size's state).  A parameter new to
+        training starts from a zero residual."""
+        before, self._before = self._before, None
+        if before is None:
+            return
+        feedback, selectors = before
+        sources: dict[int, dict[int, int]] = {}
+        for m in moves:
+            old, new = feedback[m.old_bucket], self.feedback[m.bucket]
+            if old.xp is new.xp:    # a move to another device starts afresh
+                new.residual[m.offset:m.offset + m.numel] = old.residual[m.old_offset:m.old_offset + m.numel]
+            counts = sources.setdefault(m.bucket, {})
+            counts[m.old_bucket] = counts.get(m.old_bucket, 0) + m.numel
+        for b, counts in sources.items():
+            self.selectors[b].load_state_dict(selectors[max(counts, key=counts.get)].state_dict(),
+                                              same_world=False)
 
     def launch(self, b: int) -> None:
         data, dtype, xp = self._views[b]
@@ -158,8 +184,10 @@ class SparseAllReduce(Strategy):
             "selector": repr(self.selector),
             "rank": None if self.comm is None else self.comm.rank,
             "world_size": None if self.comm is None else self.comm.size,
-            "buckets": [{"numel": n, "dtype": dt, "selector": s.state_dict(), "feedback": f.state_dict()}
-                        for (n, dt, _), s, f in zip(self._layout, self.selectors, self.feedback)],
+            "buckets": [{"numel": n, "elements": b.numel, "dtype": dt, "selector": s.state_dict(),
+                         "feedback": f.state_dict()}
+                        for (n, dt, _), b, s, f in zip(self._layout, self.buckets, self.selectors,
+                                                       self.feedback)],
         })
         return state
 
@@ -174,11 +202,15 @@ class SparseAllReduce(Strategy):
         saved = state.get("buckets", [])
         if not saved:
             return
-        got = [(int(s["numel"]), s["dtype"]) for s in saved]
-        want = [(n, dt) for n, dt, _ in self._layout]
+        same_world = state.get("world_size") == self.comm.size
+        if same_world:      # buckets as padded to a multiple of the world size
+            got = [(int(s["numel"]), s["dtype"]) for s in saved]
+            want = [(n, dt) for n, dt, _ in self._layout]
+        else:               # the elements the buckets hold (their padding depends on the world size)
+            got = [(int(s.get("elements", s["numel"])), s["dtype"]) for s in saved]
+            want = [(b.numel, dt) for b, (_, dt, _) in zip(self.buckets, self._layout)]
         if got != want:
             raise ValueError(f"{self.name}: state of buckets {got} given to buckets {want}")
-        same_world = state.get("world_size") == self.comm.size
         elsewhere = saved_elsewhere(state.get("rank"), state.get("world_size"), self.comm)
         same_rank = not elsewhere
         if elsewhere:

@@ -69,7 +69,7 @@ from .torch_join import Joining
 from .torch_loop import TrainingLoop
 from .torch_norm import RunningStats, SyncBatchNorm
 from .torch_params import InFlight
-from .torch_phases import PhaseSwitches
+from .torch_phases import PhaseSwitches, momentum_problem
 from .torch_replicas import ReplicaLoads
 from .torch_state import ConsolidatedState, shard_problem
 from .torch_state_average import AveragedState
@@ -248,6 +248,9 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
             problems.append(f"LBFGS evaluates the loss again and again within a step, each evaluation "
                             f"averaged on every rank, but {self.strategy.name} lets the replicas drift "
                             "between synchronizations (their line searches would part): use AllReduce")
+        momentum = momentum_problem(self.strategy, self._inner)
+        if momentum:
+            problems.append(momentum)
         if self.strategy.needs_shard_grads and not self._wrapped:
             problem = shard_problem(self._inner)
             if problem:

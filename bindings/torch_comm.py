@@ -7,6 +7,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import numbers
 import queue
 import threading
@@ -64,14 +65,22 @@ def agree_tensors(comm: commlib.Communicator, what: str, tensors: list[torch.Ten
     """Raise the same error on every rank unless all ranks have the same tensors (shapes, dtypes,
     devices; with ``strides`` also the strides of those not contiguous) and ``extra`` settings, and
     none has a ``problem`` (one small all-gather)."""
-    desc = ";".join(f"{tuple(t.shape)}/{dtype_name(t)}/{t.device.type}"
-                    + (f"/{t.stride()}" if strides and not t.is_contiguous() else "")
-                    for t in tensors) + "|" + extra
+    listed = ";".join(f"{tuple(t.shape)}/{dtype_name(t)}/{t.device.type}"
+                      + (f"/{t.stride()}" if strides and not t.is_contiguous() else "")
+                      for t in tensors)
+    # the summaries name which part differs; the settings come first in the rank's own text
+    summary = (f"{len(tensors)} tensors, {sum(t.numel() for t in tensors)} elements (#{_digest(listed)}), "
+               f"settings #{_digest(extra)}")
     try:
-        agree(comm, what, desc, noun="tensor list",
-              summary=f"{len(tensors)} tensors, {sum(t.numel() for t in tensors)} elements", problem=problem)
+        agree(comm, what, f"settings {extra} | tensors {listed}", noun="tensor list or settings",
+              summary=summary, problem=problem)
     except MismatchError as exc:     # for a binding, a different model is invalid input
         raise ValidationError(str(exc)) from exc
+
+
+def _digest(text: str) -> str:
+    """A short fingerprint of ``text``, alike in every process (ranks compare them in messages)."""
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
 # ---------------------------------------------------------------------- Horovod-style helpers

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -28,7 +29,26 @@ import torch
 
 from .torch_amp import LossScale
 
-__all__ = ["PhaseSwitches"]
+__all__ = ["PhaseSwitches", "momentum_problem"]
+
+
+def _scalable(value: Any) -> bool:
+    """A hyperparameter a phase may scale: a real number (not a bool) or a tensor."""
+    return isinstance(value, torch.Tensor) or (
+        isinstance(value, numbers.Real) and not isinstance(value, bool))
+
+
+def momentum_problem(strategy: Any, optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``strategy``'s momentum changes cannot act on ``optimizer`` (``None``: they can, or it
+    makes none): a reset or ramp at a switch acts on an SGD-style ``momentum`` hyperparameter and
+    its ``momentum_buffer`` (SGD, RMSprop), and Adam's betas are another thing."""
+    if not strategy.changes_momentum:
+        return None
+    if all(_scalable(g.get("momentum")) for g in optimizer.param_groups):
+        return None
+    return (f"{strategy.name}'s policy resets or ramps the momentum at a switch, which acts on an SGD-style "
+            f"'momentum' hyperparameter and its momentum buffer (SGD, RMSprop); {type(optimizer).__name__} "
+            "has none in every group (its betas would be left as they are): use momentum='keep'")
 
 
 class PhaseSwitches:
@@ -53,11 +73,11 @@ class PhaseSwitches:
             yield
             return
         saved = [(g.get("lr"), g.get("momentum")) for g in self.param_groups]
-        for g in self.param_groups:
-            if isinstance(g.get("lr"), float):
-                g["lr"] *= lr_s
-            if isinstance(g.get("momentum"), float):
-                g["momentum"] *= mom_s
+        for g in self.param_groups:     # a float, an int or a tensor (a new one: the group's is restored)
+            if _scalable(g.get("lr")):
+                g["lr"] = g["lr"] * lr_s
+            if _scalable(g.get("momentum")):
+                g["momentum"] = g["momentum"] * mom_s
         try:
             yield
         finally:

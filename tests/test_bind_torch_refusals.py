@@ -4,6 +4,8 @@ left as it was."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -42,6 +44,25 @@ def test_different_models_raise_on_every_rank(comm):
     with pytest.raises(ValidationError, match="differs across ranks"):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, strategy=DeAR(), comm=comm)
     assert comm.seq == before + 1       # only the agreement check ran: no collective was left half-called
+
+
+@pytest.mark.mpi(min_size=2)
+def test_different_settings_are_named_as_such(comm):
+    """Only the strategy differs (a DeAR cap on the last rank): the message said "the tensor list
+    differs (rank 0: 2 tensors, 144 elements, rank 1: 2 tensors, 144 elements)", the settings past
+    its 300 characters.  The summaries now say which part differs and the rank's text starts with
+    its settings."""
+    model = torch.nn.Linear(8, 16)
+    cap = 1.0 if comm.rank == comm.size - 1 else 2.0
+    with pytest.raises(ValidationError) as err:
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, strategy=DeAR(cap_mb=cap),
+                             comm=comm)
+    msg = str(err.value)
+    assert "the tensor list or settings differs across ranks" in msg, msg
+    tensors = set(re.findall(r"2 tensors, 144 elements \(#(\w+)\)", msg))
+    settings = re.findall(r"settings #(\w+)", msg)
+    assert len(tensors) == 1 and len(set(settings)) == 2, msg
+    assert f"rank {comm.rank} has settings groups [0, 0]|DeAR(cap_mb={cap:g}" in msg, msg
 
 
 @pytest.mark.mpi

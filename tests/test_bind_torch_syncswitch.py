@@ -527,3 +527,54 @@ def test_a_synchronous_run_holds_no_store_so_many_optimizers_fit_in_a_job(comm):
     assert len(ss.stores) == len(opt.buckets) > 1
     opt.close()
     assert ss.stores == [] and ss.phase == "bsp"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("lr", ["float", "int", "tensor", "adam-tensor"])
+def test_lr_scale_scales_a_learning_rate_of_any_kind(comm, lr):
+    """ASP's ``lr_scale`` halves the update whatever the group's ``lr`` is: an int (``SGD(lr=1)``)
+    or a tensor (``Adam(lr=torch.tensor(...))``) were left as they were (the update at full size),
+    silently.  Each rank's ASP step is its own (taken in turns): the update halves exactly."""
+    from commlib.collectives import OfflinePolicy
+
+    def asp_update(lr_scale: float) -> torch.Tensor:
+        model = make_model(0)
+        rate = {"float": 1.0, "int": 1, "tensor": torch.tensor(1.0), "adam-tensor": torch.tensor(0.01)}[lr]
+        inner = (torch.optim.Adam(model.parameters(), lr=rate) if lr == "adam-tensor" else
+                 torch.optim.SGD(model.parameters(), lr=rate))
+        ss = SyncSwitch(policy=OfflinePolicy(0.5, total_steps=4, lr_scale=lr_scale))
+        opt = DistributedOptimizer(inner, model, strategy=ss, comm=comm)
+        for step in range(2):                        # BSP, then the switch
+            local_step(comm, model, opt, step)
+        before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+        in_turns(comm, True, local_step, comm, model, opt, 2)
+        assert ss.phase == "asp"
+        opt.close()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]) - before
+
+    full, half = asp_update(1.0), asp_update(0.5)
+    assert full.abs().max() > 0
+    torch.testing.assert_close(half, full / 2, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.mpi
+def test_a_momentum_reset_without_a_momentum_hyperparameter_is_refused(comm):
+    """``OfflinePolicy(momentum="reset")`` (or ``"ramp"``) under Adam reset nothing (Adam's first
+    moment is ``exp_avg`` under its betas), silently: refused at wrapping, on every rank; SGD with
+    momentum resets its buffer at the switch."""
+    from commlib.collectives import OfflinePolicy
+    from commlib.errors import ValidationError
+
+    model = make_model(0)
+    for momentum in ("reset", "ramp"):
+        ss = SyncSwitch(policy=OfflinePolicy(0.5, total_steps=4, momentum=momentum))
+        with pytest.raises(ValidationError, match="resets or ramps the momentum .* Adam has none"):
+            DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model, strategy=ss, comm=comm)
+    ss = SyncSwitch(policy=OfflinePolicy(0.5, total_steps=4, momentum="reset"))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, strategy=ss,
+                               comm=comm)
+    for step in range(2):
+        local_step(comm, model, opt, step)
+    assert ss.phase == "asp"
+    assert not opt.state[model.fc1.weight]["momentum_buffer"].any()
+    opt.close()

@@ -10,8 +10,9 @@ with three phases per operation:
 
 * ``queued``  (track ``engine``): submitted, waiting for earlier operations;
 * ``running`` (track ``engine``): inside the backend;
-* ``waiting`` (track ``caller``): the caller blocked in ``wait()`` or a
-  blocking call.
+* ``waiting`` (track ``caller``): the caller blocked in ``Work.wait()``, or in a
+  blocking call queued behind operations in flight (one that finds the engine idle
+  runs on the caller's thread: its ``running`` phase is the whole call).
 """
 
 from __future__ import annotations

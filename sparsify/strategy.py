@@ -211,6 +211,10 @@ class SparseAllReduce(Strategy):
             want = [(b.numel, dt) for b, (_, dt, _) in zip(self.buckets, self._layout)]
         if got != want:
             raise ValueError(f"{self.name}: state of buckets {got} given to buckets {want}")
+        saved_as = state.get("selector")
+        if saved_as is not None and saved_as != repr(self.selector):
+            warnings.warn(f"{self.name}: state of {saved_as} loaded into {self.selector!r}: its step and "
+                          "threshold go on under the new settings", stacklevel=3)
         elsewhere = saved_elsewhere(state.get("rank"), state.get("world_size"), self.comm)
         same_rank = not elsewhere
         if elsewhere:

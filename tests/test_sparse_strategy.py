@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -553,3 +554,22 @@ def test_a_replan_carries_residuals_and_selectors_over(comm, how):
     step()                                  # trains on, alike on every rank
     w = comm.allgather(model[2].weight.detach().numpy().copy())
     assert (w == w[0]).all()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_state_of_other_selector_settings_warns(comm):
+    """A checkpoint of ExDyna(0.02) loaded into ExDyna(0.05) loaded silently (the density changed
+    unnoticed); it loads with a warning naming both."""
+    n = 5000
+    s = SparseAllReduce(selector=ExDyna(0.02))
+    _strategy_run(comm, s, np.zeros(n, np.float32), 2)
+    other = SparseAllReduce(selector=ExDyna(0.05))
+    _strategy_run(comm, other, np.zeros(n, np.float32), 0)
+    with pytest.warns(UserWarning, match=r"state of ExDyna\(density=0.02.* loaded into ExDyna\(density=0.05"):
+        other.load_state_dict(s.state_dict())
+    assert other.selectors[0].step == 2
+    same = SparseAllReduce(selector=ExDyna(0.02))
+    _strategy_run(comm, same, np.zeros(n, np.float32), 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(s.state_dict())                # the same settings: silent

@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -45,11 +46,16 @@ from commlib.side import side_comm
 T = TypeVar("T")
 
 
+def _is_int(x: Any) -> bool:
+    """An integer: ``int``, numpy's integers, any ``numbers.Integral``; not ``bool``, not ``2.0``."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _check_rank(rank: int, size: int) -> None:
-    if int(size) != size or size < 1:
+    if not _is_int(size) or size < 1:
         raise ValueError(f"size {size!r}: expected an integer >= 1")
-    if int(rank) != rank or not 0 <= rank < size:
-        raise ValueError(f"rank {rank!r}: expected 0..{size - 1}")
+    if not _is_int(rank) or not 0 <= rank < size:
+        raise ValueError(f"rank {rank!r}: expected an integer in 0..{size - 1}")
 
 
 def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
@@ -59,6 +65,8 @@ def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
 class IndexPlan:
     """Base of the partitionings: per-epoch index arrays and batches of them.
 
+    ``n``: the number of samples, any integer >= 0 (numpy's too; 0: an empty
+    data set, every rank gets no index, as ``DistributedSampler``).
     ``set_epoch(e)`` chooses the epoch that iteration uses (as torch's samplers);
     ``indices(epoch)`` is this rank's order of sample indices for an epoch;
     ``batches(batch_size)`` cuts it into batches (the last one shorter unless
@@ -66,8 +74,8 @@ class IndexPlan:
     """
 
     def __init__(self, n: int, rank: int, size: int, seed: int = 0, shuffle: bool = True):
-        if int(n) != n or n < 1:
-            raise ValueError(f"n {n!r}: expected a positive number of samples")
+        if not _is_int(n) or n < 0:
+            raise ValueError(f"n {n!r}: expected a number of samples (an integer >= 0)")
         _check_rank(rank, size)
         self.n, self.rank, self.size = int(n), int(rank), int(size)
         self.seed, self.shuffle = int(seed), bool(shuffle)
@@ -91,7 +99,7 @@ class IndexPlan:
 
     def batches(self, batch_size: int, epoch: int | None = None, drop_last: bool = True) -> list[np.ndarray]:
         """This rank's batches of ``epoch`` (default: the current one)."""
-        if int(batch_size) != batch_size or batch_size < 1:
+        if not _is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size {batch_size!r}: expected an integer >= 1")
         idx = self.indices(epoch)
         stop = len(idx) - len(idx) % batch_size if drop_last else len(idx)
@@ -109,13 +117,23 @@ class DefDP(IndexPlan):
 
     Every rank gets ``ceil(n / size)`` indices (the order wraps around to pad
     the short chunks, as ``DistributedSampler``), or ``n // size`` with
-    ``drop_last``.  ``partition``: explicit per-rank index sets (e.g.
-    :func:`label_shards` for non-IID data); each rank then walks its own set,
-    shuffled per epoch, padded by wrapping to the largest set's length.
+    ``drop_last`` (the order's tail is dropped: no index twice).  ``partition``:
+    explicit per-rank index sets (e.g. :func:`label_shards` for non-IID data);
+    each rank then walks its own set, shuffled per epoch, padded by wrapping to
+    the largest set's length, or with ``drop_last`` cut to the smallest set's
+    length (an empty set: every rank gets none).
 
     Example:
         >>> [DefDP(5, r, 2, shuffle=False).indices(0).tolist() for r in range(2)]
         [[0, 1, 2], [3, 4, 0]]
+        >>> [DefDP(5, r, 2, shuffle=False, drop_last=True).indices(0).tolist() for r in range(2)]
+        [[0, 1], [2, 3]]
+        >>> parts = [[0, 1, 2, 3, 4], [5, 6]]
+        >>> [DefDP(7, r, 2, shuffle=False, partition=parts).indices(0).tolist() for r in range(2)]
+        [[0, 1, 2, 3, 4], [5, 6, 5, 6, 5]]
+        >>> [DefDP(7, r, 2, shuffle=False, partition=parts, drop_last=True).indices(0).tolist()
+        ...  for r in range(2)]
+        [[0, 1], [5, 6]]
     """
 
     def __init__(self, n: int, rank: int, size: int, seed: int = 0, shuffle: bool = True,
@@ -126,10 +144,16 @@ class DefDP(IndexPlan):
         if partition is not None:
             if len(partition) != size:
                 raise ValueError(f"partition has {len(partition)} index sets for {size} ranks")
-            parts = [np.asarray(p, np.int64) for p in partition]
-            for r, p in enumerate(parts):
-                if p.ndim != 1 or len(p) == 0 or p.min() < 0 or p.max() >= n:
-                    raise ValueError(f"partition[{r}]: expected a non-empty set of indices in 0..{n - 1}")
+            parts = []
+            for r, p in enumerate(partition):
+                a = np.asarray(p)
+                if a.ndim != 1 or (a.size and (a.dtype.kind not in "iu" or a.min() < 0 or a.max() >= n)):
+                    raise ValueError(f"partition[{r}]: expected a set of integer indices in 0..{n - 1}")
+                parts.append(a.astype(np.int64))
+            empty = [r for r, a in enumerate(parts) if len(a) == 0]
+            if empty and len(empty) < size and not self.drop_last:
+                raise ValueError(f"partition[{empty[0]}] is empty: nothing to pad it to the longest set's "
+                                 f"length with (drop_last=True cuts every set to the shortest's instead)")
             self.partition = parts
 
     def indices(self, epoch: int | None = None) -> np.ndarray:
@@ -139,8 +163,9 @@ class DefDP(IndexPlan):
             if self.shuffle:
                 rng = np.random.default_rng([self.seed, epoch, self.rank, 0xDEF])
                 mine = mine[rng.permutation(len(mine))]
-            longest = max(len(p) for p in self.partition)
-            return np.resize(mine, longest)
+            if self.drop_last:       # every rank: its own set's first (shortest set's length) indices
+                return mine[:min(len(p) for p in self.partition)].copy()
+            return np.resize(mine, max(len(p) for p in self.partition))    # wrap around to pad
         order = self.order(epoch)
         per = self.n // self.size if self.drop_last else -(-self.n // self.size)
         if not self.drop_last and per * self.size > self.n:

@@ -226,6 +226,31 @@ def test_an_infinite_timeout_waits_forever_and_closes():
     assert work.test() and work.wait()[0] == c.size
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_peer_aborted_after_a_later_operation_lets_this_one_complete():
+    """Rank 1 aborted after #2, so it left #1, whose part it did: a wait for #1 (the root of a
+    broadcast still polling barrier #1 at 4 ranks on 2 cores) goes on (it raised CommAbortedError for
+    an operation that completes), then gives up after the grace; a wait for #2 or later gives up at once."""
+    from commlib.runner import PASSED_ABORT_GRACE_S
+
+    c = fresh(timeout=60)
+    c.barrier()
+    c.barrier()
+    if c.rank == 1:
+        c.abort("aborted by hand after #2")
+    MPI.COMM_WORLD.Barrier()
+    if c.rank != 1:
+        run = c._run
+        assert run.verdict(1, "barrier", 0.0) is None
+        for seq in (2, 3):
+            assert isinstance(run.verdict(seq, "barrier", 0.0), commlib.CommAbortedError)
+        time.sleep(PASSED_ABORT_GRACE_S)
+        err = run.verdict(1, "barrier", 0.0)
+        assert isinstance(err, commlib.CommAbortedError)
+        assert "rank 1 aborted the communicator after #2" in str(err)
+    c.close()        # aborted here or on a peer: frees nothing, waits for nobody
+
+
 @pytest.mark.mpi(min_size=1)
 def test_init_after_close_makes_a_new_communicator():
     """As ``hvd.init()`` after ``hvd.shutdown()``: ``init()`` returned the closed one."""

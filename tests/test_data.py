@@ -84,9 +84,10 @@ def test_batches_and_bad_arguments():
     assert [len(b) for b in plan.batches(4, drop_last=False)] == [4, 4, 2]
     assert injected_batch_size(64, 0.75, 0.75, 4) == 20          # 64 / 3.25
     assert injected_batch_size(64, 0.0, 0.75, 4) == 64
-    for bad in [dict(n=0, rank=0, size=1), dict(n=5, rank=2, size=2), dict(n=5, rank=0, size=0)]:
+    for bad in [dict(n=-1, rank=0, size=1), dict(n=5, rank=2, size=2), dict(n=5, rank=0, size=0)]:
         with pytest.raises(ValueError):
             SelDP(**bad)
+    assert SelDP(0, 0, 1).batches(4, drop_last=False) == []           # an empty data set: no batch
     with pytest.raises(ValueError):
         plan.batches(0)
 
@@ -247,3 +248,185 @@ def test_spawned_loader_workers_leave_mpi_alone(comm):
     if "PMI_RANK" in os.environ:          # under mpiexec: the worker is a rank's child
         with pytest.raises(commlib.CommlibError, match="only the rank's own process communicates"):
             list(loader("spawn", worker_init_fn=init_commlib_in_worker))
+
+
+def distributed_sampler_shares(n: int, size: int, drop_last: bool) -> tuple[list[list[int]], list[int]]:
+    """torch's ``DistributedSampler`` over positions ``0..n-1`` of an epoch's order (unshuffled):
+    every rank's share, and its padded (repeated from the start) or cut list put back together
+    (rank r's share is that list's ``[r::size]``)."""
+    from torch.utils.data import DistributedSampler
+
+    shares = [list(DistributedSampler(range(n), num_replicas=size, rank=r, shuffle=False,
+                                      drop_last=drop_last)) for r in range(size)]
+    whole = [0] * sum(len(s) for s in shares)
+    for r, share in enumerate(shares):
+        whole[r::size] = share
+    return shares, whole
+
+
+def defdp_reference(plan: DefDP, epoch: int, rank: int, size: int) -> list[int]:
+    """Rank ``rank``'s indices by ``DistributedSampler``'s padding/cutting of ``plan``'s shared order,
+    each rank reading a contiguous chunk of it (DefDP's rule) rather than every size-th index."""
+    shares, whole = distributed_sampler_shares(plan.n, size, plan.drop_last)
+    per = len(shares[rank])
+    return plan.order(epoch)[whole[rank * per:(rank + 1) * per]].tolist()
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+def test_defdp_matches_distributed_sampler_on_every_small_case():
+    """n 0..9 (0: an empty data set, DistributedSampler yields nothing), 1..4 ranks, drop_last
+    (the tail dropped, no index twice) or not (padded from the start), shuffled or not, 3 epochs:
+    the same counts per rank as DistributedSampler, the same indices once unshuffled, and its
+    padding/cutting of the shared order when shuffled."""
+    from torch.utils.data import DistributedSampler
+
+    from commlib.bindings.torch_data import DefDPSampler
+
+    for n in range(10):
+        for size in range(1, 5):
+            for drop_last in (False, True):
+                for shuffle in (False, True):
+                    for epoch in (0, 1, 3):
+                        case = f"n={n} size={size} drop_last={drop_last} shuffle={shuffle} epoch={epoch}"
+                        ours = [DefDPSampler(list(range(n)), rank=r, size=size, seed=7, shuffle=shuffle,
+                                             drop_last=drop_last) for r in range(size)]
+                        theirs = [DistributedSampler(range(n), num_replicas=size, rank=r, shuffle=shuffle,
+                                                     seed=7, drop_last=drop_last) for r in range(size)]
+                        for sampler in ours + theirs:
+                            sampler.set_epoch(epoch)
+                        got, want = [list(o) for o in ours], [list(t) for t in theirs]
+                        assert [len(g) for g in got] == [len(o) for o in ours] == [len(w) for w in want], case
+                        ref = [defdp_reference(o.plan, epoch, r, size) for r, o in enumerate(ours)]
+                        assert got == ref, case
+                        flat = sorted(sum(got, []))
+                        if not shuffle:
+                            assert flat == sorted(sum(want, [])), case
+                        if drop_last:
+                            assert len(set(flat)) == len(flat) == (n // size) * size, case
+                        else:
+                            assert set(flat) == set(range(n)) and len(flat) == -(-n // size) * size, case
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize("n", [0, 1, 3, 10, np.int64(10), np.uint8(7)])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_defdp_sampler_across_ranks_matches_distributed_sampler(comm, n, drop_last):
+    """The sampler on this run's ranks (rank and size from ``comm``), its length given as a number
+    (numpy's integers too) or as a data set, 0 included: DistributedSampler's counts on every rank,
+    its indices once unshuffled."""
+    from torch.utils.data import DistributedSampler
+
+    from commlib.bindings.torch_data import DefDPSampler
+
+    for shuffle in (False, True):
+        by_length = DefDPSampler(n, seed=3, shuffle=shuffle, drop_last=drop_last, comm=comm)
+        by_data = DefDPSampler(list(range(n)), seed=3, shuffle=shuffle, drop_last=drop_last, comm=comm)
+        theirs = DistributedSampler(range(n), num_replicas=comm.size, rank=comm.rank, shuffle=shuffle,
+                                    seed=3, drop_last=drop_last)
+        for epoch in (0, 2):
+            for sampler in (by_length, by_data, theirs):
+                sampler.set_epoch(epoch)
+            got = list(by_length)
+            assert got == list(by_data) and len(by_length) == len(got) == len(theirs)
+            assert got == defdp_reference(by_length.plan, epoch, comm.rank, comm.size)
+            everyone = comm.mpi_comm.allgather(got)
+            if not shuffle:
+                assert sorted(sum(everyone, [])) == sorted(sum(comm.mpi_comm.allgather(list(theirs)), []))
+            if drop_last:
+                flat = sum(everyone, [])
+                assert len(set(flat)) == len(flat)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_defdp_partition_drop_last_cuts_every_set_to_the_shortest(comm, shuffle):
+    """With ``partition``, drop_last cuts each rank's walk of its own set to the shortest set's
+    length (no index twice, the same count everywhere) instead of padding to the longest."""
+    parts = [[0, 1, 2, 3, 4], [5, 6]]
+    want = {False: [[0, 1, 2, 3, 4], [5, 6, 5, 6, 5]], True: [[0, 1], [5, 6]]}
+    for drop_last in (False, True):
+        got = [DefDP(7, r, 2, shuffle=shuffle, drop_last=drop_last, partition=parts).indices(e).tolist()
+               for r in range(2) for e in range(3)]
+        if not shuffle:
+            assert got == [w for w in want[drop_last] for _ in range(3)]
+        for r in range(2):
+            for e in range(3):
+                mine = got[3 * r + e]
+                assert len(mine) == len(want[drop_last][r]) and set(mine) <= set(parts[r])
+                if drop_last:
+                    assert len(set(mine)) == len(mine)
+                    padded = DefDP(7, r, 2, shuffle=shuffle, partition=parts).indices(e).tolist()
+                    assert mine == padded[:2]            # the same walk, its tail dropped
+    # this run's ranks: rank r owns r + 2 indices
+    size = comm.size
+    uneven = [list(range(10 * r, 10 * r + r + 2)) for r in range(size)]
+    n = uneven[-1][-1] + 1
+    for drop_last, count in ((False, size + 1), (True, 2)):
+        plan = DefDP(n, comm.rank, size, seed=4, shuffle=shuffle, drop_last=drop_last, partition=uneven)
+        for epoch in range(2):
+            mine = plan.indices(epoch).tolist()
+            assert comm.mpi_comm.allgather(len(mine)) == [count] * size
+            if drop_last:
+                assert len(set(mine)) == count and set(mine) <= set(uneven[comm.rank])
+            else:
+                assert set(mine) == set(uneven[comm.rank])
+    # an empty set: drop_last gives every rank nothing; padding it is refused unless every set is empty
+    assert [DefDP(3, r, 2, partition=[[0, 1, 2], []], drop_last=True).indices(0).tolist()
+            for r in range(2)] == [[], []]
+    assert [DefDP(0, r, 2, partition=[[], []]).indices(0).tolist() for r in range(2)] == [[], []]
+    with pytest.raises(ValueError, match="empty"):
+        DefDP(3, 0, 2, partition=[[0, 1, 2], []])
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("n", [0, 1, 5, 7])
+def test_seldp_on_small_and_empty_data_sets(comm, n):
+    """Every rank walks the whole data set (``len`` n, as DistributedSampler on one rank; an empty
+    data set: nothing, on every rank), each from its own chunk of the shared order."""
+    want = {(5, 2): [[0, 1, 2, 3, 4], [3, 4, 0, 1, 2]],
+            (7, 3): [[0, 1, 2, 3, 4, 5, 6], [3, 4, 5, 6, 0, 1, 2], [5, 6, 0, 1, 2, 3, 4]]}
+    for key, lists in want.items():
+        assert [SelDP(key[0], r, key[1], shuffle=False).indices(0).tolist() for r in range(key[1])] == lists
+    for shuffle in (False, True):
+        plan = SelDP(n, comm.rank, comm.size, seed=2, shuffle=shuffle)
+        counts = commlib.split_counts(n, comm.size)
+        for epoch in range(2):
+            mine = plan.indices(epoch).tolist()
+            assert len(plan) == len(mine) == n and sorted(mine) == list(range(n))
+            firsts = comm.mpi_comm.allgather(mine[:counts[comm.rank]])     # each rank's own chunk first
+            assert sorted(sum(firsts, [])) == list(range(n))
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+def test_lengths_and_ranks_take_any_integer_but_bool():
+    """A length, rank, size, batch size or partition index: any integer (numpy's too), never a
+    bool or a float (which the plans took as ints before, ``2.5`` refused but ``2.0`` and ``True``
+    not)."""
+    from commlib.bindings.torch_data import DefDPSampler, SelDPSampler
+
+    for n in (np.int64(10), np.int32(10), np.uint16(10)):
+        assert list(DefDPSampler(n, rank=1, size=2, seed=1)) == list(DefDPSampler(10, rank=1, size=2, seed=1))
+        assert list(SelDPSampler(n, rank=1, size=2, seed=1)) == list(SelDPSampler(range(10), rank=1, size=2,
+                                                                                  seed=1))
+        assert len(DefDPSampler(n, rank=np.int64(1), size=np.int8(2), drop_last=True)) == 5
+    plan = DefDP(np.int64(10), np.int64(0), np.int64(2), shuffle=False)
+    assert [b.tolist() for b in plan.batches(np.int64(2))] == [[0, 1], [2, 3]]
+    for bad in [dict(n=True), dict(n=10.0), dict(rank=True), dict(rank=1.0), dict(size=2.0), dict(size=True)]:
+        args = {"n": 10, "rank": 0, "size": 2, **bad}
+        with pytest.raises(ValueError):
+            DefDP(**args)
+        with pytest.raises(ValueError):
+            SelDP(**args)
+    for bad in [True, 2.0]:
+        with pytest.raises(ValueError):
+            plan.batches(bad)
+    with pytest.raises(ValueError):
+        DefDPSampler(True, rank=0, size=2)
+    with pytest.raises(TypeError, match="dataset .* or its length"):
+        DefDPSampler(10.0, rank=0, size=2)
+    for bad_part in ([[0, 1.5], [2]], [[0.0, 1.0], [2.0]], [[True, False], [2]], [[0, 1], [[2]]]):
+        with pytest.raises(ValueError, match="partition"):
+            DefDP(3, 0, 2, partition=bad_part)
+    parts = [np.array([0, 1], np.int32), (np.uint8(2),)]
+    assert DefDP(3, 1, 2, shuffle=False, partition=parts).indices(0).tolist() == [2, 2]

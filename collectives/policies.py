@@ -24,6 +24,10 @@ changes go with a switch.  :class:`collectives.syncswitch.SyncSwitch` asks it.
   search over short runs.
 
 Every policy keeps all its state in ``state_dict()`` / ``load_state_dict()``.
+Settings are checked at construction (integers are integers, scales finite
+and positive), and ``repr(policy)`` shows every one (:meth:`Policy.config`):
+bindings compare the strategy's repr, with its policy's, over the ranks when
+they wrap the optimizer, so that ranks given different settings fail there.
 
 Example:
     >>> pol = OfflinePolicy(bsp_fraction=0.25, total_steps=1000, lr_scale=0.5, momentum="reset")
@@ -35,6 +39,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+import numbers
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +52,73 @@ from commlib import Communicator
 
 PHASES = ("bsp", "asp", "ssp")
 MOMENTUM_MODES = ("keep", "reset", "ramp")
+ASYNC_PHASES = ("asp", "ssp")
+
+
+# ---------------------------------------------------------------------- argument checks
+# (shared with SyncSwitch and SelSync: a setting out of range fails at construction, not at the
+# first switch hours into a run, and a float is never truncated to an integer silently)
+def check_int(where: str, name: str, value: Any, minimum: int) -> int:
+    """``value`` as an int: an integer (``numbers.Integral``, not a bool) ``>= minimum``, else a
+    ``TypeError`` / ``ValueError`` naming ``where(name=value)`` and the accepted range.
+
+    Example:
+        >>> check_int("StragglerPolicy", "window_k", 10, 1)
+        10
+    """
+    expected = f"an integer >= {minimum}"
+    if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}({name}={value!r}): expected {expected}, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{where}({name}={value!r}): expected {expected}")
+    return int(value)
+
+
+def check_real(where: str, name: str, value: Any, expected: str, ok: Callable[[float], bool]) -> float:
+    """``value`` as a float: a real number (not a bool) for which ``ok`` holds (NaN fails every
+    comparison), else a ``TypeError`` / ``ValueError`` naming ``where(name=value)`` and ``expected``.
+
+    Example:
+        >>> check_real("OfflinePolicy", "lr_scale", 0.5, "a finite number > 0", lambda v: 0 < v < math.inf)
+        0.5
+    """
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}({name}={value!r}): expected {expected}, got {type(value).__name__}")
+    v = float(value)
+    if not ok(v):
+        raise ValueError(f"{where}({name}={value!r}): expected {expected}")
+    return v
+
+
+def check_bool(where: str, name: str, value: Any) -> bool:
+    """``value`` as a bool: ``True`` or ``False`` (numpy's too), else a ``TypeError``.
+
+    Example:
+        >>> check_bool("SelSync", "overlap", True)
+        True
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}({name}={value!r}): expected True or False, got {type(value).__name__}")
+    return bool(value)
+
+
+def check_choice(where: str, name: str, value: Any, choices: Sequence[str]) -> str:
+    """``value``, one of the strings ``choices``, else a ``ValueError`` (``TypeError``: not a string).
+
+    Example:
+        >>> check_choice("OfflinePolicy", "momentum", "reset", MOMENTUM_MODES)
+        'reset'
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"{where}({name}={value!r}): expected one of {tuple(choices)}, "
+                        f"got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{where}({name}={value!r}): expected one of {tuple(choices)}")
+    return value
+
+
+def _positive_finite(v: float) -> bool:
+    return 0.0 < v < math.inf
 
 
 class Policy:
@@ -67,6 +140,21 @@ class Policy:
     def bind(self, comm: Communicator, board: Any = None) -> None:
         """Give the policy the communicator (and the store whose board it may use)."""
         self.comm, self.board = comm, board
+
+    def config(self) -> dict[str, Any]:
+        """The settings the policy was made with, as :meth:`__repr__` shows them.
+
+        A policy whose decisions depend on settings returns every one of them: bindings compare
+        ``repr(strategy)`` (a :class:`~collectives.syncswitch.SyncSwitch` shows its policy's repr)
+        over the ranks when they wrap the optimizer, so that ranks given different settings fail
+        there, on every rank, instead of meeting different collectives at a switch.
+        """
+        return {}
+
+    def __repr__(self) -> str:
+        # deterministic (no object ids; floats by repr): the same text for the same settings in every process
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{type(self).__name__}({args})"
 
     def phase(self, step: int) -> str:
         raise NotImplementedError
@@ -121,6 +209,8 @@ class OfflinePolicy(Policy):
         >>> pol = OfflinePolicy(0.5, 100, momentum="ramp", ramp_steps=10)
         >>> pol.switch_step, pol.momentum_scale(55)
         (50, 0.5)
+        >>> repr(pol)[:49]
+        'OfflinePolicy(bsp_fraction=0.5, total_steps=100, '
     """
 
     name = "offline"
@@ -128,22 +218,18 @@ class OfflinePolicy(Policy):
     def __init__(self, bsp_fraction: float, total_steps: int, lr_scale: float = 1.0,
                  momentum: str = "keep", ramp_steps: int = 100, async_phase: str = "asp"):
         super().__init__()
-        if not 0.0 <= bsp_fraction <= 1.0:
-            raise ValueError(f"bsp_fraction {bsp_fraction!r}: expected 0..1")
-        if total_steps < 0:
-            raise ValueError(f"total_steps {total_steps!r}: expected >= 0")
-        if momentum not in MOMENTUM_MODES:
-            raise ValueError(f"momentum {momentum!r}: expected one of {MOMENTUM_MODES}")
-        if async_phase not in ("asp", "ssp"):
-            raise ValueError(f"async_phase {async_phase!r}: expected 'asp' or 'ssp'")
-        if not lr_scale > 0 or ramp_steps < 1:
-            raise ValueError("lr_scale must be > 0 and ramp_steps >= 1")
-        self.bsp_fraction = float(bsp_fraction)
-        self.total_steps = int(total_steps)
-        self.lr_scale = float(lr_scale)
-        self.momentum = momentum
-        self.ramp_steps = int(ramp_steps)
-        self.async_phase = async_phase
+        where = "OfflinePolicy"
+        self.bsp_fraction = check_real(where, "bsp_fraction", bsp_fraction, "a fraction in 0..1",
+                                       lambda v: 0.0 <= v <= 1.0)
+        self.total_steps = check_int(where, "total_steps", total_steps, 0)
+        self.lr_scale = check_real(where, "lr_scale", lr_scale, "a finite number > 0", _positive_finite)
+        self.momentum = check_choice(where, "momentum", momentum, MOMENTUM_MODES)
+        self.ramp_steps = check_int(where, "ramp_steps", ramp_steps, 1)
+        self.async_phase = check_choice(where, "async_phase", async_phase, ASYNC_PHASES)
+
+    def config(self) -> dict[str, Any]:
+        return {"bsp_fraction": self.bsp_fraction, "total_steps": self.total_steps, "lr_scale": self.lr_scale,
+                "momentum": self.momentum, "ramp_steps": self.ramp_steps, "async_phase": self.async_phase}
 
     @property
     def changes_momentum(self) -> bool:      # type: ignore[override]
@@ -191,18 +277,43 @@ class SchedulePolicy(Policy):
         ['bsp', 'bsp', 'asp', 'asp', 'bsp']
         >>> SchedulePolicy("ssp").phase(100)
         'ssp'
+        >>> SchedulePolicy("asp", lr_scale=0.5)
+        SchedulePolicy(schedule=[(0, 'asp')], lr_scale=0.5)
+
+    Steps are integers >= 0, each given once; ``lr_scale`` (finite, > 0)
+    multiplies the learning rate in asynchronous phases.
     """
 
     name = "schedule"
 
     def __init__(self, schedule: Sequence[tuple[int, str]] | str, lr_scale: float = 1.0):
         super().__init__()
+        where = "SchedulePolicy"
+        given = schedule
         if isinstance(schedule, str):
             schedule = [(0, schedule)]
-        self.schedule = sorted((int(s), str(p)) for s, p in schedule)
-        if not self.schedule or any(p not in PHASES for _, p in self.schedule):
-            raise ValueError(f"schedule {schedule!r}: expected (step, phase) pairs, phases in {PHASES}")
-        self.lr_scale = float(lr_scale)
+        expected = f"(step, phase) pairs, steps integers >= 0 (each once), phases in {PHASES}"
+        try:
+            pairs = [tuple(x) for x in schedule]
+        except TypeError:
+            raise TypeError(f"{where}(schedule={given!r}): expected a phase or {expected}") from None
+        if not pairs or any(len(x) != 2 for x in pairs):
+            raise ValueError(f"{where}(schedule={given!r}): expected a phase or {expected}")
+        entries = []
+        for s, p in pairs:
+            try:
+                entries.append((check_int(where, "step", s, 0), check_choice(where, "phase", p, PHASES)))
+            except (TypeError, ValueError) as exc:     # named as the schedule's entry
+                raise type(exc)(f"{where}(schedule={given!r}): entry {(s, p)!r}: "
+                                f"expected {expected}") from None
+        steps = [s for s, _ in entries]
+        if len(set(steps)) != len(steps):
+            raise ValueError(f"{where}(schedule={given!r}): a step given twice; expected {expected}")
+        self.schedule = sorted(entries)
+        self.lr_scale = check_real(where, "lr_scale", lr_scale, "a finite number > 0", _positive_finite)
+
+    def config(self) -> dict[str, Any]:
+        return {"schedule": [tuple(x) for x in self.schedule], "lr_scale": self.lr_scale}
 
     def phase(self, step: int) -> str:
         cur = "bsp"
@@ -256,16 +367,11 @@ class StragglerPolicy(Policy):
     def __init__(self, theta: float = 1.5, window_k: int = 10, m_windows: int = 2,
                  async_phase: str = "asp"):
         super().__init__()
-        if not theta > 1.0:
-            raise ValueError(f"theta {theta!r}: expected > 1")
-        if window_k < 1 or m_windows < 1:
-            raise ValueError("window_k and m_windows must be >= 1")
-        if async_phase not in ("asp", "ssp"):
-            raise ValueError(f"async_phase {async_phase!r}: expected 'asp' or 'ssp'")
-        self.theta = float(theta)
-        self.window_k = int(window_k)
-        self.m_windows = int(m_windows)
-        self.async_phase = async_phase
+        where = "StragglerPolicy"
+        self.theta = check_real(where, "theta", theta, "a finite number > 1", lambda v: 1.0 < v < math.inf)
+        self.window_k = check_int(where, "window_k", window_k, 1)
+        self.m_windows = check_int(where, "m_windows", m_windows, 1)
+        self.async_phase = check_choice(where, "async_phase", async_phase, ASYNC_PHASES)
         self.current = "bsp"
         self.times: list[float] = []       # this window's step times
         self.slow_counts: list[int] = []   # per rank: consecutive slow windows
@@ -275,6 +381,10 @@ class StragglerPolicy(Policy):
         self.applied = 0                   # return-to-BSP commands applied
         self.epochs = 0                    # asynchronous phases begun
         self.stragglers: list[int] = []
+
+    def config(self) -> dict[str, Any]:
+        return {"theta": self.theta, "window_k": self.window_k, "m_windows": self.m_windows,
+                "async_phase": self.async_phase}
 
     def phase(self, step: int) -> str:
         return self.current
@@ -400,6 +510,8 @@ def find_bsp_fraction(run_fn: Callable[[float], float],
         >>> find_bsp_fraction(acc.__getitem__, tolerance=0.01).p
         0.25
     """
+    check_real("find_bsp_fraction", "tolerance", tolerance, "a finite number >= 0",
+               lambda v: 0.0 <= v < math.inf)
     cands = sorted({float(p) for p in candidates}, reverse=True)
     if not cands or any(not 0.0 <= p <= 1.0 for p in cands):
         raise ValueError(f"candidates {candidates!r}: expected fractions in 0..1")

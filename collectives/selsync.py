@@ -92,6 +92,7 @@ from commlib.arrays import INEXACT_DTYPES, as_view
 
 from .allreduce import AllReduce
 from .buckets import Bucket, Move
+from .policies import check_bool, check_choice, check_int, check_real
 from .significance import SignificanceMeter, l2_norm
 from .strategy import Strategy, checked_inner, saved_elsewhere
 
@@ -116,6 +117,14 @@ class SelSync(Strategy):
     ``flush()`` averages drifted replicas.  ``trace_len``: steps of the
     metric's trace kept.
 
+    Every setting is checked here (``delta`` a number >= 0, ``window`` an
+    integer >= 1, ``warmup`` None or an integer >= 0, ``trace_len`` an
+    integer >= 0, the switches True or False), and ``repr()`` shows each one
+    that decides what the ranks call or compute (all but ``trace_len``, which
+    is this rank's bookkeeping): bindings compare it over the ranks when they
+    wrap the optimizer, so that ranks given different settings fail there, on
+    every rank.
+
     Tuning: raise ``delta`` for fewer syncs (higher LSSR, faster) and lower it
     for BSP-like accuracy; look at ``gate.trace`` (significance per step) to
     choose it.  Pair it with :class:`collectives.data.SelDP` so that local
@@ -126,6 +135,8 @@ class SelSync(Strategy):
         >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, strategy=gate)
         >>> ...                                    # train as usual
         >>> gate.stats["lssr"], gate.stats["bytes_saved"]
+        >>> repr(SelSync(delta=0.3, window=25, warmup=5)).split("), ")[1][:30]
+        'delta=0.3, window=25, warmup=5'
     """
 
     name = "selsync"
@@ -145,26 +156,26 @@ class SelSync(Strategy):
         if inner.updates_parameters:
             raise ValueError(f"SelSync(inner={inner.name}): the inner strategy averages the gradients of "
                              f"synchronized steps, but {inner.name} writes the parameters itself")
-        if mode not in MODES:
-            raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+        where = "SelSync"
+        mode = check_choice(where, "mode", mode, MODES)
         if mode == "params" and inner.sparse:
             raise ValueError(f"SelSync(inner={inner.name}, mode='params'): the parameters are averaged "
                              "whole on synchronized steps, so the sparse exchange would never run: use "
                              "mode='grads' (the inner strategy sends the gradients of synchronized steps)")
-        delta = float(delta)
-        if not delta >= 0:
-            raise ValueError(f"delta {delta!r}: expected >= 0 (0 is BSP, inf is local SGD)")
-        if warmup is not None and (int(warmup) != warmup or warmup < 0):
-            raise ValueError(f"warmup {warmup!r}: expected an integer >= 0")
+        delta = check_real(where, "delta", delta, "a number >= 0 (0 is BSP, inf is local SGD)",
+                           lambda v: v >= 0.0)
+        window = check_int(where, "window", window, 1)
+        if warmup is not None:
+            warmup = check_int(where, "warmup", warmup, 0)
         self.inner = inner
         self.delta = delta
         self.mode = mode
         self.meter = SignificanceMeter(window)
-        self.warmup = self.meter.window if warmup is None else int(warmup)
-        self.sync_optimizer_state = bool(sync_optimizer_state)
-        self.overlap = bool(overlap)
-        self.average_on_flush = bool(average_on_flush)
-        self.trace_len = int(trace_len)
+        self.warmup = self.meter.window if warmup is None else warmup
+        self.sync_optimizer_state = check_bool(where, "sync_optimizer_state", sync_optimizer_state)
+        self.overlap = check_bool(where, "overlap", overlap)
+        self.average_on_flush = check_bool(where, "average_on_flush", average_on_flush)
+        self.trace_len = check_int(where, "trace_len", trace_len, 0)
         self.trace: list[tuple[int, float, float, float, bool]] = []
         self.state_buffers: list[Any] = []
         #: whether the current (or, after ``after_update``, the last) step synchronizes
@@ -538,5 +549,9 @@ class SelSync(Strategy):
                           stacklevel=3)
 
     def __repr__(self) -> str:
-        return (f"SelSync(inner={self.inner!r}, delta={self.delta:g}, window={self.meter.window}, "
-                f"mode={self.mode!r})")
+        # every setting that decides what the ranks call or compute, deterministic (floats by repr, no
+        # object ids): bindings compare it over the ranks (trace_len, this rank's bookkeeping, is left out)
+        return (f"SelSync(inner={self.inner!r}, delta={self.delta!r}, window={self.meter.window!r}, "
+                f"warmup={self.warmup!r}, mode={self.mode!r}, "
+                f"sync_optimizer_state={self.sync_optimizer_state!r}, overlap={self.overlap!r}, "
+                f"average_on_flush={self.average_on_flush!r})")

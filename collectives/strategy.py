@@ -387,5 +387,12 @@ class Strategy:
         if state.get("tuner") is not None and self.tuner is not None:
             self.tuner.load_state_dict(state["tuner"])
 
+    def _caps(self) -> str:
+        """The bucket caps (and tuning) as the repr shows them: bindings compare reprs over the ranks
+        when they wrap, and buckets planned with other caps meet other collectives."""
+        return (f"cap_mb={self.cap_bytes / MiB!r}, first_cap_mb={(self.first_cap_bytes or 0) / MiB!r}, "
+                f"last_cap_mb={(self.last_cap_bytes or 0) / MiB!r}"
+                + (f", tune={self.tune!r}" if self.tune else ""))
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(cap_mb={self.cap_bytes / MiB:g})"
+        return f"{type(self).__name__}({self._caps()})"

@@ -71,6 +71,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -81,8 +82,10 @@ from commlib import Communicator, ValidationError
 
 from .allreduce import AllReduce
 from .buckets import Bucket, Move
+from .paramstore import _LAYOUTS as LAYOUTS
 from .paramstore import ParamStore
-from .policies import PHASES, Policy, SchedulePolicy
+from .policies import PHASES, Policy, SchedulePolicy, check_choice, check_int, check_real
+from .rma_progress import PROGRESS_MODES
 from .strategy import Strategy, checked_inner
 
 #: what a peer sees while a rank re-enters a checkpoint's phase (a rank loading alone is named with it)
@@ -101,7 +104,21 @@ class SyncSwitch(Strategy):
     ``staleness``: SSP's bound s.  ``layout``, ``progress``,
     ``progress_interval_s``: the parameter store's (see
     :mod:`collectives.paramstore`).  ``ssp_timeout``: seconds an SSP wait may
-    last (default: the communicator's timeout).
+    last (default: the communicator's timeout; 0: no limit).
+
+    Every setting is checked here, at construction (not at the first switch
+    out of BSP): ``staleness`` an integer >= 0, ``layout`` one of
+    ``"sharded"``, ``"server"``, ``progress`` one of ``"auto"``, ``"thread"``,
+    ``"mpich"``, ``"none"``, ``progress_interval_s`` finite and > 0,
+    ``ssp_timeout`` None or >= 0, ``policy`` a Policy.  ``repr()`` shows them
+    all, with the policy's settings: bindings compare it over the ranks when
+    they wrap the optimizer, so that ranks given different settings fail
+    there, on every rank.
+
+    Example:
+        >>> ss = SyncSwitch(bsp=AllReduce(), policy=OfflinePolicy(0.25, total_steps=1000), staleness=2)
+        >>> "total_steps=1000" in repr(ss), ss.staleness
+        (True, 2)
 
     Tuning: ASP moves the same bytes per link as a ring all-reduce (sharded
     store), so it is faster per step only when ranks wait for each other
@@ -115,18 +132,28 @@ class SyncSwitch(Strategy):
     def __init__(self, bsp: Strategy | None = None, policy: Policy | None = None, staleness: int = 0,
                  layout: str = "sharded", progress: str = "auto", progress_interval_s: float = 1e-3,
                  ssp_timeout: float | None = None):
+        where = "SyncSwitch"
         inner = checked_inner(bsp, "SyncSwitch(bsp=...)") if bsp is not None else AllReduce()
         if isinstance(inner, SyncSwitch):
             raise ValueError("SyncSwitch cannot wrap another SyncSwitch")
-        if staleness < 0:
-            raise ValueError(f"staleness {staleness!r}: expected >= 0")
+        if policy is not None and not isinstance(policy, Policy):
+            raise TypeError(f"SyncSwitch(policy={policy!r}): expected a Policy (OfflinePolicy(...), "
+                            "StragglerPolicy(...), SchedulePolicy(...); one phase throughout: "
+                            f"SchedulePolicy('asp')) or None (BSP throughout), got {type(policy).__name__}")
+        staleness = check_int(where, "staleness", staleness, 0)
+        layout = check_choice(where, "layout", layout, LAYOUTS)
+        progress = check_choice(where, "progress", progress, PROGRESS_MODES)
+        interval = check_real(where, "progress_interval_s", progress_interval_s,
+                              "a finite number of seconds > 0", lambda v: 0.0 < v < math.inf)
+        if ssp_timeout is not None:
+            ssp_timeout = check_real(where, "ssp_timeout", ssp_timeout, "None or seconds >= 0 (0: no limit)",
+                                     lambda v: v >= 0.0)
         super().__init__(cap_mb=inner.cap_bytes / (1 << 20),
                          first_cap_mb=(inner.first_cap_bytes or 0) / (1 << 20), tune=False)
         self.bsp = inner
         self.policy = policy if policy is not None else SchedulePolicy("bsp")
-        self.staleness = int(staleness)
-        self.store_options = {"layout": layout, "progress": progress,
-                              "progress_interval_s": progress_interval_s}
+        self.staleness = staleness
+        self.store_options = {"layout": layout, "progress": progress, "progress_interval_s": interval}
         self.ssp_timeout = ssp_timeout
         self.phase = "bsp"
         self.lr_scale = 1.0
@@ -463,4 +490,7 @@ class SyncSwitch(Strategy):
         return self._live and (self.phase != "bsp" or state["phase"] != self.phase)
 
     def __repr__(self) -> str:
-        return f"SyncSwitch(bsp={self.bsp!r}, policy={self.policy.name}, phase={self.phase!r})"
+        # every setting, deterministic (floats by repr, no object ids): bindings compare it over the ranks
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.store_options.items())
+        return (f"SyncSwitch(bsp={self.bsp!r}, policy={self.policy!r}, staleness={self.staleness!r}, {opts}, "
+                f"ssp_timeout={self.ssp_timeout!r}, phase={self.phase!r})")

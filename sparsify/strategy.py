@@ -228,5 +228,4 @@ class SparseAllReduce(Strategy):
                 fb.residual[...] = 0
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(selector={self.selector!r}, cap_mb={self.cap_bytes / (1 << 20):g}, "
-                f"first_cap_mb={(self.first_cap_bytes or 0) / (1 << 20):g})")
+        return f"{type(self).__name__}(selector={self.selector!r}, {self._caps()})"

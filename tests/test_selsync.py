@@ -363,6 +363,90 @@ def test_l2_norm_dtypes():
         assert l2_norm([torch.tensor([3.0, 4.0], dtype=torch.bfloat16)]) == pytest.approx(5.0)
 
 
+def _gate(case: str, last: bool) -> SelSync:
+    """A gate whose setting ``case`` differs on the last rank (``last``)."""
+    variants = {
+        "warmup": lambda: SelSync(delta=0.3, window=3, warmup=6 if last else 2, mode="grads"),
+        "warmup_params": lambda: SelSync(delta=0.3, window=3, warmup=6 if last else 2, mode="params"),
+        "sync_optimizer_state": lambda: SelSync(delta=0.3, window=3, sync_optimizer_state=last),
+        "average_on_flush": lambda: SelSync(delta=100.0, window=3, average_on_flush=not last),
+        "overlap": lambda: SelSync(delta=0.3, window=3, overlap=not last),
+        "delta_ulp": lambda: SelSync(delta=0.3 + 1e-9 * last, window=3, mode="grads"),
+    }
+    return variants[case]()
+
+
+GATE_SETTINGS = ["warmup", "warmup_params", "sync_optimizer_state", "average_on_flush", "overlap",
+                 "delta_ulp"]
+
+
+@pytest.mark.parametrize("case", GATE_SETTINGS)
+def test_repr_shows_every_setting_deterministically(case):
+    a, b, again = _gate(case, False), _gate(case, True), _gate(case, False)
+    assert repr(a) != repr(b), repr(a)
+    assert repr(a) == repr(again) and " at 0x" not in repr(a), repr(a)
+    # trace_len is this rank's bookkeeping: it may differ (a long trace kept on one rank only)
+    assert repr(SelSync(trace_len=0)) == repr(SelSync(trace_len=10))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize("case", GATE_SETTINGS)
+def test_settings_that_differ_on_the_last_rank_raise_at_wrap_on_every_rank(comm, case):
+    """A different ``warmup`` made MPICH abort on an assertion (one rank in the flag's all-reduce, the
+    other averaging), ``sync_optimizer_state`` / ``average_on_flush`` mismatched collectives or left
+    replicas apart silently: refused when the optimizer is wrapped, on every rank."""
+    import torch
+
+    from commlib.bindings.torch import DistributedOptimizer
+    from commlib.errors import ValidationError
+
+    model = torch.nn.Linear(8, 16)
+    gate = _gate(case, comm.rank == comm.size - 1)
+    before = comm.seq
+    with pytest.raises(ValidationError, match="differs across ranks"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, strategy=gate,
+                             comm=comm)
+    assert comm.seq == before + 1       # only the agreement check ran: no collective was left half-called
+    assert float(comm.allreduce(np.ones(1))[0]) == comm.size
+    # a trace of another length on one rank is fine
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, comm=comm,
+                               strategy=SelSync(delta=0.3, window=3, trace_len=10 + comm.rank))
+    opt.close()
+
+
+def test_bad_arguments_fail_at_construction_naming_the_argument():
+    """Each was accepted (window=True, trace_len=-1, switches of any type) or failed with a message that
+    named no argument (delta='x': "could not convert string to float", window=inf: OverflowError)."""
+    cases = [
+        (lambda: SelSync(delta="x"), TypeError, r"SelSync\(delta='x'\): expected a number >= 0"),
+        (lambda: SelSync(delta=None), TypeError, r"SelSync\(delta=None\): expected a number >= 0"),
+        (lambda: SelSync(delta=math.nan), ValueError, r"SelSync\(delta=nan\): expected a number >= 0"),
+        (lambda: SelSync(delta=-0.1), ValueError, r"delta=-0.1\): expected a number >= 0"),
+        (lambda: SelSync(window=True), TypeError, r"SelSync\(window=True\): expected an integer >= 1"),
+        (lambda: SelSync(window=1.5), TypeError, r"SelSync\(window=1.5\): expected an integer >= 1"),
+        (lambda: SelSync(window=math.inf), TypeError, r"SelSync\(window=inf\): expected an integer >= 1"),
+        (lambda: SelSync(window=0), ValueError, r"SelSync\(window=0\): expected an integer >= 1"),
+        (lambda: SelSync(warmup=math.inf), TypeError, r"SelSync\(warmup=inf\): expected an integer >= 0"),
+        (lambda: SelSync(warmup=math.nan), TypeError, r"SelSync\(warmup=nan\): expected an integer >= 0"),
+        (lambda: SelSync(warmup=1.5), TypeError, r"SelSync\(warmup=1.5\): expected an integer >= 0"),
+        (lambda: SelSync(warmup=-1), ValueError, r"SelSync\(warmup=-1\): expected an integer >= 0"),
+        (lambda: SelSync(trace_len=-1), ValueError, r"SelSync\(trace_len=-1\): expected an integer >= 0"),
+        (lambda: SelSync(trace_len=2.5), TypeError, r"SelSync\(trace_len=2.5\): expected an integer >= 0"),
+        (lambda: SelSync(mode=None), TypeError, r"SelSync\(mode=None\): expected one of \('params'"),
+        (lambda: SelSync(sync_optimizer_state="yes"), TypeError,
+         r"SelSync\(sync_optimizer_state='yes'\): expected True or False"),
+        (lambda: SelSync(overlap=None), TypeError, r"SelSync\(overlap=None\): expected True or False"),
+        (lambda: SelSync(average_on_flush=1), TypeError, r"average_on_flush=1\): expected True or False"),
+    ]
+    for make, kind, message in cases:
+        with pytest.raises(kind, match=message):
+            make()
+    gate = SelSync(delta=np.float32(0.5), window=np.int64(4), warmup=np.int32(2), overlap=np.bool_(False))
+    assert (gate.delta, gate.meter.window, gate.warmup, gate.overlap) == (0.5, 4, 2, False)
+    assert SelSync(delta=math.inf, warmup=0).warmup == 0
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="mode"):
         SelSync(mode="weights")

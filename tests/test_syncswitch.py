@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -11,12 +12,15 @@ from commlib.collectives import AllReduce, DeAR
 from commlib.collectives.buckets import TensorSpec, plan_buckets
 from commlib.collectives.policies import (
     OfflinePolicy,
+    Policy,
     SchedulePolicy,
     StragglerPolicy,
     find_bsp_fraction,
     judge,
 )
 from commlib.collectives.syncswitch import SyncSwitch
+
+from conftest import HAVE_TORCH
 
 
 def _flat(comm, sizes=((0, 37, "float32", 4), (1, 23, "float64", 8))):
@@ -193,3 +197,148 @@ def test_straggler_policy_flags_and_clears(comm):
     finally:
         ss.close()
     assert _same_everywhere(comm, params)
+
+
+# ---------------------------------------------------------------- settings: checked early, agreed at wrap
+def _ss(case: str, last: bool):
+    """A Sync-Switch whose setting ``case`` differs on the last rank (``last``): each setting changes
+    what the ranks call (window allocations at a switch, allgathers per window, SSP waits) or compute."""
+    off = dict(bsp_fraction=0.5, total_steps=8)
+    variants = {
+        "total_steps": lambda: SyncSwitch(policy=OfflinePolicy(0.5, total_steps=12 if last else 8)),
+        "bsp_fraction": lambda: SyncSwitch(policy=OfflinePolicy(0.25 if last else 0.5, total_steps=8)),
+        "lr_scale": lambda: SyncSwitch(policy=OfflinePolicy(**off, lr_scale=1.0 if last else 0.5)),
+        "lr_scale_ulp": lambda: SyncSwitch(policy=OfflinePolicy(**off, lr_scale=0.5 + 1e-12 * last)),
+        "momentum": lambda: SyncSwitch(policy=OfflinePolicy(**off, momentum="ramp" if last else "keep")),
+        "ramp_steps": lambda: SyncSwitch(policy=OfflinePolicy(**off, momentum="ramp", ramp_steps=3 + last)),
+        "async_phase": lambda: SyncSwitch(policy=OfflinePolicy(**off, async_phase="ssp" if last else "asp")),
+        "window_k": lambda: SyncSwitch(policy=StragglerPolicy(theta=1.5, window_k=3 if last else 2)),
+        "m_windows": lambda: SyncSwitch(policy=StragglerPolicy(theta=1.5, m_windows=3 if last else 2)),
+        "theta": lambda: SyncSwitch(policy=StragglerPolicy(theta=1.6 if last else 1.5)),
+        "schedule": lambda: SyncSwitch(policy=SchedulePolicy([(0, "bsp"), (3 if last else 2, "asp")])),
+        "schedule_lr_scale": lambda: SyncSwitch(policy=SchedulePolicy("asp", lr_scale=1.0 if last else 0.5)),
+        "staleness": lambda: SyncSwitch(policy=OfflinePolicy(**off, async_phase="ssp"), staleness=3 * last),
+        "layout": lambda: SyncSwitch(layout="server" if last else "sharded"),
+        "progress": lambda: SyncSwitch(progress="thread" if last else "none"),
+        "progress_interval_s": lambda: SyncSwitch(progress_interval_s=2e-3 if last else 1e-3),
+        "ssp_timeout": lambda: SyncSwitch(ssp_timeout=30.0 if last else None),
+    }
+    return variants[case]()
+
+
+SETTINGS = ["total_steps", "bsp_fraction", "lr_scale", "lr_scale_ulp", "momentum", "ramp_steps",
+            "async_phase", "window_k", "m_windows", "theta", "schedule", "schedule_lr_scale", "staleness",
+            "layout", "progress", "progress_interval_s", "ssp_timeout"]
+
+
+@pytest.mark.parametrize("case", SETTINGS)
+def test_repr_shows_every_setting_deterministically(case):
+    """The repr (which the bindings compare over the ranks) tells the two apart, holds no object id and
+    is the same text for the same settings (every process builds its own objects)."""
+    a, b, again = _ss(case, False), _ss(case, True), _ss(case, False)
+    assert repr(a) != repr(b), repr(a)
+    assert repr(a) == repr(again) and " at 0x" not in repr(a), repr(a)
+
+
+def test_repr_of_a_policy_subclass_holds_no_object_id():
+    class Every(Policy):
+        name = "every"
+
+        def __init__(self, k: int):
+            super().__init__()
+            self.k = k
+
+        def config(self):
+            return {"k": self.k}
+
+        def phase(self, step):
+            return "asp" if step % self.k else "bsp"
+
+    assert repr(SyncSwitch(policy=Every(3))) == repr(SyncSwitch(policy=Every(3)))
+    assert "policy=Every(k=3)" in repr(SyncSwitch(policy=Every(3)))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize("case", SETTINGS)
+def test_settings_that_differ_on_the_last_rank_raise_at_wrap_on_every_rank(comm, case):
+    """A setting that differs on one rank hung at the first switch (``total_steps``, ``window_k``:
+    window allocations, allgathers met by nobody, until the timeout) or trained apart silently
+    (``lr_scale``): it is refused when the optimizer is wrapped, on every rank, before any other
+    collective."""
+    import torch
+
+    from commlib.bindings.torch import DistributedOptimizer
+    from commlib.errors import ValidationError
+
+    model = torch.nn.Linear(8, 16)
+    ss = _ss(case, comm.rank == comm.size - 1)
+    before = comm.seq
+    t0 = time.perf_counter()
+    with pytest.raises(ValidationError, match="differs across ranks"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, strategy=ss,
+                             comm=comm)
+    assert time.perf_counter() - t0 < 10
+    assert comm.seq == before + 1       # only the agreement check ran: no collective was left half-called
+    assert float(comm.allreduce(np.ones(1))[0]) == comm.size
+
+
+def test_bad_settings_fail_at_construction():
+    """Each was accepted and failed hours later (layout, progress: at the first switch out of BSP;
+    policy="asp": at wrap), trained to NaN or uphill (lr_scale nan, -1), or was truncated silently."""
+    cases = [
+        (lambda: SyncSwitch(layout="x"), ValueError,
+         r"SyncSwitch\(layout='x'\): expected one of \('sharded'"),
+        (lambda: SyncSwitch(progress="x"), ValueError,
+         r"SyncSwitch\(progress='x'\): expected one of \('auto'"),
+        (lambda: SyncSwitch(policy="asp"), TypeError, r"policy='asp'\): expected a Policy .*SchedulePolicy"),
+        (lambda: SyncSwitch(staleness=1.5), TypeError, r"staleness=1.5\): expected an integer >= 0"),
+        (lambda: SyncSwitch(staleness=True), TypeError, r"staleness=True\): expected an integer >= 0"),
+        (lambda: SyncSwitch(staleness=-1), ValueError, r"staleness=-1\): expected an integer >= 0"),
+        (lambda: SyncSwitch(ssp_timeout=-1), ValueError, r"ssp_timeout=-1\): expected None or seconds >= 0"),
+        (lambda: SyncSwitch(ssp_timeout=math.nan), ValueError, r"ssp_timeout=nan\)"),
+        (lambda: SyncSwitch(ssp_timeout="5"), TypeError, r"ssp_timeout='5'\)"),
+        (lambda: SyncSwitch(progress_interval_s=0), ValueError,
+         r"progress_interval_s=0\): expected a finite"),
+        (lambda: SyncSwitch(progress_interval_s=math.inf), ValueError, r"progress_interval_s=inf\)"),
+        (lambda: SchedulePolicy([(0, "bsp"), (2, "asp")], lr_scale=math.nan), ValueError,
+         r"SchedulePolicy\(lr_scale=nan\): expected a finite number > 0"),
+        (lambda: SchedulePolicy("asp", lr_scale=-1.0), ValueError,
+         r"lr_scale=-1.0\): expected a finite number > 0"),
+        (lambda: SchedulePolicy("asp", lr_scale=math.inf), ValueError, r"lr_scale=inf\)"),
+        (lambda: SchedulePolicy([(0, "bsp"), (-3, "asp")]), ValueError,
+         r"entry \(-3, 'asp'\): expected .*>= 0"),
+        (lambda: SchedulePolicy([(0, "bsp"), (2.5, "asp")]), TypeError, r"entry \(2.5, 'asp'\)"),
+        (lambda: SchedulePolicy([(0, "bsp"), (0, "asp")]), ValueError, "a step given twice"),
+        (lambda: SchedulePolicy("sync"), ValueError, r"schedule='sync'\).*phases in \('bsp', 'asp', 'ssp'\)"),
+        (lambda: SchedulePolicy(5), TypeError, r"schedule=5\)"),
+        (lambda: OfflinePolicy(0.5, 10, lr_scale=math.inf), ValueError, r"lr_scale=inf\): expected a finite"),
+        (lambda: OfflinePolicy(0.5, 10, lr_scale=0), ValueError,
+         r"lr_scale=0\): expected a finite number > 0"),
+        (lambda: OfflinePolicy(0.5, 10.7), TypeError,
+         r"OfflinePolicy\(total_steps=10.7\): expected an integer"),
+        (lambda: OfflinePolicy(0.5, -1), ValueError, r"total_steps=-1\): expected an integer >= 0"),
+        (lambda: OfflinePolicy(0.5, 10, ramp_steps=2.5), TypeError,
+         r"ramp_steps=2.5\): expected an integer >= 1"),
+        (lambda: OfflinePolicy(0.5, 10, ramp_steps=0), ValueError,
+         r"ramp_steps=0\): expected an integer >= 1"),
+        (lambda: OfflinePolicy(math.nan, 10), ValueError, r"bsp_fraction=nan\): expected a fraction in 0..1"),
+        (lambda: OfflinePolicy("0.5", 10), TypeError, r"bsp_fraction='0.5'\)"),
+        (lambda: OfflinePolicy(0.5, 10, async_phase="bsp"), ValueError, r"async_phase='bsp'\)"),
+        (lambda: StragglerPolicy(window_k=2.5), TypeError,
+         r"StragglerPolicy\(window_k=2.5\): expected an integer"),
+        (lambda: StragglerPolicy(m_windows=0.5), TypeError, r"m_windows=0.5\): expected an integer >= 1"),
+        (lambda: StragglerPolicy(window_k=0), ValueError, r"window_k=0\): expected an integer >= 1"),
+        (lambda: StragglerPolicy(theta=math.inf), ValueError, r"theta=inf\): expected a finite number > 1"),
+        (lambda: StragglerPolicy(theta=math.nan), ValueError, r"theta=nan\)"),
+        (lambda: find_bsp_fraction(lambda p: 1.0, tolerance=math.nan), ValueError, r"tolerance=nan\)"),
+    ]
+    for make, kind, message in cases:
+        with pytest.raises(kind, match=message):
+            make()
+    # what is accepted stays accepted (numpy integers and floats included)
+    pol = OfflinePolicy(np.float64(0.5), np.int64(10), lr_scale=np.float32(0.5), ramp_steps=3)
+    ss = SyncSwitch(policy=pol, staleness=np.int32(2), layout="server", progress="none", ssp_timeout=0)
+    assert (ss.staleness, ss.policy.total_steps, ss.policy.lr_scale, ss.ssp_timeout) == (2, 10, 0.5, 0.0)
+    assert type(ss.staleness) is int and type(ss.policy.total_steps) is int
+    assert SchedulePolicy([(np.int64(3), "asp"), (0, "bsp")]).schedule == [(0, "bsp"), (3, "asp")]

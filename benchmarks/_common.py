@@ -44,6 +44,43 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an int of at least 1 (``--steps 0`` is a usage error, not a traceback).
+
+    Example:
+        >>> positive_int("3")
+        3
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def parse_quick(p: argparse.ArgumentParser, argv: Sequence[str] | None,
+                **quick: Any) -> argparse.Namespace:
+    """``p.parse_args(argv)``; under ``--quick``, ``quick`` gives the defaults of the options not given.
+
+    An option the user gives always wins over ``--quick``; validate the returned values.
+
+    Example:
+        >>> p = base_parser("demo")
+        >>> _ = p.add_argument("--rounds", type=int, default=9)
+        >>> parse_quick(p, ["--quick"], rounds=2).rounds
+        2
+        >>> parse_quick(p, ["--quick", "--rounds", "7"], rounds=2).rounds
+        7
+    """
+    args = p.parse_args(argv)
+    if args.quick and quick:
+        p.set_defaults(**quick)
+        args = p.parse_args(argv)
+    return args
+
+
 def _git_commit() -> str | None:
     here = os.path.dirname(os.path.abspath(__file__))
     try:

@@ -374,17 +374,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="profile the host's part of this many selections (cProfile; 0: none)")
     p.add_argument("--no-collectives", action="store_true",
                    help="skip the NCCL part (a profile of the selection: .ci/gpu profile)")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.sizes, args.numel, args.settle, args.copy_mib, args.rounds = [8, 1 << 20], 1 << 20, 5, 64, 3
-        args.host_profile = min(args.host_profile, 20)
-    return args
+    # --quick sets the defaults only: an option given on the command line wins
+    return bc.parse_quick(p, argv, sizes=[8, 1 << 20], numel=1 << 20, settle=5, copy_mib=64, rounds=3,
+                          host_profile=20)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """The CLI; 0 also where cupy is missing (skipped, said on stderr, as benchmarks.instructions does)."""
     args = parse_args(argv)
+    try:
+        import cupy  # noqa: F401 - only whether it imports
+    except ImportError as exc:
+        print(f"gpu: needs cupy and a CUDA GPU (pip install cupy-cuda12x); skipped, no figures ({exc})",
+              file=sys.stderr)
+        return 0
     bc.publish(args, run(args), report)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -145,11 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     """
     p = bc.base_parser("Instructions per call (valgrind): commlib against raw mpi4py, one rank.")
     p.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS))
-    p.add_argument("--calls", type=int, default=5000, help="calls in each measured loop (5000)")
+    p.add_argument("--calls", type=bc.positive_int, default=5000, help="calls in each measured loop (5000)")
     p.add_argument("--child", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.calls < 1:
-        p.error("--calls must be at least 1")
+    args = bc.parse_quick(p, argv, ops=["allreduce"], calls=500)   # given options win over --quick
     if args.child:
         child(args.child, args.calls)
         return 0
@@ -160,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from mpi4py import MPI
 
-    ops, calls = (["allreduce"], 500) if args.quick else (args.ops, args.calls)
+    ops, calls = args.ops, args.calls
     doc = {"benchmark": "instructions", "environment": bc.environment(MPI.COMM_SELF),
            "valgrind": subprocess.run([valgrind, "--version"], capture_output=True, text=True,
                                       check=False).stdout.strip(),

@@ -71,12 +71,16 @@ CONTENDERS = ("local", "average", "raw", "dopt-allreduce", "selsync-bsp", "selsy
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = bc.base_parser(__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=1024, help="hidden width (1024: about 1.9M parameters)")
-    p.add_argument("--batch", type=int, default=32, help="samples per rank (32)")
-    p.add_argument("--rounds", type=int, default=5, help="alternating rounds per contender (5)")
-    p.add_argument("--steps", type=int, default=10, help="training steps per round (10)")
+    p.add_argument("--hidden", type=bc.positive_int, default=1024,
+                   help="hidden width (1024: about 1.9M parameters)")
+    p.add_argument("--batch", type=bc.positive_int, default=32,
+                   help="samples per rank (32)")
+    p.add_argument("--rounds", type=bc.positive_int, default=5,
+                   help="alternating rounds per contender (5)")
+    p.add_argument("--steps", type=bc.positive_int, default=10,
+                   help="training steps per round (10)")
     p.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
-    return p.parse_args(argv)
+    return bc.parse_quick(p, argv, rounds=2, steps=3, hidden=64)   # given options win over --quick
 
 
 def init_params(hidden: int) -> dict:
@@ -157,8 +161,6 @@ def make_step(name: str, comm: commlib.Communicator, params: dict,
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.quick:
-        args.rounds, args.steps, args.hidden = 2, 3, 64
     comm = commlib.init()
     mc = comm.mpi_comm
     params = init_params(args.hidden)

@@ -56,14 +56,19 @@ from commlib.collectives.selsync import SelSync
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = bc.base_parser(__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=400, help="training steps per contender (400)")
-    p.add_argument("--batch", type=int, default=32, help="per-rank batch (32)")
+    p.add_argument("--steps", type=bc.positive_int, default=400,
+                   help="training steps per contender (400)")
+    p.add_argument("--batch", type=bc.positive_int, default=32,
+                   help="per-rank batch (32)")
     p.add_argument("--lr", type=float, default=0.02, help="SGD learning rate (0.02)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (0.9)")
     p.add_argument("--delta", type=float, default=0.3, help="SelSync threshold (0.3)")
-    p.add_argument("--window", type=int, default=25, help="SelSync EWMA window and warm-up (25)")
-    p.add_argument("--width", type=int, default=512, help="hidden units of the fully connected layer (512)")
-    p.add_argument("--evals", type=int, default=20, help="accuracy evaluations per contender (20)")
+    p.add_argument("--window", type=bc.positive_int, default=25,
+                   help="SelSync EWMA window and warm-up (25)")
+    p.add_argument("--width", type=bc.positive_int, default=512,
+                   help="hidden units of the fully connected layer (512)")
+    p.add_argument("--evals", type=bc.positive_int, default=20,
+                   help="accuracy evaluations per contender (20)")
     p.add_argument("--cap-mb", type=float, default=25.0, help="bucket cap in MiB (25)")
     p.add_argument("--noniid", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the non-IID / data-injection comparison (on)")
@@ -71,11 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--alpha", type=float, default=0.75, help="injection: fraction of ranks sharing (0.75)")
     p.add_argument("--beta", type=float, default=0.75, help="injection: fraction of the batch shared (0.75)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (1)")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.steps, args.evals, args.window, args.width = min(args.steps, 40), 4, min(args.window, 5), 128
-    return args
+    p.add_argument("--threads", type=bc.positive_int, default=1,
+                   help="torch threads per rank (1)")
+    # --quick sets the defaults only: an option given on the command line wins
+    return bc.parse_quick(p, argv, steps=40, evals=4, window=5, width=128)
 
 
 # ---------------------------------------------------------------------------- data and model

@@ -155,7 +155,8 @@ def summarize(comm: commlib.Communicator, name: str, run: dict[str, Any]) -> dic
     step = slowest(run["step_s"]) * 1e3
     err = np.array([s["density_error"] for s in stats])
     inband = np.nonzero(np.abs(err) <= BAND)[0]
-    tail = np.abs(err[REACH_STEPS:]) if len(err) > REACH_STEPS else np.abs(err)
+    # the hold figures need steps after the first REACH_STEPS: None (not measured) without them
+    tail = np.abs(err[REACH_STEPS:]) if len(err) > REACH_STEPS else None
     threshold = [s["threshold"] for s in stats]
     imb = [s["imbalance"] for s in stats if s["imbalance"] is not None]
     return {
@@ -163,8 +164,8 @@ def summarize(comm: commlib.Communicator, name: str, run: dict[str, Any]) -> dic
         "select_ms": float(np.median(select)), "exchange_ms": float(np.median(exchange)),
         "step_ms": float(np.median(step)),
         "density": float(np.median([s["density"] for s in stats])),
-        "abs_error_after_30": float(np.median(tail)),
-        "in_band_after_30": float(np.mean(tail <= BAND)),
+        "abs_error_after_30": float(np.median(tail)) if tail is not None else None,
+        "in_band_after_30": float(np.mean(tail <= BAND)) if tail is not None else None,
         "reach_step": int(inband[0]) if inband.size else None,
         "buildup": float(np.median([s["buildup"] for s in stats])),
         "duplication": float(np.median([s["duplication"] for s in stats])),
@@ -184,8 +185,10 @@ def verdicts(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         reach = ex["reach_step"]
         out["exdyna_reach_step"] = reach
         out["exdyna_hold_median_abs_error"] = ex["abs_error_after_30"]
-        out["exdyna_density_ok"] = reach is not None and reach <= REACH_STEPS and \
-            ex["abs_error_after_30"] <= HOLD
+        hold = ex["abs_error_after_30"]
+        # None: not measured (too few steps to see the density hold after REACH_STEPS)
+        out["exdyna_density_ok"] = None if hold is None else \
+            reach is not None and reach <= REACH_STEPS and hold <= HOLD
         out["exdyna_buildup"] = ex["buildup"]
         out["exdyna_duplication"] = ex["duplication"]
     ref = results.get("exdyna-ref")
@@ -240,33 +243,41 @@ def report(doc: dict[str, Any]) -> str:
     rows = []
     for s in doc["results"].values():
         rows.append([s["selector"], s["select_ms"], s["exchange_ms"], s["step_ms"], s["density"],
-                     s["abs_error_after_30"], s["reach_step"], s["buildup"], s["duplication"],
+                     _measured(s["abs_error_after_30"]), s["reach_step"], s["buildup"], s["duplication"],
                      s["bytes_per_step"] / 1024, s["bytes_vs_dense"], s["imbalance"], s["loss"],
                      s["test_acc"]])
     lines.append(bc.markdown_table(header, rows))
-    lines += ["", "Verdicts: " + ", ".join(f"{k} = {bc.fmt(v)}" for k, v in doc["verdicts"].items())]
+    lines += ["", "Verdicts: " + ", ".join(f"{k} = {bc.fmt(_measured(v) if k in _HOLD_KEYS else v)}"
+                                           for k, v in doc["verdicts"].items())]
     return "\n".join(lines)
+
+
+#: verdicts that are None when the run has no steps after REACH_STEPS
+_HOLD_KEYS = ("exdyna_hold_median_abs_error", "exdyna_density_ok", "reference_rule_hold_median_abs_error")
+
+
+def _measured(v: Any) -> Any:
+    """A hold figure for the report: 'not measured' where it is None (too few steps)."""
+    return f"not measured (<= {REACH_STEPS} steps)" if v is None else v
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = bc.base_parser(__doc__.splitlines()[0])
     p.add_argument("--density", type=float, default=0.01)
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument("--steps", type=bc.positive_int, default=None,
                    help="training steps per selector (300; 80 with --size)")
-    p.add_argument("--size", type=int, default=None,
+    p.add_argument("--size", type=bc.positive_int, default=None,
                    help="widen the model to about this many parameters (selection-cost mode)")
     p.add_argument("--selectors", nargs="+", choices=SELECTORS, default=None,
                    help="default: all (exdyna and topk with --size)")
-    p.add_argument("--batch", type=int, default=32, help="samples per rank and step")
+    p.add_argument("--batch", type=bc.positive_int, default=32, help="samples per rank and step")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    args = bc.parse_quick(p, argv, steps=40)   # given options win over --quick
     if args.selectors is None:
         args.selectors = ["exdyna", "topk"] if args.size else list(SELECTORS)
     if args.steps is None:
         args.steps = 80 if args.size else 300
-    if args.quick:
-        args.steps = min(args.steps, 40)
     sparsify.base.check_density(args.density)
     return args
 

@@ -41,12 +41,17 @@ from commlib.collectives import AllReduce
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = bc.base_parser(__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=16, help="samples per rank (16)")
-    p.add_argument("--width", type=int, default=16, help="ResNet width: stages of 1, 2, 4, 8 times it (16)")
-    p.add_argument("--image", type=int, default=32, help="image side (32)")
-    p.add_argument("--rounds", type=int, default=5, help="alternating rounds per contender (5)")
-    p.add_argument("--steps", type=int, default=10, help="training steps per round (10)")
-    return p.parse_args(argv)
+    p.add_argument("--batch", type=bc.positive_int, default=16,
+                   help="samples per rank (16)")
+    p.add_argument("--width", type=bc.positive_int, default=16,
+                   help="ResNet width: stages of 1, 2, 4, 8 times it (16)")
+    p.add_argument("--image", type=bc.positive_int, default=32,
+                   help="image side (32)")
+    p.add_argument("--rounds", type=bc.positive_int, default=5,
+                   help="alternating rounds per contender (5)")
+    p.add_argument("--steps", type=bc.positive_int, default=10,
+                   help="training steps per round (10)")
+    return bc.parse_quick(p, argv, rounds=2, steps=3)   # given options win over --quick
 
 
 def layer_part(comm: commlib.Communicator, mc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -150,8 +155,6 @@ def report(doc: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.quick:
-        args.rounds, args.steps = 2, 3
     torch.set_num_threads(1)
     comm = commlib.init()
     mc = comm.mpi_comm

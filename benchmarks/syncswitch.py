@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._common import base_parser, environment, markdown_table, write_json
+from benchmarks._common import base_parser, environment, markdown_table, parse_quick, positive_int, write_json
 
 CONTENDERS = ("bsp", "asp", "ssp", "offline", "online")
 
@@ -44,8 +44,8 @@ CONTENDERS = ("bsp", "asp", "ssp", "offline", "online")
 def _parser():
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
-    p.add_argument("--steps", type=int, default=300, help="BSP-equivalent steps per contender")
-    p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    p.add_argument("--steps", type=positive_int, default=300, help="BSP-equivalent steps per contender")
+    p.add_argument("--batch", type=positive_int, default=32, help="samples per rank per step")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum-coef", type=float, default=0.9)
     p.add_argument("--staleness", type=int, default=2)
@@ -53,15 +53,20 @@ def _parser():
     p.add_argument("--asp-lr-scale", type=float, default=0.5)
     p.add_argument("--momentum", default="reset", choices=("keep", "reset", "ramp"))
     p.add_argument("--theta", type=float, default=1.5)
-    p.add_argument("--window", type=int, default=5)
-    p.add_argument("--m-windows", type=int, default=2)
+    p.add_argument("--window", type=positive_int, default=5)
+    p.add_argument("--m-windows", type=positive_int, default=2)
     p.add_argument("--straggler", metavar="RANK:FACTOR:FROM:TO")
     p.add_argument("--straggler-mode", choices=("step", "compute"), default="step")
     p.add_argument("--target-acc", type=float, default=0.95)
-    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--eval-every", type=positive_int, default=10)
     p.add_argument("--store-only", action="store_true", help="time the parameter store layouts only")
     p.add_argument("--seed", type=int, default=0)
     return p
+
+
+def parse_args(argv: list[str] | None = None) -> Any:
+    """Options; ``--quick`` sets the defaults only (an option given on the command line wins)."""
+    return parse_quick(_parser(), argv, steps=40, eval_every=5)
 
 
 def _straggler(spec: str | None) -> tuple[int, float, float, float] | None:
@@ -227,12 +232,9 @@ def main(argv: list[str] | None = None) -> None:
 
     import commlib
 
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     torch.set_num_threads(1)
     comm = commlib.init(timeout=600)
-    if args.quick:
-        args.steps = min(args.steps, 40)
-        args.eval_every = 5
     model = _model(torch)
     numel = sum(p.numel() for p in model.parameters())
     doc: dict[str, Any] = {"benchmark": "syncswitch", "args": vars(args),

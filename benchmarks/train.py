@@ -289,10 +289,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cap-mb", type=float, default=4.0, help="bucket cap of every contender (DDP too)")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--timeout", type=float, default=600.0)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.models, args.steps, args.rounds, args.warmup, args.batch = ["mlp"], 2, 1, 1, 4
-        args.piece_reps, args.rates = 1, args.rates[:1]
+    # --quick sets the defaults only: an option given on the command line wins
+    args = bc.parse_quick(p, argv, models=["mlp"], steps=2, rounds=1, warmup=1, batch=4, piece_reps=1)
     args.rate_bps = sorted(parse_rate(r) for r in args.rates)
     return args
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 
 import pytest
 from mpi4py import MPI
@@ -108,3 +109,129 @@ def test_instructions_benchmark_without_valgrind_says_so(monkeypatch, capsys):
     monkeypatch.setenv("PATH", "/nonexistent")
     assert instructions.main(["--quick"]) == 0
     assert "valgrind is not on PATH" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------ command lines (one process, no MPI run)
+def _bench(name: str):
+    """``benchmarks.<name>``, skipped where what it imports is not installed here."""
+    import importlib
+
+    needs = {"syncbn": "torch", "selsync": "torch", "syncswitch": "torch", "sparsify": "torch",
+             "jax_steps": "jax", "train": "torch"}
+    if name in needs:
+        pytest.importorskip(needs[name])
+    return importlib.import_module(f"benchmarks.{name}")
+
+
+def _parse(name: str, argv: list[str]):
+    mod = _bench(name)
+    return mod.parse_args(argv)
+
+
+@pytest.mark.parametrize("name, option, dest, quick, given", [
+    ("collectives", "--rounds", "rounds", 2, 7),
+    ("collectives", "--iters", "iters", 20, 50),
+    ("collectives", "--max-bytes", "max_bytes", 1 << 20, 4 << 20),
+    ("syncbn", "--rounds", "rounds", 2, 4),
+    ("syncbn", "--steps", "steps", 3, 5),
+    ("jax_steps", "--steps", "steps", 3, 6),
+    ("selsync", "--steps", "steps", 40, 60),
+    ("syncswitch", "--eval-every", "eval_every", 5, 7),
+    ("sparsify", "--steps", "steps", 40, 50),
+    ("gpu", "--rounds", "rounds", 3, 9),
+    ("train", "--steps", "steps", 2, 3),
+])
+def test_quick_sets_defaults_but_given_options_win(name, option, dest, quick, given):
+    assert getattr(_parse(name, ["--quick"]), dest) == quick
+    assert getattr(_parse(name, ["--quick", option, str(given)]), dest) == given
+    assert getattr(_parse(name, [option, str(given), "--quick"]), dest) == given
+
+
+@pytest.mark.parametrize("argv", [["--quick", "--rounds", "0"], ["--quick", "--step", "1"],
+                                  ["--rounds", "0"], ["--step", "1"]])
+def test_collectives_quick_still_validates(argv):
+    with pytest.raises(SystemExit) as exc:
+        collectives.parse_args(argv)
+    assert exc.value.code == 2
+
+
+def test_instructions_quick_keeps_given_ops_and_calls(monkeypatch):
+    seen, true = [], shutil.which("true")
+    monkeypatch.setattr(instructions.shutil, "which", lambda _: true)
+    monkeypatch.setattr(instructions, "measure", lambda ops, calls, vg: seen.append((ops, calls)) or {})
+    monkeypatch.setattr(instructions.bc, "publish", lambda *a, **k: None)
+    assert instructions.main(["--quick", "--calls", "100", "--ops", "barrier"]) == 0
+    assert instructions.main(["--quick"]) == 0
+    assert seen == [(["barrier"], 100), (["allreduce"], 500)]
+
+
+@pytest.mark.parametrize("name, option", [
+    ("collectives", "--iters"), ("collectives", "--min-iters"), ("collectives", "--rounds"),
+    ("syncbn", "--batch"), ("syncbn", "--rounds"), ("syncbn", "--steps"), ("syncbn", "--width"),
+    ("jax_steps", "--batch"), ("jax_steps", "--steps"), ("jax_steps", "--hidden"),
+    ("selsync", "--steps"), ("selsync", "--batch"), ("selsync", "--evals"),
+    ("syncswitch", "--steps"), ("syncswitch", "--batch"), ("syncswitch", "--eval-every"),
+    ("sparsify", "--steps"), ("sparsify", "--batch"), ("sparsify", "--size"),
+])
+@pytest.mark.parametrize("value", ["0", "-4"])
+def test_positive_int_options_are_usage_errors(name, option, value, capsys):
+    for quick in ([], ["--quick"]):
+        with pytest.raises(SystemExit) as exc:
+            _parse(name, [*quick, option, value])
+        assert exc.value.code == 2
+        assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_gpu_without_cupy_says_so_and_skips(monkeypatch, capsys):
+    from benchmarks import gpu
+
+    monkeypatch.setitem(sys.modules, "cupy", None)      # import cupy: ImportError
+    assert gpu.main(["--quick"]) == 0
+    assert "needs cupy and a CUDA GPU" in capsys.readouterr().err
+
+
+class _OneRank:
+    def allreduce(self, value, op):
+        return value
+
+
+def test_sparsify_hold_verdict_not_measured_on_short_runs():
+    sp = _bench("sparsify")
+    steps = 10                                   # <= REACH_STEPS: nothing after the reach window
+    stats = [{"select_s": 1e-3, "exchange_s": 1e-3, "density_error": 0.0, "threshold": 1.0,
+              "imbalance": None, "k": 10, "density": 0.01, "buildup": 1.0, "duplication": 1.0,
+              "bytes": 100, "union": 10} for _ in range(steps)]
+    s = sp.summarize(_OneRank(), "exdyna", {"numel": 1000, "stats": stats, "step_s": [1e-2] * steps,
+                                              "loss": 1.0, "acc": 0.5})
+    assert s["abs_error_after_30"] is None and s["in_band_after_30"] is None
+    v = sp.verdicts({"exdyna": s})
+    assert v["exdyna_density_ok"] is None and v["exdyna_hold_median_abs_error"] is None
+    text = sp.report({"args": {"density": 0.01, "steps": steps, "batch": 4, "lr": 0.05},
+                      "env": {"ranks": 1}, "results": {"exdyna": {**s, "bytes_vs_dense": 0.1}},
+                      "verdicts": v})
+    assert "exdyna_density_ok = not measured" in text and "| not measured" in text
+    long = sp.summarize(_OneRank(), "exdyna", {"numel": 1000, "stats": stats * 4, "step_s": [1e-2] * 40,
+                                                 "loss": 1.0, "acc": 0.5})
+    assert sp.verdicts({"exdyna": long})["exdyna_density_ok"] is True      # 40 steps: measured
+
+
+def test_engine_figures_has_a_command_line(capsys):
+    from benchmarks import engine_figures
+
+    assert engine_figures.main([]) == 0
+    assert "benchmarks.collectives" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        engine_figures.main(["--help"])
+    assert exc.value.code == 0 and "benchmarks.collectives" in capsys.readouterr().out
+
+
+def test_overlap_slowdown_below_the_floor_is_not_measured():
+    ov = {"allreduce_slowdown": -0.5, "matmul_slowdown": 0.02, "floor_larger_slowdown": None}
+    checks = {c["figure"]: c for c in collectives.engine_checks({"overlap": ov})}
+    bad = checks["overlap: allreduce slowdown"]
+    assert bad["ok"] is None and "not measured" in bad["note"]
+    assert checks["overlap: matmul slowdown"]["ok"] is True
+    ov = {"allreduce_slowdown": -0.01, "matmul_slowdown": 0.30, "floor_larger_slowdown": None}
+    checks = {c["figure"]: c for c in collectives.engine_checks({"overlap": ov})}
+    assert checks["overlap: allreduce slowdown"]["ok"] is True      # within noise: kept
+    assert checks["overlap: matmul slowdown"]["ok"] is False

@@ -16,7 +16,7 @@ import commlib
 from commlib.arrays import HOST_RESULTS, INEXACT_DTYPES, is_tracer, numpy_dtype
 from commlib.collectives import TensorSpec, plan_buckets
 from commlib.collectives.buckets import Bucket
-from commlib.ops import agree
+from commlib.ops import agree, digest
 
 from .jax_global import summed_over_shards
 from .jax_host import host_call
@@ -135,11 +135,16 @@ class Plan:
         return [b.describe() for b in self.buckets]
 
 
-def agree_plan(comm: commlib.Communicator, plan: Plan, who: str, problem: str | None = None) -> None:
-    """Compare ``plan`` over the ranks (one all-gather); raise the same error on every rank, also where
-    some rank has a ``problem`` of its own with what comes with the tree."""
-    agree(comm, who, repr((str(plan.treedef), plan.shapes, plan.dtypes)), noun="pytree",
-          summary=f"{len(plan.shapes)} leaves, {sum(plan.numels)} elements", problem=plan.error or problem)
+def agree_plan(comm: commlib.Communicator, plan: Plan, who: str, problem: str | None = None,
+               settings: str = "") -> None:
+    """Compare ``plan`` and ``settings`` (the strategy's repr) over the ranks (one all-gather); raise the
+    same error on every rank, also where some rank has a ``problem`` of its own with what comes with
+    the tree."""
+    tree = repr((str(plan.treedef), plan.shapes, plan.dtypes))
+    agree(comm, who, f"settings {settings} | pytree {tree}", noun="pytree",
+          differs="pytree or settings" if settings else "pytree",
+          summary=f"{len(plan.shapes)} leaves, {sum(plan.numels)} elements (#{digest(tree)})"
+          + (f", settings #{digest(settings)}" if settings else ""), problem=plan.error or problem)
     plan.agreed = True
 
 

@@ -186,7 +186,7 @@ class DistributedOptimizer:
             self.comm.close_with(self._comm)        # at the latest with comm (its windows freed first)
         s, comm = self.strategy, self._comm
         plan = make_plan(params, leaves, treedef, INEXACT_DTYPES, comm.size, s.cap_bytes, s.first_cap_bytes)
-        agree_plan(comm, plan, "DistributedOptimizer")
+        agree_plan(comm, plan, "DistributedOptimizer", settings=repr(s))
         plan.allocate(False)
         self._params = [np.zeros(b.padded, numpy_dtype(b.dtype)) for b in plan.buckets]
         self._updates = [np.zeros(b.padded, numpy_dtype(b.dtype)) for b in plan.buckets]

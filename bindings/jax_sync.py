@@ -112,7 +112,7 @@ class GradientSync:
     def _checked(self, plan: Plan, comm: commlib.Communicator) -> None:
         if not plan.agreed or self.check == "always":
             try:
-                agree_plan(comm, plan, "GradientSync")
+                agree_plan(comm, plan, "GradientSync", settings=repr(self.strategy))
             except commlib.CommlibError:
                 self._drop(plan)
                 raise

@@ -7,7 +7,6 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import numbers
 import queue
 import threading
@@ -19,7 +18,7 @@ import torch
 import commlib
 from commlib.arrays import DTYPES
 from commlib.errors import MismatchError, ValidationError
-from commlib.ops import agree
+from commlib.ops import agree, digest
 
 
 def dtype_name(t: torch.Tensor) -> str:
@@ -69,18 +68,14 @@ def agree_tensors(comm: commlib.Communicator, what: str, tensors: list[torch.Ten
                       + (f"/{t.stride()}" if strides and not t.is_contiguous() else "")
                       for t in tensors)
     # the summaries name which part differs; the settings come first in the rank's own text
-    summary = (f"{len(tensors)} tensors, {sum(t.numel() for t in tensors)} elements (#{_digest(listed)}), "
-               f"settings #{_digest(extra)}")
+    summary = (f"{len(tensors)} tensors, {sum(t.numel() for t in tensors)} elements (#{digest(listed)}), "
+               f"settings #{digest(extra)}")
     try:
-        agree(comm, what, f"settings {extra} | tensors {listed}", noun="tensor list or settings",
+        agree(comm, what, f"settings {extra} | tensors {listed}", noun="tensor list",
+              differs="tensor list or settings",
               summary=summary, problem=problem)
     except MismatchError as exc:     # for a binding, a different model is invalid input
         raise ValidationError(str(exc)) from exc
-
-
-def _digest(text: str) -> str:
-    """A short fingerprint of ``text``, alike in every process (ranks compare them in messages)."""
-    return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
 # ---------------------------------------------------------------------- Horovod-style helpers

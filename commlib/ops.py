@@ -141,14 +141,27 @@ def _text(words: np.ndarray) -> str:
     return words.tobytes().rstrip(b"\0").decode(errors="replace")
 
 
+def digest(text: str) -> str:
+    """A short fingerprint of ``text``, alike in every process (messages compare the ranks' by it).
+
+    Example:
+        >>> digest("AllReduce(cap_mb=25.0)")
+        '95c83949'
+    """
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
 def agree(comm: Any, what: str, desc: str, *, noun: str = "input", summary: str = "",
-          problem: str | None = None) -> None:
+          problem: str | None = None, differs: str | None = None) -> None:
     """Check, with one small all-gather, that every rank has the same ``desc`` and no ``problem``.
 
     Every rank raises the same error: :class:`ValidationError` listing each
     rank's ``problem`` ("rank r rejected its <noun>: ..."), else
     :class:`MismatchError` when ``desc`` differs ("the <noun> differs across
-    ranks (rank 0: <summary>, rank r: <summary>)").  For checks a binding
+    ranks (rank 0: <summary>, rank r: <summary>)"; ``differs``, default ``noun``,
+    names what differs where ``desc`` holds more than the noun).  For checks a binding
     makes before its first collective on new input (parameters, pytrees).
 
     Example:
@@ -170,5 +183,6 @@ def agree(comm: Any, what: str, desc: str, *, noun: str = "input", summary: str 
     differ = [r for r in range(comm.size) if tuple(table[r, 1:3]) != tuple(table[0, 1:3])]
     if differ:
         ranks = ", ".join(f"rank {r}: {_text(table[r, 3:3 + _AGREE_TEXT])}" for r in [0, *differ])
-        raise MismatchError(f"{what}: the {noun} differs across ranks ({ranks}); rank {comm.rank} has "
-                            f"{desc[:300]}{' ...' if len(desc) > 300 else ''}", "allgather", comm.seq, differ)
+        raise MismatchError(f"{what}: the {differs or noun} differs across ranks ({ranks}); "
+                            f"rank {comm.rank} has {desc[:300]}{' ...' if len(desc) > 300 else ''}",
+                            "allgather", comm.seq, differ)

@@ -344,6 +344,26 @@ def test_what_cannot_run_here_is_refused_at_construction():
         average_gradients(strategy=SelSync())
 
 
+def test_settings_that_differ_across_ranks_raise_at_init_on_every_rank(comm):
+    """The pytree was compared, not the strategy: SelSync's warmup (or a Sync-Switch policy's step
+    count) differing on one rank met other collectives at the first step or switch (a hang or
+    MPICH's internal assertion).  The strategy's repr travels with the tree now."""
+    if comm.size < 2:
+        pytest.skip("needs 2 ranks")
+    last = comm.rank == comm.size - 1
+    params = broadcast_params(init_params(0), comm=comm)
+    for strategy in (SelSync(delta=0.3, warmup=2 if last else 6),
+                     SyncSwitch(policy=OfflinePolicy(0.5, total_steps=12 if last else 8))):
+        tx = DistributedOptimizer(optax.sgd(0.1), strategy=strategy, comm=comm)
+        with pytest.raises(MismatchError, match=r"pytree or settings differs .*settings #\w+.*settings #\w+"):
+            tx.init(params)
+    sync = average_gradients(strategy=AllReduce(first_cap_mb=0.002 if last else 0.001), comm=comm)
+    state = sync.init(params)
+    with pytest.raises(MismatchError, match="pytree or settings differs"):
+        sync.update(params, state)
+    assert float(comm.allreduce(np.ones(1))[0]) == comm.size       # the communicator goes on
+
+
 def test_bad_calls_raise_on_every_rank(comm):
     tx = DistributedOptimizer(optax.sgd(0.1), strategy=SelSync(delta=0.3), comm=comm)
     params = init_params(0)
@@ -352,7 +372,7 @@ def test_bad_calls_raise_on_every_rank(comm):
     if comm.size > 1:               # apart: every rank is told, naming the way out
         with pytest.raises(ValidationError, match="broadcast_params"):
             tx.init(init_params(comm.rank))
-        with pytest.raises(MismatchError, match="pytree differs"):
+        with pytest.raises(MismatchError, match="pytree or settings differs"):
             tx.init({"hidden": params["hidden"]} if comm.rank == comm.size - 1 else params)
     with pytest.raises(ValidationError, match="floating"):
         tx.init({"x": np.zeros(3, np.int32)})

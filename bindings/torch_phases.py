@@ -48,7 +48,8 @@ def momentum_problem(strategy: Any, optimizer: torch.optim.Optimizer) -> str | N
         return None
     return (f"{strategy.name}'s policy resets or ramps the momentum at a switch, which acts on an SGD-style "
             f"'momentum' hyperparameter and its momentum buffer (SGD, RMSprop); {type(optimizer).__name__} "
-            "has none in every group (its betas would be left as they are): use momentum='keep'")
+            "has no such hyperparameter in some group (its betas would be left as they are): use "
+            "momentum='keep'")
 
 
 class PhaseSwitches:

@@ -240,7 +240,8 @@ class Runner:
         # a peer that gave up on this same operation (its own timeout) is a
         # fellow waiter: this rank's own timeout will follow
         aborted = [r for r in self.board.aborted() if (r.seq, r.op) != (seq, name)]
-        if aborted and min(r.seq for r in aborted) > seq and self._passed_abort_grace(seq):
+        if aborted and all(r.seq > seq and (name in OPS or r.calls >= self.board.calls) for r in aborted) \
+                and self._passed_abort_grace(seq):
             aborted = []
         if aborted:
             return CommAbortedError(f"{name} #{seq}: " + "; ".join(
@@ -251,7 +252,8 @@ class Runner:
 
     def _passed_abort_grace(self, seq: int) -> bool:
         """Whether the wait for operation ``seq`` goes on though peers aborted, all after later
-        operations: they passed this one, so their part of it is done and it completes here
+        operations (and, waiting in a call, after making it): they passed this one, so their part
+        of it is done and it completes here
         (seen at 4 ranks on 2 cores: the root of a broadcast still polling barrier #1, which its
         peers had left, when one of them aborted in broadcast #2); given up after
         :data:`PASSED_ABORT_GRACE_S` (a peer aborted by hand may have left it posted)."""

@@ -568,7 +568,7 @@ def test_a_momentum_reset_without_a_momentum_hyperparameter_is_refused(comm):
     model = make_model(0)
     for momentum in ("reset", "ramp"):
         ss = SyncSwitch(policy=OfflinePolicy(0.5, total_steps=4, momentum=momentum))
-        with pytest.raises(ValidationError, match="resets or ramps the momentum .* Adam has none"):
+        with pytest.raises(ValidationError, match="resets or ramps the momentum .* Adam has no such"):
             DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model, strategy=ss, comm=comm)
     ss = SyncSwitch(policy=OfflinePolicy(0.5, total_steps=4, momentum="reset"))
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, strategy=ss,

@@ -96,7 +96,8 @@ from commlib import CommTimeoutError, Communicator, ValidationError, split_count
 from .rma_progress import PROGRESS_MODES, Pump, resolve_progress
 
 _DTYPES = {name: np.dtype(name) for name in ("float32", "float64", "complex64", "complex128")}
-_LAYOUTS = ("sharded", "server")
+#: where a store's windows live: sharded over the ranks, or all on a server rank
+LAYOUTS = ("sharded", "server")
 #: board slots per rank (float64)
 BOARD_SLOTS = 4
 _OPEN: list[weakref.ref] = []
@@ -157,8 +158,8 @@ class ParamStore:
                 raise ValidationError(f"dtype {dtype!r}: the store holds {', '.join(_DTYPES)}")
             if not isinstance(numel, (int, np.integer)) or numel < 0:
                 raise ValidationError(f"numel {numel!r}: expected an integer >= 0")
-            if layout not in _LAYOUTS:
-                raise ValidationError(f"layout {layout!r}: expected one of {_LAYOUTS}")
+            if layout not in LAYOUTS:
+                raise ValidationError(f"layout {layout!r}: expected one of {LAYOUTS}")
             if not (isinstance(server, (int, np.integer)) and 0 <= server < self.size):
                 raise ValidationError(f"server {server!r}: not a rank of 0..{self.size - 1}")
             if not progress_interval_s > 0:

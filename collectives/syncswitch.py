@@ -82,8 +82,7 @@ from commlib import Communicator, ValidationError
 
 from .allreduce import AllReduce
 from .buckets import Bucket, Move
-from .paramstore import _LAYOUTS as LAYOUTS
-from .paramstore import ParamStore
+from .paramstore import LAYOUTS, ParamStore
 from .policies import PHASES, Policy, SchedulePolicy, check_choice, check_int, check_real
 from .rma_progress import PROGRESS_MODES
 from .strategy import Strategy, checked_inner

@@ -166,6 +166,8 @@ class ParamStore:
                 raise ValidationError(f"progress_interval_s {progress_interval_s!r}: expected > 0")
             if progress not in PROGRESS_MODES:
                 raise ValidationError(f"progress {progress!r}: expected one of {PROGRESS_MODES}")
+            if timeout is not None and not timeout >= 0:
+                raise ValidationError(f"timeout {timeout!r}: expected seconds >= 0 (0: no limit)")
             init_a = None if init is None else _as_host(init, "init", int(numel), _DTYPES[name], False)
         except (ValidationError, TypeError) as exc:
             err = str(exc)

@@ -72,6 +72,9 @@ def test_bad_input_raises_everywhere(comm):
     init = np.zeros(10 if comm.rank else 9, np.float32)
     with pytest.raises(commlib.ValidationError, match="rank 0: init: 9 elements"):
         ParamStore(comm, 10, "float32", init=init)
+    for timeout in (-1.0, float("nan")):     # accepted before: -1 waited forever, NaN never timed out
+        with pytest.raises(commlib.ValidationError, match="timeout .*expected seconds >= 0"):
+            ParamStore(comm, 10, "float32", timeout=timeout)
     store = ParamStore(comm, 10, "float32")
     try:
         with pytest.raises(commlib.ValidationError, match="dtype float64"):

@@ -92,7 +92,7 @@ from commlib.arrays import INEXACT_DTYPES, as_view
 
 from .allreduce import AllReduce
 from .buckets import Bucket, Move
-from .policies import check_bool, check_choice, check_int, check_real
+from .checks import check_bool, check_choice, check_int, check_real
 from .significance import SignificanceMeter, l2_norm
 from .strategy import Strategy, checked_inner, saved_elsewhere
 

@@ -82,8 +82,9 @@ from commlib import Communicator, ValidationError
 
 from .allreduce import AllReduce
 from .buckets import Bucket, Move
+from .checks import check_choice, check_int, check_real
 from .paramstore import LAYOUTS, ParamStore
-from .policies import PHASES, Policy, SchedulePolicy, check_choice, check_int, check_real
+from .policies import PHASES, Policy, SchedulePolicy
 from .rma_progress import PROGRESS_MODES
 from .strategy import Strategy, checked_inner
 

@@ -388,8 +388,12 @@ def as_view(x: Any, name: str, read_only: bool = False) -> View:
     device, device_id = "cpu", -1
     dt = None
     if kind == "numpy":
-        arr = x if x.flags.c_contiguous else _read_copy(
-            x, np.ascontiguousarray, read_only, lambda: _contiguity_error(name, kind))
+        if isinstance(x, np.ma.MaskedArray):     # its data alone would be reduced, the mask ignored
+            raise ValidationError(f"{name}: a masked array: pass x.filled(value) (or x.data) to say what "
+                                  "its masked elements hold")
+        arr = np.asarray(x)     # a subclass (np.memmap, np.matrix) as the plain ndarray of its memory
+        arr = arr if arr.flags.c_contiguous else _read_copy(
+            arr, np.ascontiguousarray, read_only, lambda: _contiguity_error(name, kind))
         if not arr.dtype.isnative:      # the other byte order: MPI would read its bytes as this machine's
             order = arr.dtype.str
             arr = _read_copy(arr, lambda a: a.astype(a.dtype.newbyteorder("=")), read_only,

@@ -84,7 +84,8 @@ def out_buffer(v: View, out: Any, count: int, what: str) -> tuple[Any, Any]:
     if o.count != count:
         raise ValidationError(f"{what}: out has {o.count} elements, expected {count}")
     if not o.writable:
-        raise ValidationError(f"{what}: out is read-only (jax arrays are immutable)")
+        raise ValidationError(f"{what}: out is read-only" + (" (jax arrays are immutable)" if o.kind == "jax"
+                                                              else ""))
     return o.data, out
 
 

@@ -448,3 +448,34 @@ def test_broadcast_reads_a_non_contiguous_x_into_out(comm, mode):
         got = _mode_call(comm, mode, "broadcast", inputs[comm.rank].T, root=root, out=out)
         assert got is out
         assert_close(out, inputs[root].T, "float32")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
+def test_ndarray_subclasses_are_numpy_arrays(comm, mode, tmp_path):
+    """A memory-mapped array (a data set on disk), an ``np.matrix`` or any ndarray subclass is
+    reduced, gathered and written in place as the ndarray of its memory (each aborted the
+    communicator: the engine took it for a device array); a masked array is refused alike on
+    every rank (its data alone would be reduced), the communicator stays usable."""
+    n = 8
+    every = all_inputs(comm.size, n, "float32").astype(np.float32)
+    mine = np.memmap(tmp_path / f"x{comm.rank}.bin", np.float32, "w+", shape=(n,))
+    mine[:] = every[comm.rank]
+    assert_close(_mode_call(comm, mode, "allreduce", mine), every.sum(0), "float32")
+    assert_close(_mode_call(comm, mode, "allgather", mine), every, "float32")
+    got = _mode_call(comm, mode, "allreduce", mine, op="max", out=mine)
+    assert got is mine
+    assert_close(np.fromfile(tmp_path / f"x{comm.rank}.bin", np.float32), every.max(0), "float32")
+    matrix = np.matrix(every[comm.rank].reshape(2, 4))
+    got = _mode_call(comm, mode, "allreduce", matrix)
+    assert_close(np.asarray(got), every.sum(0).reshape(2, 4), "float32")
+
+    class Tagged(np.ndarray):
+        pass
+
+    out = np.zeros(n, np.float32).view(Tagged)
+    assert _mode_call(comm, mode, "broadcast", every[comm.rank].view(Tagged), root=0, out=out) is out
+    assert_close(np.asarray(out), every[0], "float32")
+    with pytest.raises(commlib.ValidationError, match="masked array"):
+        comm.allreduce(np.ma.masked_array(every[comm.rank], np.arange(n) % 2))
+    np.testing.assert_array_equal(comm.allreduce(np.ones(2)), np.full(2, comm.size))

@@ -125,6 +125,38 @@ def _nccl_plan(mpi_comm: Any, backend: str, requested: int | None, gpus: int | N
     return "nccl", device
 
 
+#: settings every rank must share: each rank acts on them in ways its peers must match
+_SHARED_SETTINGS = {"backend": "COMMLIB_BACKEND", "check": "COMMLIB_CHECK"}
+
+
+def _agree_on_settings(base: Any, cfg: Config | None, mistake: Exception | None) -> None:
+    """Raise on every rank (one all-gather, before any other collective) where a rank's settings
+    were refused (``mistake``), its timeline cannot be written, or the shared settings differ: a
+    setting wrong on one node alone would leave its peers waiting in ``init()`` or in the first
+    operation."""
+    rank = base.rank
+    if cfg is None:
+        mine = (f"{type(mistake).__name__}: {mistake}", None, None)
+    else:
+        from mpi4py import MPI
+        mine = (timeline_problem(cfg.timeline_path(MPI.COMM_WORLD.rank)), cfg.backend, cfg.check)
+    every = base.allgather(mine)
+    refused = [f"rank {r}: {p}" for r, (p, b, _) in enumerate(every) if p and b is None]
+    if refused:
+        if mistake is not None:
+            raise mistake
+        raise ValidationError("commlib.init(): settings refused on other ranks (" + "; ".join(refused) + ")")
+    timeline = [f"rank {r}: {p}" for r, (p, _, _) in enumerate(every) if p]
+    if timeline:
+        raise ValidationError("COMMLIB_TIMELINE: " + "; ".join(timeline))
+    for i, (name, var) in enumerate(_SHARED_SETTINGS.items(), start=1):
+        values = [v[i] for v in every]
+        if any(v != values[rank] for v in values):
+            raise ValidationError(f"commlib.init(): {var} (keyword {name}) differs across ranks ("
+                                  + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+                                  + "): set it alike on every rank")
+
+
 def init(backend: str | None = None, comm: Any = None, **settings: Any) -> Communicator:
     """Create (once) and return the communicator of all ranks.
 
@@ -158,7 +190,10 @@ def init(backend: str | None = None, comm: Any = None, **settings: Any) -> Commu
     if not MPI.Is_initialized():
         raise CommlibError("commlib.init(): MPI is not initialized (mpi4py.rc.initialize is False): "
                            "call MPI.Init_thread(MPI.THREAD_MULTIPLE) first")
-    cfg = Config.from_env(backend=backend, **settings)
+    try:
+        cfg, mistake = Config.from_env(backend=backend, **settings), None
+    except (TypeError, ValidationError) as e:      # raised after the ranks have heard of it
+        cfg, mistake = None, e
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         levels = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED",
                   MPI.THREAD_SERIALIZED: "SERIALIZED"}
@@ -168,10 +203,7 @@ def init(backend: str | None = None, comm: Any = None, **settings: Any) -> Commu
             "Let commlib or mpi4py initialize MPI (mpi4py.rc.thread_level = 'multiple', the "
             "default), or call MPI_Init_thread with MPI_THREAD_MULTIPLE")
     base = MPI.COMM_WORLD if comm is None else comm
-    problems = base.allgather(timeline_problem(cfg.timeline_path(MPI.COMM_WORLD.rank)))
-    if any(problems):
-        raise ValidationError("COMMLIB_TIMELINE: " + "; ".join(
-            f"rank {r}: {p}" for r, p in enumerate(problems) if p))
+    _agree_on_settings(base, cfg, mistake)
     name, device = _nccl_plan(base, cfg.backend, cfg.device)
     if name == "nccl":
         import cupy

@@ -262,6 +262,31 @@ def test_init_after_close_makes_a_new_communicator():
     assert again.allreduce(np.ones(2))[0] == again.size
 
 
+@pytest.mark.mpi(min_size=2)
+def test_settings_refused_or_differing_on_one_rank_fail_init_on_every_rank():
+    """A setting refused on rank 1 alone (a bad ``COMMLIB_TIMEOUT`` exported on one node, a
+    keyword's typo) raised there while its peers waited in ``init()`` for good; ``COMMLIB_CHECK``
+    set on one rank alone left the first operation waiting its whole timeout.  ``init()`` raises on
+    every rank, naming the rank and the setting, and the next ``init()`` works."""
+    rank = MPI.COMM_WORLD.rank
+
+    def init_raises(error, match, **settings):
+        with pytest.raises(error, match=match):
+            commlib.init(comm=MPI.COMM_WORLD, **settings)
+
+    one = rank == 1
+    init_raises(commlib.ValidationError, "timeout='abc'" if one else "rank 1: ValidationError: timeout='abc'",
+                **({"timeout": "abc"} if one else {}))
+    init_raises(TypeError if one else commlib.ValidationError, r"unknown commlib setting.*'timeuot'",
+                **({"timeuot": 5} if one else {}))
+    init_raises(commlib.ValidationError, r"COMMLIB_CHECK \(keyword check\) differs across ranks \(rank 0: "
+                r"False, rank 1: True", check=one)
+    init_raises(commlib.ValidationError, r"COMMLIB_BACKEND .* differs", backend="auto" if one else "mpi")
+    c = commlib.init(comm=MPI.COMM_WORLD, check=True, timeout=60)
+    assert c.allreduce(np.ones(2))[0] == c.size
+    c.close()
+
+
 @pytest.mark.mpi(min_size=1)
 def test_default_timeout_is_torch_distributeds(monkeypatch):
     """Long enough for a rank-0-only evaluation or checkpoint that DDP survives."""

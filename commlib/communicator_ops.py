@@ -4,6 +4,7 @@ host arrays goes straight to :meth:`~commlib.runner.Runner.call_host` instead.""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -198,11 +199,11 @@ class CommunicatorOps:
             if min(actual) < 0:
                 bad = [r for r, c in enumerate(actual) if c < 0]
                 raise ValidationError(f"allgatherv: ranks {bad} rejected their input")
-            if counts is not None and [int(c) for c in counts] != actual:
-                raise ValidationError(f"allgatherv: counts {[int(c) for c in counts]} were given, but the "
-                                      f"ranks' inputs have {actual} elements")
+            if counts is not None and _integers(counts, self.size) != actual:
+                raise ValidationError(f"allgatherv: counts {_integers(counts, self.size)} were given, but "
+                                      f"the ranks' inputs have {actual} elements")
             counts = actual if counts is None else counts
-        counts = [int(c) for c in counts]
+        counts = _integers(counts, self.size)
         if len(counts) != self.size or min(counts, default=0) < 0:
             raise ValidationError(
                 f"allgatherv: counts must be {self.size} non-negative integers, got {counts}")
@@ -315,3 +316,13 @@ class CommunicatorOps:
     def ibarrier(self, *, tag: str | None = None) -> Work:
         """Nonblocking :meth:`barrier`."""
         return self._call("barrier", self._barrier, (tag,), False)
+
+
+def _integers(counts: Sequence[Any], size: int) -> list[int]:
+    """``allgatherv``'s given counts as ints (numpy integers too); a float, even 2.0, is refused, as
+    ``int()`` would cut 1.5 to 1 silently."""
+    try:
+        return [operator.index(c) for c in counts]
+    except TypeError:
+        raise ValidationError(f"allgatherv: counts must be {size} non-negative integers, got "
+                              f"{list(counts)!r}") from None

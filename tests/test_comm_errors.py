@@ -411,3 +411,17 @@ def test_check_mode_compares_given_allgatherv_counts_on_every_rank():
     np.testing.assert_array_equal(c.allgatherv(x, counts=right if c.rank % 2 else None), want)
     c.close()
 
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("check", [False, True])
+def test_allgatherv_counts_that_are_not_integers_are_refused_on_every_rank(check):
+    """Counts of 1.5 and 0.5 were cut to 1 and 0 (the rank given 0 then refused its one element,
+    alone); 1.0 passed: each is refused, alike on every rank, and the communicator goes on."""
+    c = fresh(check=check, timeout=30)
+    x = np.ones(1)
+    for counts in ([1.5] + [0.5] * (c.size - 1), [1.0] * c.size):
+        with pytest.raises(commlib.ValidationError, match="counts must be .* non-negative integers"):
+            c.allgatherv(x, counts=counts)
+    np.testing.assert_array_equal(c.allgatherv(x, counts=np.ones(c.size, np.int64)), np.ones(c.size))
+    c.close()

@@ -26,9 +26,12 @@ IDLE, IN_OP, REJECTED, TIMED_OUT, ABORTED = 0, 1, 2, 3, 4
 IN_CALL = 5
 #: closing the communicator (its program ended, or close()): after the last operation it called
 CLOSING = 6
+#: left the communicator without freeing it, every operation it called complete (its program ended:
+#: :meth:`commlib.Communicator.leave`): as closing for its peers' waits, as aborted for their frees
+LEFT = 7
 _STATE_NAMES = {IDLE: "idle after", IN_OP: "in", REJECTED: "rejected", TIMED_OUT: "timed out in",
                 ABORTED: "aborted after"}
-_WITH_TEXT = (REJECTED, ABORTED, IN_CALL)
+_WITH_TEXT = (REJECTED, ABORTED, IN_CALL, LEFT)
 _INTS = 5            # seq, op code, state, calls made (:meth:`Board.calling`), last rejected (:meth:`reject`)
 _TEXT = 192          # bytes of reason text per slot
 _SLOT = _INTS * 8 + _TEXT
@@ -52,6 +55,8 @@ class PeerState:
         if self.state == CLOSING:
             return (f"rank {self.rank} closed the communicator after #{self.seq} "
                     "(its program ended or called close())")
+        if self.state == LEFT:
+            return f"rank {self.rank} left the communicator after #{self.seq}: {self.reason}"
         if self.seq == 0:
             return f"rank {self.rank} has not called any operation"
         return f"rank {self.rank} {_STATE_NAMES.get(self.state, '?')} {self.op} #{self.seq}"
@@ -166,7 +171,7 @@ class Board:
         calls = self.calls
         return [p for p in self.peers()
                 if (p.state == IN_CALL and not call and p.seq < seq and p.calls > calls)
-                or (p.state == CLOSING and (p.calls < calls if call else p.seq < seq))]
+                or (p.state in (CLOSING, LEFT) and (p.calls < calls if call else p.seq < seq))]
 
     def in_calls_not_made(self) -> list[PeerState]:
         """Node-local ranks inside a blocking call every rank must make that this rank has not made."""
@@ -195,7 +200,7 @@ class Board:
         for p in self.peers():
             if p.rank == me or (p.rejected >= seq and p.state != ABORTED):
                 continue
-            if p.state == ABORTED or p.seq >= seq or p.state == CLOSING or (
+            if p.state == ABORTED or p.seq >= seq or p.state in (CLOSING, LEFT) or (
                     p.state == IN_CALL and p.calls > self.calls):
                 return False, p
             later = p
@@ -204,6 +209,10 @@ class Board:
     def aborted(self) -> list[PeerState]:
         """Peers whose communicator was aborted (they will not call again)."""
         return [p for p in self.peers() if p.state == ABORTED]
+
+    def gone(self) -> list[PeerState]:
+        """Peers that will free nothing of the communicator (aborted, or left it)."""
+        return [p for p in self.peers() if p.state in (ABORTED, LEFT)]
 
     def who_waits(self, name: str, seq: int, size: int) -> tuple[list[int], list[int], list[int], str]:
         """For operation ``seq``: the ranks waiting in it, the node-local ranks not in it, the

@@ -138,6 +138,27 @@ class Communicator(CommunicatorOps):
             self._tracer.instant("abort", reason=str(reason))
             self._board.set(self._seq, "?", _board.ABORTED, reason)
 
+    def leave(self, reason: str = "leave() called") -> bool:
+        """Give this communicator up on this rank without freeing it, once every operation it called
+        has completed here (``False``, and nothing done, while one is in flight): peers still
+        waiting for those operations go on (this rank's part of them is done), a peer's wait for a
+        later one fails at once, and no rank frees it (freeing is collective).  For a layer that
+        ends with its process (the Horovod API at exit); later calls here raise
+        :class:`CommAbortedError`.
+
+        Example:
+            >>> if not comm.leave("process exiting"):
+            ...     comm.abort("process exiting with operations in flight")
+        """
+        run = self._run
+        if run.aborted is not None or run.closed or run.unfinished() or run.running is not None \
+                or not run.engine.settled(0.0):
+            return False
+        run.aborted = CommAbortedError(f"this rank left the communicator: {reason}")
+        self._tracer.instant("leave", reason=str(reason))
+        self._board.set(self._seq, "?", _board.LEFT, reason)
+        return True
+
     def refuse(self, name: str, err: Exception) -> NoReturn:
         """Raise ``err`` as this rank's refusal of its next operation ``name``, found bad before the
         call (a layer above that validates first: the JAX binding while tracing), so that peers that
@@ -235,8 +256,8 @@ class Communicator(CommunicatorOps):
             return
         if run.rejection is not None and run.aborted is None:
             run.settle_rejection()
-        if run.aborted is None and any(p.rank != self.rank for p in self._board.aborted()):
-            run.aborted = CommAbortedError("a peer aborted this communicator")
+        if run.aborted is None and any(p.rank != self.rank for p in self._board.gone()):
+            run.aborted = CommAbortedError("a peer aborted or left this communicator")
         if run.aborted is None:
             run.close_engine()
         if run.aborted is None:     # peers waiting for an operation this rank never called: fail now

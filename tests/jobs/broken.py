@@ -246,6 +246,28 @@ def closed_with_an_operation_in_flight() -> None:
     report_and_end()
 
 
+def horovod_exit_before_a_peers_call() -> None:
+    """A Horovod script whose ranks end unevenly: rank 1's program ends (it leaves the engine's
+    communicator, its every operation complete); rank 0's extra all-reduce fails at once, naming
+    rank 1, instead of waiting for the timeout."""
+    import torch
+
+    import commlib.horovod.torch as hvd
+
+    hvd.init()
+    hvd.allreduce(torch.ones(3), name="both")
+    if hvd.rank() == 0:
+        t0 = time.monotonic()
+        expect(hvd.HorovodInternalError, lambda: hvd.allreduce(torch.ones(3), name="alone"),
+               "rank 1 left the communicator after #2: process exiting")
+        assert time.monotonic() - t0 < 30, "must not wait for the timeout"
+    else:
+        with open(os.path.join(sys.argv[2], f"ok.{hvd.rank()}"), "w") as f:
+            f.write(sys.argv[1])
+        sys.exit(0)        # the end of rank 1's program (the job is ended by rank 0's MPI_Abort)
+    report_and_end()
+
+
 def _dear(c: commlib.Communicator, syncbn: bool = False, strategy=None):
     """A small model trained by Adam under ``strategy`` (default DeAR): the optimizer and one step."""
     import torch
@@ -453,7 +475,8 @@ CASES = {f.__name__: f for f in (refused_at_post, rejected, rejected_broadcast_l
                                   closed_with_an_operation_in_flight,
                                   state_on_rank0, state_on_rank0_with_syncbn, state_on_rank0_at_the_end,
                                   norm_on_rank0, values_on_rank0, call_while_ops_in_flight,
-                                  syncswitch_load_on_rank0, syncswitch_load_on_rank0_unbroadcast)}
+                                  syncswitch_load_on_rank0, syncswitch_load_on_rank0_unbroadcast,
+                                  horovod_exit_before_a_peers_call)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]]()

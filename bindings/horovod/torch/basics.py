@@ -120,15 +120,18 @@ def _at_exit() -> None:
 
     Freeing a communicator is collective; a rank that exits while a peer still waits in
     an engine operation with it (a rank that never called ``join()``, an unmatched
-    operation) would block in the free forever.  An aborted communicator frees nothing
-    on any rank, and commlib ends the job (``MPI_Abort``) if an operation was left
-    unfinished, so a broken job exits instead of hanging.
+    operation) would block in the free forever.  With every operation complete here the
+    rank leaves the communicator (:meth:`commlib.Communicator.leave`): a peer still
+    polling the last of them completes it, one waiting for a later one fails at once.
+    Otherwise it is aborted, and commlib ends the job (``MPI_Abort``) if an operation was
+    left unfinished, so a broken job exits instead of hanging.  Neither frees anything.
     """
     st = _state
     if st is None:
         return
-    st.engine.close(timeout=5.0)
-    st.engine.comm.abort("process exiting (commlib.horovod)")
+    comm = st.engine.comm
+    if not (st.engine.close(timeout=5.0) and comm.leave("process exiting (commlib.horovod)")):
+        comm.abort("process exiting (commlib.horovod)")
 
 
 def shutdown() -> None:

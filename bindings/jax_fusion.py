@@ -64,6 +64,8 @@ class Plan:
             self.buckets = plan_buckets(specs, world_size, cap_bytes, first_cap_bytes)
         self.buffers: list[np.ndarray] = []
         self.shards: list[np.ndarray] = []
+        #: a sparse strategy's state (``state_dict()``) for this tree while it averages another one
+        self.strategy_state: dict[str, Any] | None = None
         self._shard_fns: dict[int, Any] = {}    # rank -> compiled shards_of
 
     def allocate(self, sharded: bool) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -27,6 +28,9 @@ from .jax_host import host_call
 from .jax_state import shard_state, shards_problem, whole_state
 
 _MAX_PLANS = 16            # bucket plans kept per GradientSync (least recently used dropped)
+#: strategy -> the GradientSync that set it up last (weakly held): a strategy holds the buffers of
+#: one plan at a time, so a GradientSync sets it up again after another one did
+_SET_UP_BY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class GradientSync:
@@ -45,6 +49,12 @@ class GradientSync:
     through ordered host calls (:mod:`commlib.bindings.jax_host`), inside ``jax.jit``.  A strategy
     made with ``tune=...`` gets the time between calls (a step) and re-plans
     the buckets, on every rank at the same call, when its tuner moves the cap.
+
+    One strategy object may serve several ``GradientSync`` s (each sets it up again for its
+    tree), except a sparse one: its error feedback belongs to the tree it averages, so a second
+    ``GradientSync`` using it raises ``ValueError`` on every rank before it communicates (give
+    each its own).  A sparse strategy's state (residuals, selectors) is kept per tree structure
+    when one ``GradientSync`` averages several (one optax transformation for two models).
 
     Example:
         >>> sync = GradientSync(strategy=DeAR(cap_mb=4))
@@ -146,15 +156,27 @@ class GradientSync:
     def _begin(self, plan: Plan, leaves: Sequence[Any], comm: commlib.Communicator) -> None:
         """The first half of a step: the buckets packed from ``leaves`` and launched over ``comm``; a
         sharded strategy's averaged shards are in ``plan.shards`` when it returns."""
-        self._checked(plan, comm)
         s = self.strategy
+        holder = _SET_UP_BY.get(s)
+        holder = holder() if holder is not None else None
+        if s.sparse and holder is not None and holder is not self:
+            raise ValueError(f"{s!r} serves another GradientSync (average_gradients) already: a sparse "
+                             "strategy keeps the error feedback of the tree it averages, so give each "
+                             "its own strategy object")
+        self._checked(plan, comm)
         plan.allocate(s.sharded)
         self._last = plan
         try:
-            if self._active is not plan or self._active_comm is not comm:
-                self._active = None
+            if self._active is not plan or self._active_comm is not comm or holder is not self:
+                before, self._active = (self._active if holder is self else None), None
+                if s.sparse and before is not None:     # its residuals and selectors, for its next call
+                    before.strategy_state = s.state_dict()
                 s.setup(comm, plan.buckets, plan.buffers, plan.buffers,
                         plan.shards if s.sharded else None, broadcast=False)
+                _SET_UP_BY[s] = weakref.ref(self)
+                if s.sparse and plan.strategy_state is not None:
+                    state, plan.strategy_state = plan.strategy_state, None
+                    s.load_state_dict(state)
                 self._active, self._active_comm = plan, comm
             for b in range(len(plan.buckets)):
                 plan.pack(b, leaves)

@@ -101,10 +101,12 @@ class SparseAllReduce(Strategy):
                 raise ValidationError(f"{self.name}: grads[{b}] is empty")
             views.append((data, dtype, xp))
             layout.append((int(data.size), dtype, xp.__name__))
+        new_plan = len(buckets) != len(self.buckets) or any(a is not b for a, b in zip(buckets, self.buckets))
         super().setup(comm, buckets, params, grads, shard_grads, broadcast)
-        if layout != self._layout or any(s.comm is not comm for s in self.selectors):
-            # a new plan (or communicator): fresh selectors and residuals; a re-plan's binding
-            # carries the old ones' over where its parameters moved (replanned())
+        if new_plan or layout != self._layout or any(s.comm is not comm for s in self.selectors):
+            # a new plan (or communicator), even of the same sizes (another tree, parameters that
+            # moved): fresh selectors and residuals; a re-plan's binding carries the old ones' over
+            # where its parameters moved (replanned())
             self._before = (self.feedback, self.selectors) if self.selectors and all(
                 s.comm is comm for s in self.selectors) else None
             self.selectors = [self.selector.clone().setup(comm, n, xp)

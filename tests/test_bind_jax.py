@@ -374,6 +374,58 @@ def test_a_strategys_own_state_resumes_through_its_state_dict(comm, jit):
     np.testing.assert_array_equal(flat(run(params, resumed, range(2, STEPS))), flat(whole))
 
 
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("make", [AllReduce, DeAR])
+def test_one_strategy_object_serves_several_gradient_syncs(comm, jit, make):
+    """Two ``average_gradients`` given one strategy object (a GAN's two models): once the second had
+    run, the first returned each rank's own gradient (DeAR: part averaged, part local), silently.
+    Each sets the strategy up again for its tree; both trees average as numpy does."""
+    s = make(cap_mb=SMALL)
+    t1, t2 = average_gradients(comm=comm, strategy=s), average_gradients(comm=comm, strategy=s)
+    f1, f2 = (jax.jit(t.update) if jit else t.update for t in (t1, t2))
+    every = [np.random.default_rng(r).standard_normal(40).astype(np.float32) for r in range(comm.size)]
+    mean = np.mean(every, axis=0, dtype=np.float64)
+    mine = every[comm.rank]
+    for _ in range(2):
+        a, _ = f1({"w": jnp.asarray(mine[:24]).reshape(4, 6)}, optax.EmptyState())
+        b, _ = f2({"v": jnp.asarray(mine[24:36]), "u": jnp.asarray(mine[36:])}, optax.EmptyState())
+        np.testing.assert_allclose(np.asarray(a["w"]).ravel(), mean[:24], rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(b["v"]), mean[24:36], rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(b["u"]), mean[36:], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_sparse_strategy_keeps_each_trees_state_and_serves_one_sync(comm, jit):
+    """One ``average_gradients`` with a sparse strategy for two trees (one optax transformation,
+    two models): the other tree's residuals were added to this one's (same sizes: 101 off) or this
+    one's dropped at every switch (other sizes).  Each tree keeps its own: tree A interleaved with
+    another averages exactly as A alone.  A second ``average_gradients`` given the same sparse
+    strategy raises on every rank before it communicates."""
+    from commlib.sparsify import SparseAllReduce, TopK
+
+    def sparse():
+        return SparseAllReduce(selector=TopK(density=0.25))
+
+    rng = np.random.default_rng(comm.rank)
+    grads = [jnp.asarray(rng.standard_normal(16).astype(np.float32)) for _ in range(4)]
+    alone = average_gradients(comm=comm, strategy=sparse())
+    run = jax.jit(alone.update) if jit else alone.update
+    want = [np.asarray(run({"a": g}, optax.EmptyState())[0]["a"]) for g in grads]
+    for other in ({"b": jnp.full(16, 100.0 * (comm.rank + 1))}, {"c": jnp.ones(10)}):
+        shared = average_gradients(comm=comm, strategy=sparse())
+        run = jax.jit(shared.update) if jit else shared.update
+        for g, w in zip(grads, want):
+            np.testing.assert_array_equal(np.asarray(run({"a": g}, optax.EmptyState())[0]["a"]), w)
+            run(other, optax.EmptyState())
+    s = sparse()
+    first, second = average_gradients(comm=comm, strategy=s), average_gradients(comm=comm, strategy=s)
+    (jax.jit(first.update) if jit else first.update)({"a": grads[0]}, optax.EmptyState())
+    with pytest.raises(Exception, match="serves another GradientSync") as err:
+        (jax.jit(second.update) if jit else second.update)({"a": grads[1]}, optax.EmptyState())
+    assert isinstance(err.value, ValueError) or jit
+    np.testing.assert_array_equal(np.asarray(comm.allreduce(np.ones(2))), np.full(2, comm.size))
+
+
 def test_arguments_are_checked():
     with pytest.raises(ValueError, match="give cap_mb"):
         GradientSync(strategy=AllReduce(), cap_mb=1)

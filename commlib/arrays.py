@@ -153,6 +153,18 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
+def mark_written(x: Any) -> None:
+    """``x`` is about to be written by an operation (in place, or as ``out``): a torch tensor's
+    version counter moves, as a torch in-place operation moves it, so that autograd refuses a
+    backward through a graph that saved it (it used the overwritten values silently).
+
+    Example:
+        >>> mark_written(t)             # t._version + 1
+    """
+    if type(x) is not np.ndarray and type(x).__module__.split(".")[0] == "torch":
+        sys.modules["torch"].autograd.graph.increment_version(x)
+
+
 def _kind(x: Any) -> str:
     mod = type(x).__module__.split(".")[0]
     if isinstance(x, np.ndarray):
@@ -319,9 +331,13 @@ def host_alias(x: Any, out: Any) -> tuple[np.ndarray, np.ndarray | None, Callabl
             if out is None:
                 return xn, None, torch.from_numpy
             if out is x:            # in place: one alias, which the backend knows as in place at once
+                torch.autograd.graph.increment_version(x)       # mark_written's, 0.6 us sooner
                 return xn, xn, torch.from_numpy
             on = _plain_cpu_tensor(out, tensor)
-            return None if on is None or out.dtype is not x.dtype else (xn, on, torch.from_numpy)
+            if on is None or out.dtype is not x.dtype:
+                return None
+            torch.autograd.graph.increment_version(out)
+            return xn, on, torch.from_numpy
     if out is None and type(x) in _JAX_ARRAYS and not x.is_deleted():   # deleted: the general path says so
         devices = x.devices()
         if len(devices) == 1 and next(iter(devices)).platform == "cpu" and x.dtype in _NP_NAMES:

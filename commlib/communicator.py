@@ -9,6 +9,7 @@ from mpi4py import MPI
 
 from . import board as _board
 from . import shutdown
+from .arrays import mark_written
 from .backends.base import Backend
 from .communicator_ops import CommunicatorOps
 from .config import Config
@@ -205,6 +206,8 @@ class Communicator(CommunicatorOps):
             raise err
         assert op is not None
         op.seq = seq
+        if op.value is not None:
+            mark_written(op.value)
         return run.call(op, blocking)
 
     # ---------------------------------------------------------- structure

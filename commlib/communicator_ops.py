@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import HOST_RESULTS, View, as_view, host_alias, host_alias_result, host_pair
+from .arrays import HOST_RESULTS, View, as_view, host_alias, host_alias_result, host_pair, mark_written
 from .backends.base import Backend, Pending, split_counts
 from .config import Config
 from .control import Control
@@ -289,6 +289,7 @@ class CommunicatorOps:
                                            (x, dt, int(root)), x, x.nbytes, tag)
             pair = host_alias(x, None) if type(x) is not np.ndarray else None
             if pair is not None and pair[0].flags.writeable:        # a CPU tensor: in place, itself
+                mark_written(x)
                 self.broadcast(pair[0], root, tag=tag)
                 return x
         return self._call("broadcast", self._broadcast, (x, root, out, tag), True)

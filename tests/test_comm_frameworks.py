@@ -261,3 +261,42 @@ def test_framework_results_stay_theirs_while_held(comm, kind):
         values = [np.asarray(h) for h in held]
     for k, v in enumerate(values, 1):
         np.testing.assert_array_equal(v, np.full(n, k * comm.size, np.float32))
+
+
+@torch_only
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])      # the host path, the general one
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
+def test_a_tensor_an_operation_writes_is_marked_for_autograd(comm, dtype, mode):
+    """An operation that writes a torch tensor (in place, or as ``out``) moves its version counter
+    as torch's in-place operations do: a backward through a graph that saved the tensor raises
+    (it used the overwritten values: ``a.grad`` was ``size * exp(a)``, silently).  A result
+    allocated for the caller leaves the graph alone."""
+    import torch
+
+    dt = getattr(torch, dtype)
+
+    def call(name, *args, **kw):
+        return getattr(comm, name)(*args, **kw) if mode == "blocking" else getattr(comm, "i" + name)(
+            *args, **kw).wait()
+
+    writes = {
+        "allreduce in place": lambda c: call("allreduce", c, out=c),
+        "allreduce into out": lambda c: call("allreduce", torch.ones(2, dtype=dt), out=c),
+        "broadcast in place": lambda c: call("broadcast", c, root=0),
+        "allgather into out": lambda c: call("allgather", torch.ones(2 // comm.size or 1, dtype=dt),
+                                             out=c) if comm.size <= 2 else call("allreduce", c, out=c),
+    }
+    for what, write in writes.items():
+        a = torch.tensor([1.0, 2.0], dtype=dt, requires_grad=True)
+        c = a.exp()                                 # exp's backward reads its output
+        before = c._version
+        write(c)
+        assert c._version > before, what
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            c.sum().backward()
+    a = torch.tensor([1.0, 2.0], dtype=dt, requires_grad=True)
+    c = a.exp()
+    call("allreduce", c)                            # out of place: c stays as it was
+    c.sum().backward()
+    torch.testing.assert_close(a.grad, a.detach().exp())

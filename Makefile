@@ -3,7 +3,7 @@ PYTHON  ?= python3
 VENV    := .venv
 PY      := $(VENV)/bin/python
 MPIEXEC := $(VENV)/bin/mpiexec
-EXTRAS  ?= mpich,torch,jax,tune,test,bench,dev
+EXTRAS  ?= mpich,torch,horovod,jax,tune,test,bench,dev
 STAMP   := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 RESULTS ?= benchmarks/results/latest
 # the emulated cluster of `make bench` (benchmarks/cluster): ranks, link rate, extra options

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import importlib
+import pickle
+import threading
 import time
 import warnings
 
@@ -185,6 +187,154 @@ def test_alltoall_of_an_empty_tensor_from_numpy():
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", ["float32", "int8", "bool"])
+def test_a_rank_receiving_no_rows_gets_an_empty_tensor(dtype):
+    """Every rank sends all its rows to rank 0: the others receive none, which raised on them alone
+    (torch cannot view an empty byte buffer as a wider dtype), the backward pass too.  All-gathers and
+    reduce-scatters of no rows on any rank give empty tensors of the input's dtype."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    dt = getattr(torch, dtype)
+    for tail in [(), (2,)]:
+        def rows(k, tail=tail):
+            return (torch.arange(3 * int(np.prod(tail))).reshape(3, *tail) + 10 * k).to(dt)
+        out, got = hvd.alltoall(rows(r), splits=[3] + [0] * (n - 1))
+        assert out.dtype == dt
+        if r == 0:
+            assert got.tolist() == [3] * n and torch.equal(out, torch.cat([rows(k) for k in range(n)]))
+        else:
+            assert got.tolist() == [0] * n and out.shape == (0, *tail)
+    x = torch.arange(3.0, requires_grad=True)
+    out, got = hvd.alltoall(x * (r + 1), splits=[3] + [0] * (n - 1))
+    (out * (torch.arange(out.shape[0]) // 3 + 1)).sum().backward()   # rank 0 weighs sender k's rows by k+1
+    assert x.grad.tolist() == [float(r + 1) * (r + 1)] * 3
+    for shape in [(0, 3), (0,)]:
+        g = hvd.allgather(torch.zeros(shape, dtype=dt))
+        assert g.shape == shape and g.dtype == dt
+    rs = hvd.reducescatter(torch.zeros(0, 3, dtype=torch.float32), op=hvd.Sum)
+    assert rs.shape == (0, 3) and rs.dtype == torch.float32
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [float(n)] * 2   # the job goes on
+
+
+@pytest.mark.mpi(min_size=2)
+def test_grouped_allreduce_async_returns_one_handle():
+    """Horovod 0.28: one int handle for the group; ``poll`` and ``synchronize`` take it and
+    ``synchronize`` returns the list of results (the in-place form: the tensors themselves)."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    a, b = rank_tensor(r, (2,), "float32", 1), rank_tensor(r, (3, 2), "float64", 2)
+    h = hvd.grouped_allreduce_async([a, b], op=hvd.Sum)
+    assert isinstance(h, int) and hvd.poll(h) in (False, True)
+    outs = hvd.synchronize(h)
+    assert isinstance(outs, list) and len(outs) == 2
+    np.testing.assert_array_equal(outs[0].numpy(), stacked(n, (2,), "float32", 1).sum(0))
+    np.testing.assert_array_equal(outs[1].numpy(), stacked(n, (3, 2), "float64", 2).sum(0))
+    assert hvd.synchronize(h) is None and torch.equal(a, rank_tensor(r, (2,), "float32", 1))
+    h = hvd.grouped_allreduce_async_([a, b], op=hvd.Max, name="grp")
+    while not hvd.poll(h):
+        time.sleep(0.001)
+    outs = hvd.synchronize(h)
+    assert outs[0] is a and outs[1] is b
+    np.testing.assert_array_equal(b.numpy(), stacked(n, (3, 2), "float64", 2).max(0))
+    # a name in the group already outstanding refuses the whole group: none of it is queued
+    h1 = hvd.allreduce_async(torch.ones(1), name="grp.1", op=hvd.Sum)
+    with pytest.raises(ValueError, match="grp.1"):
+        hvd.grouped_allreduce_async([torch.ones(1), torch.ones(1)], name="grp")
+    assert hvd.synchronize(h1).tolist() == [float(n)]
+    h = hvd.grouped_allreduce_async([torch.ones(1), torch.ones(2)], name="grp", op=hvd.Sum)   # names free
+    outs = hvd.synchronize(h)
+    assert [o.tolist() for o in outs] == [[float(n)], [float(n)] * 2]
+    assert [o.tolist() for o in hvd.grouped_allreduce_([torch.ones(1), torch.ones(2)], op=hvd.Sum)] == \
+        [[float(n)], [float(n)] * 2]
+    x, y = torch.ones(2, requires_grad=True), torch.ones(3, dtype=torch.float64, requires_grad=True)
+    gx, gy = hvd.grouped_allreduce([x, y], op=hvd.Sum)
+    (gx.sum() + gy.sum()).backward()
+    assert x.grad.tolist() == [float(n)] * 2 and y.grad.tolist() == [float(n)] * 3
+
+
+@pytest.mark.mpi(min_size=2)
+def test_autograd_follows_horovod_conventions():
+    """Horovod 0.28's backward functions (its test_horovod_*_grad expectations): allgather and
+    broadcast average the upstream gradients over ranks (broadcast: zeros off the root),
+    reducescatter all-gathers them times size() under Sum and times 1 under Average."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    for firsts in ([2] * n, [k + 1 for k in range(n)]):          # equal and differing first dimensions
+        x = torch.ones(firsts[r], 3, dtype=torch.float64, requires_grad=True)
+        g = torch.cat([torch.full((f, 3), float(k)) for k, f in enumerate(firsts)]).double()   # alike on all
+        hvd.allgather(x).backward(g)
+        assert torch.equal(x.grad, torch.full((firsts[r], 3), float(r), dtype=torch.float64))
+    x = torch.ones(2, requires_grad=True)
+    hvd.allgather(x).backward(torch.full((2 * n,), float(r + 1)))   # differing upstream: their average
+    assert x.grad.tolist() == [(n + 1) / 2] * 2
+    x = torch.tensor(1.0, requires_grad=True)                        # 0-d: one row each
+    hvd.allgather(x).backward(torch.ones(n))
+    assert x.grad.shape == () and x.grad.item() == 1.0
+    for root in range(n):
+        x = torch.ones(4, dtype=torch.float64, requires_grad=True)
+        hvd.broadcast(x, root).backward(torch.ones(4, dtype=torch.float64))
+        assert torch.equal(x.grad, torch.full((4,), 1.0 if r == root else 0.0, dtype=torch.float64))
+    for op, want in [(hvd.Sum, float(n)), (hvd.Average, 1.0)]:
+        x = torch.ones(2 * n, 3, requires_grad=True)
+        y = hvd.reducescatter(x, op=op)
+        y.backward(torch.ones_like(y))
+        assert torch.equal(x.grad, torch.full((2 * n, 3), want))
+    x = torch.ones(3, 2, dtype=torch.float64, requires_grad=True)    # allreduce: allreduce of the upstream
+    hvd.allreduce(x, op=hvd.Sum).backward(torch.ones(3, 2, dtype=torch.float64))
+    assert torch.equal(x.grad, torch.full((3, 2), float(n), dtype=torch.float64))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bool_tensors_reduce_logically_and_refuse_average():
+    """Sum/Max: logical or, Min/Product: logical and, as bool; Average (the default) has no bool
+    result: refused with ValueError on every rank, and the job goes on."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    b = torch.tensor([True, True, r == 0, False])
+    for op, want in [(hvd.Sum, [True, True, True, False]), (hvd.Max, [True, True, True, False]),
+                     (hvd.Min, [True, True, False, False]), (hvd.Product, [True, True, False, False])]:
+        got = hvd.allreduce(b, op=op)
+        assert got.dtype == torch.bool and got.tolist() == want
+    for call in [lambda: hvd.allreduce(b), lambda: hvd.allreduce(b, op=hvd.Average),
+                 lambda: hvd.allreduce_(b.clone()), lambda: hvd.synchronize(hvd.allreduce_async(b)),
+                 lambda: hvd.grouped_allreduce([b, b.clone()]),
+                 lambda: hvd.reducescatter(torch.ones(2 * n, dtype=torch.bool))]:
+        with pytest.raises(ValueError, match="Average is not defined for bool"):
+            call()
+        assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [float(n)] * 2
+    assert b.tolist() == [True, True, r == 0, False]
+    rs = hvd.reducescatter(torch.tensor([r == 0] * (2 * n)), op=hvd.Sum)
+    assert rs.dtype == torch.bool and rs.tolist() == [True, True]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_objects_travel_with_cloudpickle_and_pickling_errors_reach_every_rank():
+    """Lambdas and local classes travel (Horovod pickles with cloudpickle); an object that does not
+    pickle raises ``pickle.PicklingError`` on every rank (its rank sends why), none waits."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+
+    class Local:
+        def __init__(self, v):
+            self.v = v
+
+    f = hvd.broadcast_object((lambda x: x + 1) if r == 1 else None, root_rank=1)
+    assert f(1) == 2
+    obj = hvd.broadcast_object(Local(7) if r == 0 else None, root_rank=0)
+    assert type(obj).__name__ == "Local" and obj.v == 7
+    fs = hvd.allgather_object(lambda k=r: 10 * k)
+    assert [g() for g in fs] == [10 * k for k in range(n)]
+    t0 = time.monotonic()
+    with pytest.raises(pickle.PicklingError, match="rank 1 could not pickle its object"):
+        hvd.broadcast_object(threading.Lock() if r == 1 else None, root_rank=1)
+    with pytest.raises(pickle.PicklingError, match="rank 1 could not pickle its object"):
+        hvd.allgather_object(threading.Lock() if r == 1 else r, name="objs")
+    assert time.monotonic() - t0 < 30
+    assert hvd.broadcast_object({"ok": r}, root_rank=0) == {"ok": 0}
+    assert hvd.allgather_object(r, name="objs") == list(range(n))
+
+
+@pytest.mark.mpi(min_size=2)
 def test_autograd_through_collectives():
     hvd.init()
     r, n = hvd.rank(), hvd.size()
@@ -193,11 +343,11 @@ def test_autograd_through_collectives():
     assert torch.equal(x.grad, torch.full((3, 2), float(n), dtype=torch.float64))
     x = torch.ones(r + 1, 2, dtype=torch.float64, requires_grad=True)
     g = torch.cat([torch.full((k + 1, 2), float(k)) for k in range(n)]).double()
-    hvd.allgather(x).backward(g)
-    assert torch.equal(x.grad, torch.full((r + 1, 2), float(r * n), dtype=torch.float64))
+    hvd.allgather(x).backward(g)          # Horovod: the upstream gradients averaged over ranks
+    assert torch.equal(x.grad, torch.full((r + 1, 2), float(r), dtype=torch.float64))
     x = torch.ones(4, dtype=torch.float64, requires_grad=True)
     hvd.broadcast(x, 1).backward(torch.ones(4, dtype=torch.float64))
-    assert torch.equal(x.grad, torch.full((4,), float(n if r == 1 else 0), dtype=torch.float64))
+    assert torch.equal(x.grad, torch.full((4,), float(1 if r == 1 else 0), dtype=torch.float64))
 
 
 @pytest.mark.mpi(min_size=2)

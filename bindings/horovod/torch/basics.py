@@ -21,7 +21,7 @@ import torch
 
 import commlib
 
-from .engine import Engine, Request
+from .engine import Engine
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "ProcessSet", "global_process_set", "init",
@@ -81,7 +81,7 @@ class _State:
 _state: _State | None = None
 #: guards the handle table and the names of handles not yet synchronized (:mod:`.handles`)
 lock = threading.Lock()
-handles: dict[int, Request] = {}
+handles: dict[int, Any] = {}     # a Request, or a grouped operation's (handles.Group)
 names: set[str] = set()         # the names of handles not yet synchronized
 
 

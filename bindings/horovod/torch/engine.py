@@ -78,6 +78,32 @@ def scale(t: torch.Tensor, factor: float) -> torch.Tensor:
     return (t.double() * factor).to(t.dtype)
 
 
+def to_bytes(t: torch.Tensor) -> np.ndarray:
+    """``t``'s elements as bytes (uint8, on the host).  An empty tensor has none (torch cannot view
+    an empty tensor of stride 0, as an expanded gradient's, as bytes).
+
+    Example:
+        >>> to_bytes(torch.ones(2, dtype=torch.int16))
+        array([1, 0, 1, 0], dtype=uint8)
+    """
+    if t.numel() == 0:
+        return np.empty(0, np.uint8)
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def from_bytes(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The bytes ``raw`` (uint8) as a ``dtype`` tensor of ``shape``.  No bytes make an empty tensor
+    (torch cannot view an empty byte array, whose stride is 0, as a wider dtype).
+
+    Example:
+        >>> from_bytes(np.empty(0, np.uint8), torch.float32, (0, 3)).shape
+        torch.Size([0, 3])
+    """
+    if raw.size == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
 @dataclass(eq=False)
 class Request:
     """One queued operation; ``done`` is set when its result or error is in."""
@@ -393,7 +419,7 @@ class Engine:
         row_bytes = (int(np.prod(tail, dtype=np.int64)) if tail else 1) * t.element_size()
         splits = req.splits if req.splits is not None else [t.shape[0] // self.size] * self.size
         try:    # read before the splits travel: a rank that cannot says so there, and every rank raises
-            send, problem = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy(), None
+            send, problem = to_bytes(t), None
         except Exception as exc:  # noqa: BLE001 - raised below, after the peers have heard of it
             send, problem = None, exc
         mine = np.asarray([*splits, int(problem is not None)], np.int64)
@@ -409,7 +435,7 @@ class Engine:
         sdispl = np.concatenate([[0], np.cumsum(scounts)[:-1]]).astype(np.int64).tolist()
         rdispl = np.concatenate([[0], np.cumsum(rcounts)[:-1]]).astype(np.int64).tolist()
         self.comm.mpi_comm.Alltoallv([send, (scounts, sdispl), MPI.BYTE], [recv, (rcounts, rdispl), MPI.BYTE])
-        out = torch.from_numpy(recv).view(t.dtype).view(sum(recv_rows), *tail).to(t.device)
+        out = from_bytes(recv, t.dtype, (sum(recv_rows), *tail)).to(t.device)
         req.finish((out, torch.tensor(recv_rows, dtype=torch.int32)))
 
     def _reducescatter(self, req: Request, row: np.ndarray) -> None:

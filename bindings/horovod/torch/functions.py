@@ -14,6 +14,11 @@ from typing import Any
 
 import torch
 
+try:    # Horovod's pickler: functions and classes by value; pickle where cloudpickle is not installed
+    import cloudpickle as _pickler
+except ImportError:  # pragma: no cover - the horovod extra installs it
+    _pickler = pickle
+
 from commlib.bindings import torch_comm
 
 from . import basics
@@ -58,43 +63,68 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     torch_comm.broadcast_optimizer_state(optimizer, root_rank, basics.world())
 
 
+def _dumps(obj: Any) -> tuple[bytes, bool]:
+    """``obj`` pickled (``torch.save`` with cloudpickle: lambdas and local classes travel, as in
+    Horovod), and False; or why it does not pickle, and True."""
+    buf = io.BytesIO()
+    try:
+        torch.save(obj, buf, pickle_module=_pickler)
+    except Exception as exc:  # noqa: BLE001 - the peers hear of it in the exchange, then every rank raises
+        return f"{type(exc).__name__}: {exc}".encode(), True
+    return buf.getvalue(), False
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: Any = global_process_set) -> Any:
-    """``root_rank``'s ``obj`` on every rank (pickled; a collective).
+    """``root_rank``'s ``obj`` on every rank (pickled with cloudpickle, as Horovod: lambdas and
+    local classes travel; a collective).  An object that does not pickle raises
+    ``pickle.PicklingError`` on every rank (the root sends why instead of the object).
 
     Example:
         >>> state = hvd.broadcast_object({"epoch": 3} if hvd.rank() == 0 else None, root_rank=0)
+        >>> fn = hvd.broadcast_object((lambda x: x + 1) if hvd.rank() == 0 else None, root_rank=0)
     """
-    if basics.rank() == root_rank:
-        buf = io.BytesIO()
-        torch.save(obj, buf, pickle_module=pickle)
-        payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        length = torch.tensor([payload.numel()], dtype=torch.int64)
-    else:
-        length = torch.zeros(1, dtype=torch.int64)
-    broadcast_(length, root_rank, None if name is None else f"{name}.sz", process_set)
-    if basics.rank() != root_rank:
-        payload = torch.zeros(int(length.item()), dtype=torch.uint8)
+    root = basics.rank() == root_rank
+    data, failed = _dumps(obj) if root else (b"", False)
+    head = torch.tensor([len(data), int(failed)], dtype=torch.int64)
+    broadcast_(head, root_rank, None if name is None else f"{name}.sz", process_set)
+    length, failed = (int(v) for v in head.tolist())
+    payload = _bytes_tensor(data) if root else torch.zeros(length, dtype=torch.uint8)
     broadcast_(payload, root_rank, None if name is None else f"{name}.t", process_set)
-    if basics.rank() == root_rank:
-        return obj
-    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+    data = payload.numpy().tobytes()
+    if failed:
+        raise pickle.PicklingError(f"broadcast_object: rank {root_rank} could not pickle its object "
+                                   f"({data.decode(errors='replace')})")
+    return obj if root else _loads(data)
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = global_process_set) -> list[Any]:
-    """Every rank's ``obj``, in rank order (pickled; a collective).
+    """Every rank's ``obj``, in rank order (pickled with cloudpickle, as Horovod; a collective).
+    An object that does not pickle on some rank raises ``pickle.PicklingError`` on every rank,
+    naming the rank (it sends why instead of its object).
 
     Example:
         >>> metrics = hvd.allgather_object({"loss": loss.item()})   # a list of size() dicts
     """
-    buf = io.BytesIO()
-    torch.save(obj, buf, pickle_module=pickle)
-    payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-    sizes = allgather(torch.tensor([payload.numel()], dtype=torch.int64),
+    data, failed = _dumps(obj)
+    heads = allgather(torch.tensor([[len(data), int(failed)]], dtype=torch.int64),
                       None if name is None else f"{name}.sz", process_set).tolist()
-    gathered = allgather(payload, None if name is None else f"{name}.t", process_set).numpy().tobytes()
-    out, offset = [], 0
-    for n in sizes:
-        out.append(torch.load(io.BytesIO(gathered[offset:offset + n]), weights_only=False))
+    gathered = allgather(_bytes_tensor(data), None if name is None else f"{name}.t", process_set)
+    gathered = gathered.numpy().tobytes()
+    pieces, offset = [], 0
+    for n, _ in heads:
+        pieces.append(gathered[offset:offset + n])
         offset += n
-    return out
+    bad = [r for r, (_, f) in enumerate(heads) if f]
+    if bad:
+        raise pickle.PicklingError("allgather_object: " + "; ".join(
+            f"rank {r} could not pickle its object ({pieces[r].decode(errors='replace')})" for r in bad))
+    return [_loads(p) for p in pieces]

@@ -92,8 +92,43 @@ def submit(req: Request) -> int:
     return handle
 
 
+class Group:
+    """The requests behind one handle of a grouped operation (:func:`grouped_allreduce_async`)."""
+
+    def __init__(self, reqs: list[Request]):
+        self.reqs = reqs
+
+
+def submit_group(reqs: list[Request]) -> int:
+    """Queue ``reqs`` under one handle: :func:`synchronize` returns their results as a list.
+
+    What :func:`submit` refuses at the call (a non-tensor, a name outstanding) is refused for the
+    whole group before any of it is queued, so that no rank runs part of a group.
+
+    Example:
+        >>> h = submit_group([Request("allreduce", a), Request("allreduce", b)]); hvd.synchronize(h)
+    """
+    for req in reqs:
+        if not torch.is_tensor(req.tensor):
+            raise TypeError(f"expected a torch.Tensor, got {type(req.tensor).__name__}")
+    named = [req.name for req in reqs if req.name is not None]
+    with basics.lock:
+        taken = [n for n in named if n in basics.names]
+    if taken or len(set(named)) < len(named):
+        raise ValueError(f"Duplicate name: an operation named {(taken or named)[0]!r} is outstanding (not "
+                         "yet synchronized); names must be unique among outstanding operations")
+    inner = [submit(req) for req in reqs]
+    with basics.lock:
+        for h in inner:
+            basics.handles.pop(h, None)
+        handle = next(_counter)
+        basics.handles[handle] = Group(reqs)
+    return handle
+
+
 def poll(handle: int) -> bool:
-    """True once the operation of ``handle`` has finished (then :func:`synchronize` does not block).
+    """True once the operation of ``handle`` has finished (then :func:`synchronize` does not block);
+    for a grouped operation's handle, once all of them have.
 
     Example:
         >>> h = hvd.allreduce_async(t); hvd.poll(h)
@@ -102,28 +137,52 @@ def poll(handle: int) -> bool:
     req = basics.handles.get(handle)
     if req is None:
         raise ValueError(f"poll: unknown handle {handle!r}")
+    if isinstance(req, Group):
+        return all(r.done.is_set() for r in req.reqs)
     return req.done.is_set()
 
 
 def synchronize(handle: int) -> Any:
-    """Wait for the operation of ``handle`` and return its result (``None`` for an unknown handle).
+    """Wait for the operation of ``handle`` and return its result (``None`` for an unknown handle);
+    for a grouped operation's handle, the list of its results.
 
     Example:
         >>> summed = hvd.synchronize(hvd.allreduce_async(t, op=hvd.Sum))
+        >>> a2, b2 = hvd.synchronize(hvd.grouped_allreduce_async([a, b], op=hvd.Sum))
     """
-    req = basics.handles.get(handle)
-    if req is None:
+    entry = basics.handles.get(handle)
+    if entry is None:
         return None
-    req.done.wait()
+    reqs = entry.reqs if isinstance(entry, Group) else [entry]
+    for req in reqs:
+        req.done.wait()
     with basics.lock:
         basics.handles.pop(handle, None)
-        basics.names.discard(req.name)
-    if req.error is not None:
-        raise req.error
-    return req.result
+        for req in reqs:
+            basics.names.discard(req.name)
+    for req in reqs:
+        if req.error is not None:
+            raise req.error
+    return [req.result for req in reqs] if isinstance(entry, Group) else entry.result
 
 
 # ---------------------------------------------------------------------- asynchronous operations
+def _bool_average(tensor: Any, op: str, kind: str) -> str | None:
+    """Why ``kind`` refuses ``tensor`` under ``op``: averaging bool tensors has no bool result
+    (Horovod reduces no bool tensors); the logical ops (Sum: or, Min/Product: and, Max: or) do."""
+    if op == "average" and torch.is_tensor(tensor) and tensor.dtype == torch.bool:
+        return (f"{kind}: op=Average is not defined for bool tensors; use hvd.Sum or hvd.Max (logical or), "
+                "hvd.Min or hvd.Product (logical and), or convert the tensor to a number type")
+    return None
+
+
+def _allreduce_request(tensor: torch.Tensor, inplace: bool, name: str | None, name_op: str,
+                       prescale_factor: float, postscale_factor: float) -> Request:
+    """The request of one all-reduce (a bool tensor under Average is rejected on every rank)."""
+    return Request("allreduce", tensor, inplace, name, name_op, float(prescale_factor),
+                   float(postscale_factor), problem=_bool_average(tensor, name_op, "allreduce"))
+
+
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> int:
@@ -133,8 +192,8 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
         >>> h = hvd.allreduce_async(torch.ones(3), op=hvd.Sum); hvd.synchronize(h)
     """
     check_process_set(process_set)
-    return submit(Request("allreduce", tensor, False, name, op_name(average, op), float(prescale_factor),
-                           float(postscale_factor)))
+    return submit(_allreduce_request(tensor, False, name, op_name(average, op), prescale_factor,
+                                     postscale_factor))
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -146,34 +205,42 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
         >>> h = hvd.allreduce_async_(grad, name="fc1.weight"); hvd.synchronize(h)
     """
     check_process_set(process_set)
-    return submit(Request("allreduce", tensor, True, name, op_name(average, op), float(prescale_factor),
-                           float(postscale_factor)))
+    return submit(_allreduce_request(tensor, True, name, op_name(average, op), prescale_factor,
+                                     postscale_factor))
 
 
 def grouped_allreduce_async(tensors: list[torch.Tensor], average: bool | None = None,
                             name: str | None = None, op: int | None = None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0,
-                            process_set: ProcessSet = global_process_set) -> list[int]:
-    """All-reduce a list of tensors together (fused where they agree); returns a handle (a list).
+                            process_set: ProcessSet = global_process_set) -> int:
+    """All-reduce a list of tensors together (fused where they agree); returns one handle, whose
+    :func:`synchronize` returns the list of results (Horovod 0.28).
 
     Example:
-        >>> hs = hvd.grouped_allreduce_async([a, b], op=hvd.Sum); hvd.synchronize(hs)
+        >>> h = hvd.grouped_allreduce_async([a, b], op=hvd.Sum); a2, b2 = hvd.synchronize(h)
     """
-    return [allreduce_async(t, average, None if name is None else f"{name}.{i}", op, prescale_factor,
-                            postscale_factor, process_set) for i, t in enumerate(tensors)]
+    check_process_set(process_set)
+    name_op = op_name(average, op)
+    names = [None if name is None else f"{name}.{i}" for i in range(len(tensors))]
+    return submit_group([_allreduce_request(t, False, n, name_op, prescale_factor, postscale_factor)
+                         for t, n in zip(tensors, names)])
 
 
 def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None = None,
                              name: str | None = None, op: int | None = None, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0,
-                             process_set: ProcessSet = global_process_set) -> list[int]:
-    """In-place :func:`grouped_allreduce_async`.
+                             process_set: ProcessSet = global_process_set) -> int:
+    """In-place :func:`grouped_allreduce_async`: one handle; the tensors hold the results after
+    :func:`synchronize` (which returns them as a list).
 
     Example:
         >>> hvd.synchronize(hvd.grouped_allreduce_async_([a, b]))
     """
-    return [allreduce_async_(t, average, None if name is None else f"{name}.{i}", op, prescale_factor,
-                             postscale_factor, process_set) for i, t in enumerate(tensors)]
+    check_process_set(process_set)
+    name_op = op_name(average, op)
+    names = [None if name is None else f"{name}.{i}" for i in range(len(tensors))]
+    return submit_group([_allreduce_request(t, True, n, name_op, prescale_factor, postscale_factor)
+                         for t, n in zip(tensors, names)])
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
@@ -251,6 +318,6 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int =
     if name_op not in ("average", "sum"):
         raise ValueError("reducescatter: op must be hvd.Average or hvd.Sum")
     return submit(Request("reducescatter", tensor, False, name, name_op, float(prescale_factor),
-                           float(postscale_factor)))
+                           float(postscale_factor), problem=_bool_average(tensor, name_op, "reducescatter")))
 
 

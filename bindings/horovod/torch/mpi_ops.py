@@ -55,28 +55,31 @@ class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: str | None, op: int, pre: float, post: float, *tensors: torch.Tensor) -> Any:
         ctx.args = (op, pre, post)
-        hs = grouped_allreduce_async(list(tensors), None, name, op, pre, post)
-        return tuple(synchronize(h) for h in hs)
+        return tuple(synchronize(grouped_allreduce_async(list(tensors), None, name, op, pre, post)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         op, pre, post = ctx.args
-        hs = grouped_allreduce_async([g.contiguous() for g in grads], None, None, op, pre, post)
-        return (None, None, None, None, *(synchronize(h) for h in hs))
+        h = grouped_allreduce_async([g.contiguous() for g in grads], None, None, op, pre, post)
+        return (None, None, None, None, *synchronize(h))
 
 
+# The gradients follow Horovod 0.28's conventions (its torch mpi_ops backward functions), not the
+# exact derivative of the sum of the ranks' losses: allgather and broadcast average the upstream
+# gradients over ranks, reducescatter gathers them and scales by size() under Sum.
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> Any:
         ctx.first = tensor.shape[0] if tensor.dim() else 1
+        ctx.shape = tensor.shape
         return synchronize(allgather_async(tensor, name))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        summed = synchronize(allreduce_async(grad.contiguous(), op=Sum))
+        averaged = synchronize(allreduce_async(grad.contiguous(), op=Average))
         firsts = synchronize(allgather_async(torch.tensor([ctx.first], dtype=torch.int64))).tolist()
         start = sum(firsts[:rank()])
-        return summed.narrow(0, start, ctx.first), None
+        return averaged.narrow(0, start, ctx.first).reshape(ctx.shape), None
 
 
 class _Broadcast(torch.autograd.Function):
@@ -87,10 +90,10 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        summed = synchronize(allreduce_async(grad.contiguous(), op=Sum))
+        averaged = synchronize(allreduce_async(grad.contiguous(), op=Average))
         if rank() != ctx.root:
-            summed = summed * 0
-        return summed, None, None
+            averaged = averaged * 0
+        return averaged, None, None
 
 
 class _Alltoall(torch.autograd.Function):
@@ -117,7 +120,7 @@ class _Reducescatter(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         op, pre, post = ctx.args
         gathered = synchronize(allgather_async(grad.contiguous()))
-        factor = pre * post / (size() if op == Average else 1)
+        factor = pre * post * (size() if op == Sum else 1)
         return gathered * factor, None, None, None, None
 
 
@@ -172,13 +175,14 @@ def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None,
     Example:
         >>> hvd.grouped_allreduce_([a, b], op=hvd.Sum)
     """
-    hs = grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
-    return [synchronize(h) for h in hs]
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` along dimension 0 (first dimensions may differ); differentiable.
+    """Concatenate every rank's ``tensor`` along dimension 0 (first dimensions may differ); differentiable
+    (Horovod's gradient: this rank's rows of the upstream gradients averaged over ranks).
 
     Example:
         >>> hvd.allgather(torch.full((hvd.rank() + 1,), hvd.rank()))   # 2 ranks: tensor([0, 1, 1])
@@ -189,7 +193,8 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """``root_rank``'s ``tensor`` on every rank, as a new tensor; differentiable.
+    """``root_rank``'s ``tensor`` on every rank, as a new tensor; differentiable (Horovod's gradient:
+    the upstream gradients averaged over ranks on ``root_rank``, zeros on the others).
 
     Example:
         >>> w0 = hvd.broadcast(w, root_rank=0)
@@ -225,7 +230,8 @@ def alltoall(tensor: torch.Tensor, splits: torch.Tensor | Sequence[int] | None =
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = Compression.none,
                   op: int = Average, process_set: ProcessSet = global_process_set,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
-    """Reduce ``tensor`` over ranks and return this rank's rows of the result; differentiable.
+    """Reduce ``tensor`` over ranks and return this rank's rows of the result; differentiable (Horovod's
+    gradient: the upstream gradients all-gathered, times ``size()`` under ``Sum``, times 1 under ``Average``).
 
     Example:
         >>> hvd.reducescatter(torch.ones(4, 2), op=hvd.Sum)   # 2 ranks: 2 rows of 2.0 each

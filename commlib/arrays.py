@@ -249,7 +249,8 @@ def _dtype_error(name: str, dt: str) -> ValidationError:
 def _contiguity_error(name: str, kind: str) -> ValidationError:
     hint = {"numpy": "np.ascontiguousarray(x)", "cupy": "cupy.ascontiguousarray(x)",
             "torch": "x.contiguous()"}.get(kind, "a contiguous copy")
-    return ValidationError(f"{name}: array is not contiguous; pass {hint}")
+    return ValidationError(f"{name}: array is not contiguous in row-major (C) order (a transpose, a slice, "
+                           f"Fortran order), which a result written in place needs; pass {hint}")
 
 
 def _read_copy(x: Any, copy: Callable[[Any], Any], read_only: bool,

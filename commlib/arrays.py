@@ -332,12 +332,12 @@ def host_alias(x: Any, out: Any) -> tuple[np.ndarray, np.ndarray | None, Callabl
             if out is None:
                 return xn, None, torch.from_numpy
             if out is x:            # in place: one alias, which the backend knows as in place at once
-                torch.autograd.graph.increment_version(x)       # mark_written's, 0.6 us sooner
+                mark_written(x)
                 return xn, xn, torch.from_numpy
             on = _plain_cpu_tensor(out, tensor)
             if on is None or out.dtype is not x.dtype:
                 return None
-            torch.autograd.graph.increment_version(out)
+            mark_written(out)
             return xn, on, torch.from_numpy
     if out is None and type(x) in _JAX_ARRAYS and not x.is_deleted():   # deleted: the general path says so
         devices = x.devices()

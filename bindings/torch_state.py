@@ -489,15 +489,18 @@ class ConsolidatedState:
     def _update_shards(self) -> None:
         """The shard optimizer's step over this rank's pieces, with the groups' hyperparameters as
         they are now (schedulers change them), the edits made to ``opt.state``, and the pieces of
-        parameters no rank gave a gradient left out."""
+        parameters no rank gave a gradient left out, as those whose ``.grad`` was set to ``None``
+        after ``backward()`` (``p.grad = None``, a sub-module's ``zero_grad()``): one process's
+        optimizer skips both."""
         for sg, g in zip(self._shard_opt.param_groups, self.param_groups):
             for k, v in g.items():
                 if k != "params":
                     sg[k] = v
         self._adopt_state_edits()
         self._loaded = None
+        params = self._params
         for piece, idx, *_ in self._pieces:
-            if idx in self._unused.indices:
+            if idx in self._unused.indices or params[idx].grad is None:
                 piece.grad = None
         _unhooked(type(self._shard_opt).step)(self._shard_opt)
         for piece, idx, _, bi, bslice in self._pieces:

@@ -12,7 +12,8 @@ unfrozen (its momentum kept meanwhile, through a checkpoint too), a parameter gr
 the unfrozen layer, the model converted to float64 and a parameter's ``.data``
 assigned right after a step, unfreezing in a model trained in eval mode, gradients
 computed with ``torch.func`` and assigned to ``.grad``, an EMA and weight clipping
-right after each step, no ``flush()``).
+right after each step, no ``flush()``, a gradient set to ``None`` after ``backward()``: by hand,
+by a sub-module's ``zero_grad()``).
 Parameters must match the reference and be bitwise equal across ranks.
 """
 
@@ -50,7 +51,7 @@ WEIGHT_CLIP = 0.3  # clamps some parameters after each step (WGAN's critic)
 ROUTED = [lambda i: True, lambda i: False, lambda i: i < LOCAL, lambda i: True]
 PATTERNS = ["clip-horovod", "clip", "clip-torch", "bf16", "fp16-scaler", "no_sync", "checkpoint", "eval",
             "unused-head", "unfreeze", "refreeze", "add-group", "to-double", "eval-mode", "assigned-grads",
-            "ema", "weight-clip", "routed-head", "routed-zeros"]
+            "ema", "weight-clip", "routed-head", "routed-zeros", "dropped-grad"]
 
 # Mixed precision is compared with a single-process run under the same autocast.  The ranks'
 # weight gradients come from 16-bit matmuls over their own slice, averaged afterwards, where the
@@ -163,6 +164,10 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
             loss = loss + model.fc1.bias[0] * float("inf")
         if pattern != "assigned-grads":
             scaler.scale(loss).backward()
+        if pattern == "dropped-grad" and step == 1:   # dropped after backward(): this step leaves it
+            model.fc2.weight.grad = None
+        if pattern == "dropped-grad" and step == 2:
+            model.fc1.zero_grad()                       # a module's default: set_to_none=True
         if pattern == "clip-horovod":
             if strategy:
                 opt.synchronize()

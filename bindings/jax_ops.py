@@ -8,7 +8,8 @@ communicator of its own (``comm.split(0)``, made collectively the first time a c
 rank, from the thread that drives ``comm``), so that it never interleaves with eager calls on
 ``comm`` that JAX's asynchronous dispatch lets run beside the step.
 
-Reverse-mode derivatives are those of the sum of every rank's objective (mpi4jax's rule): the
+Reverse-mode derivatives are those of the sum of every rank's objective (mpi4jax's all-reduce
+passes the cotangent through instead: ``size`` times less for a loss every rank computes): the
 cotangent of an ``allreduce`` with ``"sum"`` (``"avg"``) is the same all-reduce of the ranks'
 cotangents; of an ``allgather``, this rank's row of their sum; of a ``broadcast``, their sum on
 the root and zeros elsewhere.  ``"max"`` and ``"min"`` are not differentiable (``TypeError``

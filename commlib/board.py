@@ -12,6 +12,7 @@ Ranks on other nodes are not observable: they are reported as unknown.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -213,6 +214,21 @@ class Board:
     def gone(self) -> list[PeerState]:
         """Peers that will free nothing of the communicator (aborted, or left it)."""
         return [p for p in self.peers() if p.state in (ABORTED, LEFT)]
+
+    def wait_to_free(self) -> list[PeerState]:
+        """This rank closes (its slot shows it): wait until every node-local peer closes too, and
+        return none, or return those that will free nothing (the frees are collective): aborted,
+        left, or showing a rejection of an operation this rank did not reject (a root's broadcast
+        ends without its peers: the rejecting rank's verdict at its close is an abort, and its
+        slot keeps the rejection).  Waits as the collective frees would (peers close in turn)."""
+        me, mine, nap = self.members[self.node.rank], self._mine_mv[4], 2e-5
+        while True:
+            peers = [p for p in self.peers() if p.rank != me]
+            gone = [p for p in peers if p.state in (ABORTED, LEFT) or (p.state == REJECTED and p.seq != mine)]
+            if gone or all(p.state == CLOSING for p in peers):
+                return gone
+            time.sleep(nap)
+            nap = min(2 * nap, 1e-3)
 
     def who_waits(self, name: str, seq: int, size: int) -> tuple[list[int], list[int], list[int], str]:
         """For operation ``seq``: the ranks waiting in it, the node-local ranks not in it, the

@@ -222,6 +222,10 @@ class Communicator(CommunicatorOps):
         """
         self._run.check_alive()
         self._run.drain()
+        # every rank into the split first, watched as any call (MPI's split waits without limit):
+        # a rank that splits alone (one rank tracing a jitted collective) fails on the timeout,
+        # its peers at once where they wait in an operation instead
+        self._control.allgather_object(None, "split", self._seq)
         sub = self._mpi.Split(MPI.UNDEFINED if color < 0 else color,
                               self.rank if key is None else key)
         if sub == MPI.COMM_NULL:
@@ -265,6 +269,10 @@ class Communicator(CommunicatorOps):
             run.close_engine()
         if run.aborted is None:     # peers waiting for an operation this rank never called: fail now
             self._board.set(self._seq, "?", _board.CLOSING)
+            gone = self._board.wait_to_free()
+            if gone:                # they free nothing: the frees would wait for them for good
+                run.aborted = CommAbortedError("peers will not free this communicator: " + "; ".join(
+                    p.describe() for p in gone))
         if run.aborted is None:
             resources, self._resources = self._resources, []
             for resource in reversed(resources):

@@ -246,6 +246,22 @@ def closed_with_an_operation_in_flight() -> None:
     report_and_end()
 
 
+def split_alone() -> None:
+    """Rank 0 splits the communicator alone (it traces a jitted collective alone: ``make_jaxpr`` on
+    rank 0, which makes the jitted path's communicator) while its peers all-reduce: MPI's split
+    waited without limit and the peers until their timeout, told that rank 0 had called nothing.
+    The peers fail at once, naming the split; rank 0's split fails on their abort."""
+    c = fresh(timeout=60)
+    t0 = time.monotonic()
+    if c.rank == 0:
+        expect(commlib.CommAbortedError, lambda: c.split(0), "aborted the communicator")
+    else:
+        expect(commlib.MismatchError, lambda: c.allreduce(np.ones(2)),
+               "waits for ranks that will not call it: rank 0 is in split")
+    assert time.monotonic() - t0 < 30, "must not wait for the timeout"
+    report_and_end()
+
+
 def horovod_exit_before_a_peers_call() -> None:
     """A Horovod script whose ranks end unevenly: rank 1's program ends (it leaves the engine's
     communicator, its every operation complete); rank 0's extra all-reduce fails at once, naming
@@ -476,7 +492,7 @@ CASES = {f.__name__: f for f in (refused_at_post, rejected, rejected_broadcast_l
                                   state_on_rank0, state_on_rank0_with_syncbn, state_on_rank0_at_the_end,
                                   norm_on_rank0, values_on_rank0, call_while_ops_in_flight,
                                   syncswitch_load_on_rank0, syncswitch_load_on_rank0_unbroadcast,
-                                  horovod_exit_before_a_peers_call)}
+                                  horovod_exit_before_a_peers_call, split_alone)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]]()

@@ -83,7 +83,25 @@ def horovod_ends_with_a_collective() -> None:
     hvd.barrier()
 
 
-CASES = {f.__name__: f for f in (store, syncswitch_asp, jax_results_held, horovod_ends_with_a_collective)}
+def rejected_broadcast_at_the_end() -> None:
+    """The last operation a broadcast whose root went on while a peer rejected its input (a root it
+    does not have): the root's close waited in the collective frees for good, the rejecting rank
+    (aborted) freeing nothing, so the job never ended.  Each rank ends its program; the job ends."""
+    comm = commlib.init(timeout=30)
+    comm.barrier()
+    if comm.rank == 0:
+        np.testing.assert_array_equal(comm.broadcast(np.arange(4.0), root=0), np.arange(4.0))
+    else:
+        try:
+            comm.broadcast(np.arange(4.0), root=comm.size)
+        except commlib.ValidationError as e:
+            assert "root" in str(e), e
+        else:
+            raise AssertionError("a root out of range was taken")
+
+
+CASES = {f.__name__: f for f in (store, syncswitch_asp, jax_results_held, horovod_ends_with_a_collective,
+                                  rejected_broadcast_at_the_end)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]]()

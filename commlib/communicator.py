@@ -5,12 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NoReturn, Protocol
 
-import numpy as np
 from mpi4py import MPI
 
 from . import board as _board
 from . import shutdown
-from .arrays import mark_written
 from .backends.base import Backend
 from .communicator_ops import CommunicatorOps
 from .config import Config
@@ -207,8 +205,6 @@ class Communicator(CommunicatorOps):
             raise err
         assert op is not None
         op.seq = seq
-        if op.value is not None and type(op.value) is not np.ndarray:     # numpy: no call (1k instructions)
-            mark_written(op.value)
         return run.call(op, blocking)
 
     # ---------------------------------------------------------- structure

@@ -258,6 +258,8 @@ class CommunicatorOps:
         root = int(root)
         if (out is None or out is x) and v.writable and not immutable:
             buf, value = v.data, x
+            if v.kind == "torch":
+                mark_written(x)
         else:
             buf, value = out_buffer(v, None if out is x else out, v.count, "broadcast")
         copy = self.rank == root and buf is not v.data

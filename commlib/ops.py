@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import COMPLEX_DTYPES, DTYPES, INEXACT_DTYPES, View, as_view, host_pair
+from .arrays import COMPLEX_DTYPES, DTYPES, INEXACT_DTYPES, View, as_view, host_pair, mark_written
 from .backends.base import REDUCE_OPS, Pending
 from .errors import MismatchError, ValidationError
 
@@ -73,6 +73,8 @@ def out_buffer(v: View, out: Any, count: int, what: str) -> tuple[Any, Any]:
         return v.empty(count), None
     data = v.data
     if out is v.original and v.count == count and v.writable:
+        if v.kind == "torch":
+            mark_written(out)
         return data, out   # in place: the backend sees send is recv
     if host_pair(data, out) is not None and out.size == count:   # plain numpy: a few attribute reads
         return (out if out.ndim == 1 else out.reshape(-1)), out
@@ -86,6 +88,7 @@ def out_buffer(v: View, out: Any, count: int, what: str) -> tuple[Any, Any]:
     if not o.writable:
         raise ValidationError(f"{what}: out is read-only" + (" (jax arrays are immutable)" if o.kind == "jax"
                                                               else ""))
+    mark_written(out)
     return o.data, out
 
 

@@ -82,7 +82,6 @@ Example:
 
 from __future__ import annotations
 
-import atexit
 import time
 import weakref
 from collections.abc import Sequence
@@ -92,6 +91,7 @@ import numpy as np
 from mpi4py import MPI
 
 from commlib import CommTimeoutError, Communicator, ValidationError, split_counts
+from commlib.shutdown import at_exit
 
 from .rma_progress import PROGRESS_MODES, Pump, resolve_progress
 
@@ -110,7 +110,7 @@ def _stop_all_pumps() -> None:
             store.deactivate()
 
 
-atexit.register(_stop_all_pumps)
+at_exit(_stop_all_pumps)
 
 
 def _as_host(x: Any, name: str, numel: int, dtype: np.dtype, writable: bool) -> np.ndarray:

@@ -317,6 +317,18 @@ class Runner:
         self.mark_aborted(err, name, seq)
         raise err
 
+    def interrupted(self, p: Pending, exc: BaseException, name: str, seq: int) -> None:
+        """Operation ``seq`` was left running by ``exc`` raised in its wait (Ctrl-C's
+        ``KeyboardInterrupt``, a signal handler's exception): MPI still reads and writes its
+        buffers, which ``p`` keeps alive (a result buffer back in the pool would be handed to
+        the next operation while MPI writes it), and peers may wait in it for this rank: the
+        communicator is aborted, so that peers fail at once and the exit ends the job."""
+        self.dangling.append((f"{name} #{seq}", p.test))
+        # shown aborted before it: peers in it do not wait for this rank as for a fellow waiter
+        self.mark_aborted(CommAbortedError(f"{name} #{seq}: rank {self.rank} was interrupted while "
+                                           f"it ran ({type(exc).__name__}); the communicator is "
+                                           "aborted"), "?", seq - 1)
+
     def mark_aborted(self, err: CommlibError, name: str, seq: int) -> None:
         """Abort this communicator for ``err`` (raised in operation ``seq``, or in a side
         communicator's wait): no later operation runs; peers on this node see it on the board."""
@@ -353,6 +365,10 @@ class Runner:
         except CommAbortedError as err:
             if self.aborted is None:
                 self.fail(err, name, seq)
+            raise
+        except BaseException as exc:
+            if self.aborted is None:    # not given up by wait(), which aborts first: interrupted
+                self.interrupted(p, exc, name, seq)
             raise
         if p.finish is not None:
             p.finish()

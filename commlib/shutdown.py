@@ -7,8 +7,10 @@ hook runs before mpi4py's ``MPI_Finalize`` (exit hooks run in reverse order).
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from mpi4py import MPI  # before our exit hook is registered, so that MPI finalizes after it
@@ -50,8 +52,27 @@ def _close_all() -> None:
         MPI.COMM_WORLD.Abort(1)
 
 
+def at_exit(fn: Callable[[], Any]) -> None:
+    """Run ``fn`` at interpreter exit, in this process only: not in a child that ``os.fork()``
+    made of it, whose exit (``sys.exit``, the end of its code) runs the inherited exit hooks
+    too, and would otherwise close, leave or write what belongs to the parent (its
+    communicators shown closed to their peers on the node's board: the job failed).
+    ``multiprocessing``'s workers leave through ``os._exit`` and run no hook either way.
+
+    Example:
+        >>> at_exit(tracer.write)
+    """
+    pid = os.getpid()
+
+    def hook() -> None:
+        if os.getpid() == pid:
+            fn()
+
+    atexit.register(hook)
+
+
 # registered after mpi4py's own exit hook (imported above us), so it runs before MPI_Finalize
-atexit.register(_close_all)
+at_exit(_close_all)
 
 
 def track(comm: Any, run: Runner) -> None:

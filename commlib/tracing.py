@@ -17,7 +17,6 @@ with three phases per operation:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
@@ -97,7 +96,8 @@ class Tracer:
             shared = (self, [], threading.Lock(), time.perf_counter(), time.time())
             if path:
                 _RECORDS[path] = shared
-                atexit.register(self.write)
+                from .shutdown import at_exit  # here: importing it imports mpi4py.MPI (starts MPI)
+                at_exit(self.write)
         self._writer, self._events, self._lock, self._t0, self._t0_wall = shared
 
     @property

@@ -42,7 +42,7 @@ def run_job(case: str, ranks: int, timeout: float, tmp_path, job: str = "broken.
     ("state_on_rank0", 2, 60), ("state_on_rank0_at_the_end", 2, 60), ("state_on_rank0_with_syncbn", 2, 60),
     ("norm_on_rank0", 2, 60), ("values_on_rank0", 2, 60), ("call_while_ops_in_flight", 2, 60),
     ("syncswitch_load_on_rank0", 2, 60), ("syncswitch_load_on_rank0_unbroadcast", 2, 60),
-    ("horovod_exit_before_a_peers_call", 2, 60), ("split_alone", 2, 60),
+    ("horovod_exit_before_a_peers_call", 2, 60), ("split_alone", 2, 60), ("interrupted_in_a_wait", 2, 60),
 ])
 def test_broken_job_raises_everywhere_then_exits(case, ranks, timeout, tmp_path):
     proc, took, ok = run_job(case, ranks, timeout, tmp_path)
@@ -62,7 +62,7 @@ def test_timed_out_job_exits_within_timeout_plus_10s(tmp_path):
 
 @pytest.mark.parametrize("case,ranks", [("store", 2), ("syncswitch_asp", 2), ("jax_results_held", 2),
                                         ("horovod_ends_with_a_collective", 3),
-                                        ("rejected_broadcast_at_the_end", 2)])
+                                        ("rejected_broadcast_at_the_end", 2), ("forked_child_exits", 2)])
 def test_what_a_job_leaves_open_is_freed_at_exit(case, ranks, tmp_path):
     """One-sided windows left open (a SyncSwitch job never closes its strategy) are freed
     before MPI_Finalize, and jax results that alias commlib's host memory, held to the end, let

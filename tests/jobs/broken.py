@@ -483,7 +483,36 @@ def refused_at_post() -> None:
     report_and_end()
 
 
-CASES = {f.__name__: f for f in (refused_at_post, rejected, rejected_broadcast_left_by_its_root,
+def interrupted_in_a_wait() -> None:
+    """Ctrl-C (``KeyboardInterrupt``) lands on rank 0 while it waits in an all-reduce its peer has
+    not joined yet; the script catches it and goes on (``except KeyboardInterrupt: save()``).  The
+    operation stays posted in MPI: rank 0's next call raises, its peer's call fails at once (it
+    waited in the operation for good, or to the timeout: "rank 0 closed the communicator"), and
+    no later result is silently wrong (the interrupted call's pooled result buffer went back to
+    the pool and the next all-reduce was handed it while MPI still wrote it: 2.0 off everywhere)."""
+    import signal
+    import threading
+
+    c = fresh(timeout=60)
+    n = 1 << 20            # a pooled result (from 64 KiB)
+    c.barrier()
+    if c.rank == 0:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        expect(KeyboardInterrupt, lambda: c.allreduce(np.full(n, 1.0)))
+        expect(commlib.CommAbortedError, lambda: c.allreduce(np.arange(n, dtype=np.float64)),
+               "allreduce #2: rank 0 was interrupted while it ran (KeyboardInterrupt)")
+    else:
+        time.sleep(2.0)
+        t0 = time.monotonic()
+        expect(commlib.CommAbortedError, lambda: (c.allreduce(np.full(n, 1.0)),
+                                                  c.allreduce(np.arange(n, dtype=np.float64))),
+               "rank 0 was interrupted")
+        assert time.monotonic() - t0 < 30, "must not wait for the timeout"
+    report_and_end()
+
+
+CASES = {f.__name__: f for f in (interrupted_in_a_wait, refused_at_post, rejected,
+                                  rejected_broadcast_left_by_its_root,
                                   jax_op_refused_on_one_rank,
                                   rejected_while_peers_are_late, deadlock,
                                   never_arrives, stall_made_an_error, only_rank0, unwaited, closed_early,

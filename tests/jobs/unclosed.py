@@ -100,8 +100,38 @@ def rejected_broadcast_at_the_end() -> None:
             raise AssertionError("a root out of range was taken")
 
 
+def forked_child_exits() -> None:
+    """A rank forks a child (``os.fork()``, not multiprocessing) that runs the exit hooks it
+    inherited, as its ``sys.exit()`` would, then leaves with ``os._exit`` (MPI's own finalize waits
+    for good in a forked child, commlib or not): the rank's communicators, the Horovod shim's and a
+    timeline stay the rank's. The child's hooks closed them (the peers' next operation failed:
+    "rank 0 closed the communicator"), the shim's left them, its timeline write replaced the
+    rank's file."""
+    import atexit
+
+    import torch
+
+    import commlib.horovod.torch as hvd
+
+    timeline = os.path.join(sys.argv[2], "timeline.json")
+    comm = commlib.init(timeout=30, timeline=timeline)
+    hvd.init()
+    comm.allreduce(np.ones(3))
+    if comm.rank == 0:
+        pid = os.fork()
+        if pid == 0:
+            atexit._run_exitfuncs()
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert not [n for n in os.listdir(sys.argv[2]) if n.startswith("timeline")], "the child wrote it"
+    for i in range(3):
+        np.testing.assert_array_equal(comm.allreduce(np.full(4, float(comm.rank + i))),
+                                      np.full(4, float(sum(range(comm.size)) + comm.size * i)))
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [comm.size] * 2
+
+
 CASES = {f.__name__: f for f in (store, syncswitch_asp, jax_results_held, horovod_ends_with_a_collective,
-                                  rejected_broadcast_at_the_end)}
+                                  rejected_broadcast_at_the_end, forked_child_exits)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]]()

@@ -13,13 +13,13 @@ Example (``mpiexec -n 2 python train.py``):
 
 from __future__ import annotations
 
-import atexit
 import threading
 from typing import Any
 
 import torch
 
 import commlib
+from commlib.shutdown import at_exit
 
 from .engine import Engine
 
@@ -112,7 +112,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         raise NotImplementedError("hvd.init(comm=[ranks...]): pass an mpi4py communicator instead")
     world = commlib.init() if comm is None else commlib.init(comm=comm)
     _state = _State(world)
-    atexit.register(_at_exit)   # after commlib's own exit hook, so it runs before it
+    at_exit(_at_exit)   # after commlib's own exit hook, so it runs before it
 
 
 def _at_exit() -> None:

@@ -318,6 +318,13 @@ class TrainingLoop:
 
     @torch.compiler.disable     # autograd's final callback, inside a compiled train step too
     def _backward_done(self) -> None:
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            # a backward run inside a node of an enclosing one (reentrant checkpointing: the segment's
+            # recomputed backward, where this pass's first gradient came): the pass goes on in the
+            # enclosing backward, whose end is its end; after this node, queue there instead
+            handle = node.register_hook(lambda *_: self._queue_in_enclosing(handle))
+            return
         self._callback_queued = False
         for b in list(self._unscaled):      # the pass whose scale was agreed: every bucket in it now
             self._to_common_scale(b)
@@ -327,6 +334,12 @@ class TrainingLoop:
         self._passes += 1
         if self._passes >= self.backward_passes_per_step:
             self._reduce()
+
+    def _queue_in_enclosing(self, handle: Any) -> None:
+        """After the node of an enclosing backward that ran a nested one where this pass's callback
+        was queued: queue it again, now in the enclosing backward (its post-hook runs there)."""
+        handle.remove()
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _reduce(self) -> None:
         """Launch what is left, wait for the strategy's reduction, agree on unused parameters."""

@@ -95,7 +95,9 @@ from commlib.shutdown import at_exit
 
 from .rma_progress import PROGRESS_MODES, Pump, resolve_progress
 
-_DTYPES = {name: np.dtype(name) for name in ("float32", "float64", "complex64", "complex128")}
+#: the dtypes a store holds (MPI's one-sided accumulate: no 16-bit floats)
+STORE_DTYPES = ("float32", "float64", "complex64", "complex128")
+_DTYPES = {name: np.dtype(name) for name in STORE_DTYPES}
 #: where a store's windows live: sharded over the ranks, or all on a server rank
 LAYOUTS = ("sharded", "server")
 #: board slots per rank (float64)

@@ -83,7 +83,7 @@ from commlib import Communicator, ValidationError
 from .allreduce import AllReduce
 from .buckets import Bucket, Move
 from .checks import check_choice, check_int, check_real
-from .paramstore import LAYOUTS, ParamStore
+from .paramstore import LAYOUTS, STORE_DTYPES, ParamStore
 from .policies import PHASES, Policy, SchedulePolicy
 from .rma_progress import PROGRESS_MODES
 from .strategy import Strategy, checked_inner
@@ -188,6 +188,12 @@ class SyncSwitch(Strategy):
     def setup(self, comm: Communicator, buckets: Sequence[Bucket], params: Sequence[Any],
               grads: Sequence[Any], shard_grads: Sequence[Any] | None = None,
               broadcast: bool = True) -> None:
+        held = sorted({b.dtype for b in buckets} - set(STORE_DTYPES))
+        if held:    # refused now, on every rank, not at the first switch out of BSP
+            raise ValidationError(
+                f"{self.name}: parameters of dtype {', '.join(held)}: its ASP and SSP phases keep the "
+                f"parameters in a one-sided parameter store of {', '.join(STORE_DTYPES)} only; keep the "
+                "parameters in float32 (torch.autocast computes in 16 bits) or use AllReduce / DeAR")
         self.close_stores()
         shards = shard_grads if self.bsp.sharded else None
         super().setup(comm, buckets, params, grads, shards, broadcast)

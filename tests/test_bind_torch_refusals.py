@@ -262,3 +262,18 @@ def test_one_strategy_for_two_optimizers_is_refused(comm, kind):
     w = comm.allgather(d.weight.detach().numpy().copy())
     assert (w == w[0]).all()
     opt_d.close()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_syncswitch_refuses_16_bit_parameters_on_every_rank(comm, dtype):
+    """Sync-Switch's asynchronous phases keep the parameters in a one-sided store of 32/64-bit
+    floats (MPI accumulates no 16-bit float): a bfloat16 layer raised numpy's ``TypeError`` at
+    wrapping, a float16 one trained in BSP and raised at the first switch to ASP."""
+    from commlib.collectives import SyncSwitch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2).to(getattr(torch, dtype)))
+    with pytest.raises(ValidationError, match=f"parameters of dtype {dtype}: its ASP and SSP phases"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, strategy=SyncSwitch(),
+                             comm=comm)
+    assert float(comm.allreduce(np.ones(1))[0]) == comm.size

@@ -13,7 +13,8 @@ the unfrozen layer, the model converted to float64 and a parameter's ``.data``
 assigned right after a step, unfreezing in a model trained in eval mode, gradients
 computed with ``torch.func`` and assigned to ``.grad``, an EMA and weight clipping
 right after each step, no ``flush()``, a gradient set to ``None`` after ``backward()``: by hand,
-by a sub-module's ``zero_grad()``).
+by a sub-module's ``zero_grad()``; reentrant activation checkpointing, whose recomputed segment
+gives the first gradients of a backward in a backward of its own).
 Parameters must match the reference and be bitwise equal across ranks.
 """
 
@@ -51,7 +52,7 @@ WEIGHT_CLIP = 0.3  # clamps some parameters after each step (WGAN's critic)
 ROUTED = [lambda i: True, lambda i: False, lambda i: i < LOCAL, lambda i: True]
 PATTERNS = ["clip-horovod", "clip", "clip-torch", "bf16", "fp16-scaler", "no_sync", "checkpoint", "eval",
             "unused-head", "unfreeze", "refreeze", "add-group", "to-double", "eval-mode", "assigned-grads",
-            "ema", "weight-clip", "routed-head", "routed-zeros", "dropped-grad"]
+            "ema", "weight-clip", "routed-head", "routed-zeros", "dropped-grad", "checkpointed"]
 
 # Mixed precision is compared with a single-process run under the same autocast.  The ranks'
 # weight gradients come from 16-bit matmuls over their own slice, averaged afterwards, where the
@@ -156,6 +157,9 @@ def train(comm, strategy: str | None, pattern: str) -> dict:
             loss = loss_fn(model.fc2(h), y)
             if routed.any():                # not run without samples (as MoE layers skip an idle expert)
                 loss = loss + model.aux(h[routed]).pow(2).sum() / len(x)
+        elif pattern == "checkpointed":     # fc2 recomputed in a nested backward, where its gradients come
+            h = torch.tanh(model.fc1(x))    # first (before fc1's, in the enclosing backward)
+            loss = loss_fn(torch.utils.checkpoint.checkpoint(model.fc2, h, use_reentrant=True), y)
         else:
             with autocast(pattern):
                 loss = loss_fn(model(x), y)

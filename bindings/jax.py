@@ -131,7 +131,7 @@ def allreduce_gradients(grads: Any, comm: commlib.Communicator | None = None) ->
 def broadcast_params(params: Any, root: int = 0, comm: commlib.Communicator | None = None,
                      cap_mb: float = 64) -> Any:
     """Every rank gets ``root``'s ``params`` (any pytree of float16, bfloat16,
-    float32, float64, int32 or int64 arrays: parameters, optimizer state),
+    float32, float64, complex64, complex128, int32 or int64 arrays: parameters, optimizer state),
     fused into buckets of ``cap_mb``.  Leaves come back as jax arrays on the
     caller's device.  Eager only (call it outside ``jax.jit``).
 

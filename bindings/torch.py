@@ -239,7 +239,7 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
         if lazy:
             problems.append(f"{lazy} parameters are uninitialized (a Lazy module): run one forward with a "
                             "dummy batch before wrapping")
-        if not params:
+        if not params and not lazy:
             problems.append("the optimizer has no parameter that requires a gradient")
         if isinstance(self._inner, torch.optim.SparseAdam):
             problems.append("SparseAdam needs sparse gradients, but they are averaged in dense buckets "

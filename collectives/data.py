@@ -8,8 +8,10 @@
 * :class:`DataInjector`: for non-IID data, a fraction ``alpha`` of the ranks
   share a fraction ``beta`` of their batch with every other rank by real
   point-to-point MPI messages; the local batch is shrunk to
-  ``b' = b / (1 + alpha * beta * N)`` (:func:`injected_batch_size`) so that a
-  rank's batch after the exchange stays about ``b``.
+  ``b' = b / (1 + alpha * beta * N)`` (:func:`injected_batch_size`, SelSync's rule), so
+  that the batch after the exchange, ``b'`` and ``round(beta * b')`` from each other sharer,
+  stays near ``b`` (64 at 4 ranks, alpha = beta = 0.75: 20, then 50 on a sharer and 65
+  elsewhere; at 2 ranks, both sharing: 30, then 52).
 * :func:`label_shards`: a non-IID partition (sorted by label, cut into shards)
   for tests and benchmarks.
 * :func:`stop_together`: any loader (an ``IterableDataset`` stream, shards of
@@ -300,7 +302,7 @@ class DataInjector:
     Example:
         >>> inj = DataInjector(comm, alpha=0.75, beta=0.75, seed=0)
         >>> b_local = injected_batch_size(64, 0.75, 0.75, comm.size)
-        >>> x, y = inj.exchange(step, x_local, y_local)     # about 64 samples
+        >>> x, y = inj.exchange(step, x_local, y_local)     # 4 ranks: 50 or 65 samples
     """
 
     TAG = 0x5E5

@@ -173,7 +173,7 @@ def init(backend: str | None = None, comm: Any = None, **settings: Any) -> Commu
 
     Example:
         >>> comm = commlib.init(timeout=60, check=True)
-        >>> comm.rank, comm.size
+        >>> comm.rank, comm.size          # rank 0 of: mpiexec -n 4 python train.py
         (0, 4)
     """
     global _world

@@ -31,13 +31,14 @@ class Communicator(CommunicatorOps):
     Obtain one from :func:`commlib.init`.  Every operation takes numpy or cupy
     arrays, torch tensors or jax arrays (through DLPack) of float16, bfloat16,
     float32, float64, int32, int64, complex64 or complex128 (summed and averaged,
-    not ordered), contiguous, of any shape (treated as flat).  Results come back
-    as the caller's kind of array.
+    not ordered), of any shape (treated as flat; a non-contiguous input is read
+    through a contiguous copy, an in-place one must be contiguous).  Results come
+    back as the caller's kind of array (``allgather``'s of shape ``(size, *x.shape)``).
 
     * ``out=None`` allocates the result; ``out=x`` works in place; any other
       ``out`` receives the result (same dtype and device, right size).
     * ``allreduce``/``reduce_scatter`` take ``op`` in ``sum``, ``avg``,
-      ``max``, ``min`` (``avg`` only for floating dtypes).
+      ``max``, ``min`` (``avg`` for floating and complex dtypes, ``max``/``min`` not for complex).
     * every operation has an ``i``-prefixed nonblocking form returning a
       :class:`~commlib.work.Work`; operations run in the order they are called.
     * ``tag`` names the operation in NVTX ranges and the timeline.
@@ -208,7 +209,7 @@ class Communicator(CommunicatorOps):
         return run.call(op, blocking)
 
     # ---------------------------------------------------------- structure
-    def split(self, color: int, key: int | None = None) -> "Communicator":
+    def split(self, color: int, key: int | None = None) -> "Communicator | None":
         """A new communicator of the ranks that pass the same ``color`` (collective).
 
         Ranks are ordered by ``key`` (default: this rank); a negative ``color`` returns ``None`` on that
@@ -226,7 +227,7 @@ class Communicator(CommunicatorOps):
         sub = self._mpi.Split(MPI.UNDEFINED if color < 0 else color,
                               self.rank if key is None else key)
         if sub == MPI.COMM_NULL:
-            return None  # type: ignore[return-value]
+            return None
         comm = Communicator(sub, self.config, self.backend, tracer=self._tracer)
         comm.timeout = self.timeout
         if comm.size == self.size and key is None:      # the same ranks, in order: its waits watch ours

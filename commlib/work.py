@@ -49,7 +49,7 @@ class Work:
     Example:
         >>> import numpy as np, commlib
         >>> comm = commlib.init()
-        >>> work = comm.iallreduce(np.ones(4, np.float32))
+        >>> work = comm.iallreduce(np.ones(4, np.float32), op="avg")
         >>> # ... compute while it runs ...
         >>> work.wait()
         array([1., 1., 1., 1.], dtype=float32)

@@ -88,6 +88,10 @@ def test_uninitialized_lazy_module_raises_on_every_rank(comm):
     with pytest.raises(ValidationError, match=f"rank {comm.size - 1} rejected.*2 parameters are uninit"):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, comm=comm)
     assert comm.seq == before + 1
+    lazy = torch.nn.LazyLinear(4)      # nothing but lazy parameters: the reason is theirs alone
+    with pytest.raises(ValidationError, match="2 parameters are uninit") as err:
+        DistributedOptimizer(torch.optim.SGD(lazy.parameters(), lr=0.1), lazy, comm=comm)
+    assert "requires a gradient" not in str(err.value)
 
 
 @pytest.mark.mpi

@@ -518,3 +518,11 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
     def __repr__(self) -> str:
         inner = type(self._inner).__name__
         return f"DistributedOptimizer({inner}, {self.strategy!r}, buckets={len(self.buckets)})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Refused: ``torch.save(opt)`` and ``copy.deepcopy(opt)`` gave back an object without its
+        communicator, buckets or hooks (torch's optimizer pickles only its state, which DeAR keeps
+        in pieces: the moments were lost). Save ``opt.state_dict()`` and load it into a new one."""
+        raise TypeError("DistributedOptimizer is not pickled or copied (it holds a communicator, the "
+                        "model's hooks and buckets): save opt.state_dict() (on every rank: a collective "
+                        "under DeAR) and load it into a new DistributedOptimizer")

@@ -393,11 +393,16 @@ class ConsolidatedState:
         alone, as in Horovod's resume); ``state_dict()`` gives the loaded state until then.
         """
         sd = dict(state_dict)
+        extra = sd.pop("commlib", None)
+        strategy = None if extra is None else _as_numpy(extra["strategy"])
+        if strategy is not None:        # refused before anything changes, as torch refuses a load
+            self.strategy.check_state(strategy)
+        if self._sharded:
+            self._check_piece_sizes(sd)
+        self._inner.load_state_dict(sd)
         self._pending_load = None
         self._loaded = state_dict if self._sharded else None
         self._optimizer_loaded()        # noted for the next step's agreement (ReplicaLoads)
-        extra = sd.pop("commlib", None)
-        self._inner.load_state_dict(sd)
         self.param_groups = self._inner.param_groups     # torch replaced the group list
         if self._sharded:       # the trained parameters' state to their pieces; the rest's stays
             full = {i: self._inner.state[p] for i, p in enumerate(self._params) if p in self._inner.state}
@@ -406,13 +411,27 @@ class ConsolidatedState:
             self._set_full_state(full)
         if extra is None:
             return
-        strategy = _as_numpy(extra["strategy"])
         # the units the strategy's state is in, and whether the ranks' scalers are still to agree
         self._loss_scale.resume(extra.get("loss_scale"), extra.get("agree_scales", False))
         if self.strategy.load_is_collective(strategy):
             self._pending_load = (sd, strategy)
         else:       # a tuned cap re-plans at the next training forward, on every rank (rank 0 may load alone)
             self._load_strategy(sd, strategy)
+
+    def _check_piece_sizes(self, sd: dict[str, Any]) -> None:
+        """A sharded strategy cuts each trained parameter's state into pieces: a state tensor of
+        another size than its parameter (another model's checkpoint) is refused naming it, before
+        the load changes anything (torch's own load takes it; its step would fail later)."""
+        saved = sd.get("state", {})
+        ids = [i for g in sd.get("param_groups", []) for i in g.get("params", [])]
+        ours = [p for g in self._inner.param_groups for p in g["params"]]
+        trained = {id(p) for p in self._params}
+        for key, p in zip(ids, ours):
+            for k, v in (saved.get(key) or {}).items():
+                if id(p) in trained and torch.is_tensor(v) and v.dim() > 0 and v.numel() != p.numel():
+                    raise ValueError(f"load_state_dict: state {k!r} of parameter #{key} has shape "
+                                     f"{tuple(v.shape)} but the parameter {tuple(p.shape)} (a checkpoint of "
+                                     "another model?)")
 
     def _load_strategy(self, sd: dict[str, Any], strategy: dict[str, Any]) -> None:
         """The strategy's part of a load; a phase switch it makes (Sync-Switch) moves the state with it."""

@@ -378,9 +378,20 @@ class Strategy:
                 "first_cap_bytes": self.first_cap_bytes,
                 "tuner": self.tuner.state_dict() if self.tuner is not None else None}
 
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise ``ValueError`` unless ``state`` is a :meth:`state_dict` of a strategy of this kind
+        (bindings ask before they load anything of a checkpoint, so that a refused one changes nothing).
+
+        Example:
+            >>> DeAR().check_state(AllReduce().state_dict())     # ValueError: ... 'allreduce' given to 'dear'
+        """
+        if not isinstance(state, dict) or state.get("name") != self.name:
+            name = state.get("name") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"state of strategy {name!r} given to {self.name!r} (a checkpoint of another "
+                             "strategy: drop its 'commlib' entry to load the optimizer's state alone)")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("name") != self.name:
-            raise ValueError(f"state of strategy {state.get('name')!r} given to {self.name!r}")
+        self.check_state(state)
         self.steps = int(state["steps"])
         self.cap_bytes = int(state["cap_bytes"])
         self.first_cap_bytes = state["first_cap_bytes"]

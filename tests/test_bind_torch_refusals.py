@@ -281,3 +281,60 @@ def test_syncswitch_refuses_16_bit_parameters_on_every_rank(comm, dtype):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, strategy=SyncSwitch(),
                              comm=comm)
     assert float(comm.allreduce(np.ones(1))[0]) == comm.size
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["dear", "syncswitch"])
+def test_a_refused_load_changes_nothing(comm, strategy):
+    """A checkpoint of another strategy, or of another model, is refused before anything of it is
+    loaded, as torch refuses a load: DeAR took the optimizer's moments, then refused the strategy's
+    part (another model's: a bare size error after its state was cleared); SyncSwitch raised
+    ``KeyError: 'phase'`` on a DeAR checkpoint."""
+    from commlib.collectives import SyncSwitch
+
+    def trained(hidden: int, make):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 2))
+        opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.05), model, strategy=make(),
+                                   comm=comm)
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(3, 4)).square().mean().backward()
+            opt.step()
+        return opt
+
+    ours = trained(5, DeAR if strategy == "dear" else SyncSwitch)
+    before = ours.state_dict()
+    wrong = [(trained(5, AllReduce if strategy == "dear" else DeAR), "state of strategy")]
+    if strategy == "dear":      # pieces of another size (whole, torch takes them: its step fails)
+        wrong.append((trained(7, DeAR), "shape (7, 4) but the parameter (5, 4)"))
+    for other, why in wrong:
+        with pytest.raises(ValueError, match=re.escape(why)):
+            ours.load_state_dict(other.state_dict())
+        other.close()
+    after = ours.state_dict()
+    for i, st in before["state"].items():
+        for k, v in st.items():
+            assert torch.equal(after["state"][i][k], v), (i, k)
+    assert after["commlib"]["strategy"]["steps"] == before["commlib"]["strategy"]["steps"]
+    ours.close()
+
+
+@pytest.mark.mpi
+def test_pickling_or_copying_the_optimizer_is_refused(comm):
+    """``torch.save(opt)`` and ``copy.deepcopy(opt)`` succeeded and gave back an object whose
+    every method failed (no ``_inner``), with DeAR's moments missing from the file."""
+    import copy
+    import io
+
+    model = torch.nn.Linear(4, 2)
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), model, strategy=DeAR(),
+                               comm=comm)
+    opt.zero_grad()
+    model(torch.randn(3, 4)).square().mean().backward()
+    opt.step()
+    for make in (lambda: torch.save(opt, io.BytesIO()), lambda: copy.deepcopy(opt)):
+        with pytest.raises(TypeError, match=r"save opt.state_dict\(\)"):
+            make()
+    assert set(opt.state_dict()["state"]) == {0, 1}
+    opt.close()

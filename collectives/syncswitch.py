@@ -451,8 +451,10 @@ class SyncSwitch(Strategy):
                    "staleness": self.staleness, "policy": self.policy.state_dict(),
                    "progress_base": self._progress_base,
                    "bsp": self.bsp.state_dict(), "switches": [dict(s) for s in self.switches],
-                   # asynchronous: the store as this rank reads it now (a rank's replica may lag it)
-                   "store": [s.pull() for s in self.stores] if self.stores and self.phase != "bsp" else None})
+                   # asynchronous: the store as this rank reads it now (a rank's replica may lag it),
+                   # without the bucket's padding (the world size's: loadable on any number of ranks)
+                   "store": [s.pull()[:b.numel] for s, b in zip(self.stores, self.buckets)]
+                   if self.stores and self.phase != "bsp" else None})
         return sd
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -467,6 +469,12 @@ class SyncSwitch(Strategy):
         super().load_state_dict(state)
         if state["phase"] not in PHASES:
             raise ValidationError(f"phase {state['phase']!r}: expected one of {PHASES}")
+        saved = state.get("store") if self._live else None
+        if saved is not None and (len(saved) != len(self.buckets) or any(
+                len(v) < b.numel for v, b in zip(saved, self.buckets))):     # before anything moves
+            raise ValidationError(f"{self.name}: the checkpoint's parameter store holds buckets of "
+                                  f"{[len(v) for v in saved]} elements, this model's "
+                                  f"{[b.numel for b in self.buckets]} (another model, or other bucket caps)")
         self.bsp.load_state_dict(state["bsp"])
         self.staleness = int(state["staleness"])
         if self.load_is_collective(state):      # a collective follows: a rank loading alone is named at once
@@ -478,9 +486,11 @@ class SyncSwitch(Strategy):
                 np.copyto(p, mine)
         if self._live and state["phase"] != self.phase:
             self._switch(state["phase"])            # an asynchronous phase: the stores take the parameters
-            if state.get("store") is not None:      # then the store as saved: each rank's piece of its own
-                for store, values in zip(self.stores, state["store"]):
-                    store.load(values)
+            if saved is not None:       # then the store as saved: each rank's piece of its own
+                for store, values, p, b in zip(self.stores, saved, self._np_params, self.buckets):
+                    full = p.copy()     # the padding as this world size has it
+                    full[:b.numel] = np.asarray(values)[:b.numel]   # (older checkpoints: padded)
+                    store.load(full)
         self.policy.load_state_dict(state["policy"])      # after the switch, which tells the policy
         self._progress_base = float(state["progress_base"])
         self.switches = [dict(s) for s in state["switches"]]

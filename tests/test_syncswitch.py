@@ -118,6 +118,43 @@ def test_offline_policy_switches_once_with_lr_scale(comm):
     assert params[0][0] <= expected + 1e-6
 
 
+@pytest.mark.mpi(min_size=2)
+def test_an_asynchronous_checkpoint_loads_on_another_number_of_ranks(comm):
+    """The README's state is "loadable on any number of ranks": a checkpoint taken in ASP held the
+    store's buckets padded to the world size (37 elements as 38 at 2 ranks), and one process
+    refused it ("38 elements but the store holds 37") after it had switched phase."""
+    buckets, params, grads = _flat(comm)
+    ss = SyncSwitch(policy=SchedulePolicy("asp"))
+    ss.setup(comm, buckets, params, grads)
+    try:
+        for step in range(2):
+            for b, g in enumerate(grads):
+                g[:buckets[b].numel] = _grad(comm.rank, step, buckets[b].numel, g.dtype)
+            ss.step(0.1)
+        comm.barrier()
+        state = ss.state_dict()
+    finally:
+        ss.close()
+    assert [len(v) for v in state["store"]] == [b.numel for b in buckets]
+    alone = comm.split(color=comm.rank)       # one process each
+    try:
+        buckets1, params1, grads1 = _flat(alone)
+        other = SyncSwitch(policy=SchedulePolicy("asp"))
+        other.setup(alone, buckets1, params1, grads1, broadcast=False)
+        try:
+            other.load_state_dict(state)
+            assert other.phase == "asp"
+            for saved, now in zip(state["store"], other.state_dict()["store"]):
+                np.testing.assert_array_equal(now, saved)
+            short = dict(state, store=[v[:-1] for v in state["store"]])
+            with pytest.raises(ValueError, match="parameter store holds buckets of"):
+                other.load_state_dict(short)
+        finally:
+            other.close()
+    finally:
+        alone.close()
+
+
 @pytest.mark.mpi(min_size=1)
 def test_state_round_trip(comm):
     buckets, params, grads = _flat(comm)

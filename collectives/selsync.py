@@ -523,8 +523,12 @@ class SelSync(Strategy):
         super().load_state_dict(state)
         if state["mode"] != self.mode:
             raise ValueError(f"state of mode {state['mode']!r} given to a gate of mode {self.mode!r}")
-        self.delta = float(state["delta"])
-        self.warmup = int(state["warmup"])
+        loaded = (float(state["delta"]), int(state["warmup"]))
+        if loaded != (self.delta, self.warmup):
+            warnings.warn(f"{self.name}: the checkpoint's delta={loaded[0]!r}, warmup={loaded[1]!r} "
+                          f"replace this gate's delta={self.delta!r}, warmup={self.warmup!r}, as torch's "
+                          "load_state_dict replaces the learning rate", stacklevel=3)
+        self.delta, self.warmup = loaded
         self.meter.load_state_dict(state["meter"])
         self._drift = bool(state["drift"])
         self._state_drift = bool(state.get("state_drift", self._drift))

@@ -85,6 +85,7 @@ collectives in the same order even when gradients arrive in another order.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -392,6 +393,11 @@ class Strategy:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
+        caps = (int(state["cap_bytes"]), state["first_cap_bytes"])
+        if not self.tune and caps != (self.cap_bytes, self.first_cap_bytes):
+            warnings.warn(f"{self.name}: the checkpoint's bucket caps (cap_mb={caps[0] / MiB!r}, "
+                          f"first_cap_mb={(caps[1] or 0) / MiB!r}) replace this strategy's ({self._caps()}), "
+                          "as torch's load_state_dict replaces the learning rate", stacklevel=3)
         self.steps = int(state["steps"])
         self.cap_bytes = int(state["cap_bytes"])
         self.first_cap_bytes = state["first_cap_bytes"]

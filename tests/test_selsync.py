@@ -276,6 +276,14 @@ def test_state_round_trips(comm):
     assert c.stats["syncs"] == a.stats["syncs"] and c.stats["local_steps"] == a.stats["local_steps"]
     with pytest.raises(ValueError):
         SelSync(mode="grads").load_state_dict(state)
+    # settings of the checkpoint win, as torch's lr does, but not silently (a resume with a new delta
+    # trained at the old one unawares); so do its bucket caps (the strategy's, untuned)
+    for other, says in [(SelSync(delta=0.5, window=5, mode="params"), "replace this gate's delta=0.5"),
+                        (SelSync(delta=0.04, window=5, mode="params", inner=AllReduce(cap_mb=2)),
+                         "bucket caps")]:
+        with pytest.warns(UserWarning, match=says):
+            other.load_state_dict(state)
+        assert other.delta == 0.04 and other.inner.cap_bytes == c.inner.cap_bytes
 
 
 @pytest.mark.mpi(min_size=1)

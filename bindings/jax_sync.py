@@ -117,6 +117,8 @@ class GradientSync:
         that drives ``comm``)."""
         if self._jit_comm is None:
             self._jit_comm = self.comm.split(0)
+            self.comm.close_with(self._jit_comm)    # closed with comm, on every rank alike (dropped
+                                                    # with this object, it went whenever each rank's GC ran)
         return self._jit_comm
 
     def _checked(self, plan: Plan, comm: commlib.Communicator) -> None:

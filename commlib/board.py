@@ -12,6 +12,7 @@ Ranks on other nodes are not observable: they are reported as unknown.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -215,18 +216,22 @@ class Board:
         """Peers that will free nothing of the communicator (aborted, or left it)."""
         return [p for p in self.peers() if p.state in (ABORTED, LEFT)]
 
-    def wait_to_free(self) -> list[PeerState]:
+    def wait_to_free(self, timeout: float = 0.0) -> list[PeerState]:
         """This rank closes (its slot shows it): wait until every node-local peer closes too, and
         return none, or return those that will free nothing (the frees are collective): aborted,
         left, or showing a rejection of an operation this rank did not reject (a root's broadcast
         ends without its peers: the rejecting rank's verdict at its close is an abort, and its
-        slot keeps the rejection).  Waits as the collective frees would (peers close in turn)."""
+        slot keeps the rejection).  Waits as the collective frees would (peers close in turn), for
+        ``timeout`` seconds at most (0: no limit): then the peers not closing are returned too."""
         me, mine, nap = self.members[self.node.rank], self._mine_mv[4], 2e-5
+        until = time.monotonic() + timeout if timeout > 0 else math.inf
         while True:
             peers = [p for p in self.peers() if p.rank != me]
             gone = [p for p in peers if p.state in (ABORTED, LEFT) or (p.state == REJECTED and p.seq != mine)]
             if gone or all(p.state == CLOSING for p in peers):
                 return gone
+            if time.monotonic() > until:
+                return [p for p in peers if p.state != CLOSING]
             time.sleep(nap)
             nap = min(2 * nap, 1e-3)
 

@@ -155,9 +155,8 @@ class Communicator(CommunicatorOps):
         if run.aborted is not None or run.closed or run.unfinished() or run.running is not None \
                 or not run.engine.settled(0.0):
             return False
-        run.aborted = CommAbortedError(f"this rank left the communicator: {reason}")
         self._tracer.instant("leave", reason=str(reason))
-        self._board.set(self._seq, "?", _board.LEFT, reason)
+        run.left(reason, self._seq)
         return True
 
     def refuse(self, name: str, err: Exception) -> NoReturn:
@@ -267,7 +266,7 @@ class Communicator(CommunicatorOps):
             run.close_engine()
         if run.aborted is None:     # peers waiting for an operation this rank never called: fail now
             self._board.set(self._seq, "?", _board.CLOSING)
-            gone = self._board.wait_to_free()
+            gone = self._board.wait_to_free(run.timeout)
             if gone:                # they free nothing: the frees would wait for them for good
                 run.aborted = CommAbortedError("peers will not free this communicator: " + "; ".join(
                     p.describe() for p in gone))

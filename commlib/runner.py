@@ -329,6 +329,15 @@ class Runner:
                                            f"it ran ({type(exc).__name__}); the communicator is "
                                            "aborted"), "?", seq - 1)
 
+    def left(self, reason: str, seq: int | None = None) -> None:
+        """This rank gives the communicator up without freeing it after its operation ``seq`` (the
+        last posted), with nothing in flight: later calls raise; peers' waits for what it called
+        complete, for a later call fail at once, and their close frees nothing
+        (:meth:`Board.wait_to_free`), as it will not."""
+        if self.aborted is None and not self.unfinished():
+            self.aborted = CommAbortedError(f"this rank left the communicator: {reason}")
+            self.board.set(self.posted if seq is None else seq, "?", _board.LEFT, reason)
+
     def mark_aborted(self, err: CommlibError, name: str, seq: int) -> None:
         """Abort this communicator for ``err`` (raised in operation ``seq``, or in a side
         communicator's wait): no later operation runs; peers on this node see it on the board."""

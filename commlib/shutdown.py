@@ -40,6 +40,7 @@ def _close_all() -> None:
                 comm.close()
             else:   # dropped without close(): only its engine can still hold an operation
                 run.close_engine()
+                run.left("dropped without close() on this rank")
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
         dangling += run.unfinished()

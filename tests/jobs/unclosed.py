@@ -130,8 +130,27 @@ def forked_child_exits() -> None:
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [comm.size] * 2
 
 
+def dropped_on_one_rank() -> None:
+    """A split communicator dropped unclosed and collected on one rank, alive on the other (a
+    jitted JAX DistributedOptimizer going out of scope: each rank's GC runs when it does): the
+    other rank's close at exit waited for good for a peer that no longer had it to close."""
+    import gc
+
+    world = commlib.init()
+    sub = world.split(0)
+    sub.allreduce(np.ones(2))
+    if world.rank != 1:
+        _KEPT.append(sub)   # alive to the end here
+    del sub
+    gc.collect()
+
+
+#: what a case keeps alive until the interpreter exits
+_KEPT: list = []
+
+
 CASES = {f.__name__: f for f in (store, syncswitch_asp, jax_results_held, horovod_ends_with_a_collective,
-                                  rejected_broadcast_at_the_end, forked_child_exits)}
+                                  rejected_broadcast_at_the_end, forked_child_exits, dropped_on_one_rank)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]]()

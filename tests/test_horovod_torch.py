@@ -393,4 +393,31 @@ def test_join_contributes_zeros_and_objects():
     hvd.barrier()
 
 
+
+@pytest.mark.mpi(min_size=2)
+def test_sync_batch_norm_reduces_over_the_ranks_horovod_was_given():
+    """``hvd.init(comm=half)`` (Horovod on part of the job): ``hvd.SyncBatchNorm`` took its
+    statistics over every rank of the job (commlib's default communicator), 0.4-0.6 off the
+    half's batch norm, and a half that never ran it left the other waiting for good."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    half = world.Split(world.rank % 2, world.rank)
+    hvd.shutdown()
+    hvd.init(comm=half)
+    try:
+        assert hvd.size() == half.size
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(world.rank))
+        out = hvd.SyncBatchNorm(4)(x)
+        mine = [r for r in range(world.size) if r % 2 == world.rank % 2]
+        batch = torch.cat([torch.randn(3, 4, generator=torch.Generator().manual_seed(r)) for r in mine])
+        ref = torch.nn.functional.batch_norm(batch.double(), None, None, training=True)
+        k = mine.index(world.rank)
+        np.testing.assert_allclose(out.detach().double().numpy(), ref[3 * k:3 * k + 3].numpy(), atol=1e-5)
+    finally:
+        hvd.shutdown()
+        half.Free()
+        hvd.init()
+
+
 # ---------------------------------------------------------------------- DistributedOptimizer

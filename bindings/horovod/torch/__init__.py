@@ -22,8 +22,6 @@ Example (``mpiexec -n 2 python train.py``):
     >>> hvd.broadcast_optimizer_state(opt, root_rank=0)
 """
 
-from commlib.bindings.torch_norm import SyncBatchNorm
-
 from . import elastic
 from .basics import (
     Adasum,
@@ -89,6 +87,7 @@ from .mpi_ops import (
     reducescatter,
 )
 from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "elastic",

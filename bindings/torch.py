@@ -175,7 +175,6 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
         self._install_hooks()
         self._init_join()
         self._init_loop()
-        self.step_times: list[float] = []
         self._last_step: float | None = None
         self._wrapped = True
 
@@ -430,7 +429,6 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
         evaluate = None if closure is None else self._evaluation(closure)
         if evaluate is not None and self._sharded:     # elementwise optimizers: evaluated once, first
             loss = evaluate()
-        t0 = time.perf_counter()
         args, kwargs = self._pre_step_hooks(None if self._sharded else evaluate)
         if self._sharded:
             self._reduce()          # done when backward returned, unless passes are missing
@@ -454,7 +452,6 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
         self._post_step_hooks(args, kwargs)
         self._end_step()
         now = time.perf_counter()
-        self.step_times.append(now - t0)
         tuner = self.strategy.tuner
         if tuner is not None and not tuner.done and self._last_step is not None:
             new_cap = tuner.observe(now - self._last_step)     # whole iterations, step to step

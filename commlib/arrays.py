@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +57,10 @@ class HostResults:
     mpi4py writing into a fresh array per call pays the same).  Arrays under 64 KiB are plain
     ``np.empty`` (numpy keeps those cheap); larger ones start on a 64-byte boundary (jax takes
     them without a copy); those over 64 MiB are not kept; at most 4 are kept per shape and
-    dtype, 256 MiB in all.  Off where reference counts are not exact (a free-threaded Python).
+    dtype, 256 MiB in all: a new shape takes the room of idle buffers of the shapes least
+    recently asked for (shapes that vary, as ``allgatherv``'s, no longer pin the whole pool
+    with shapes that never come back).  Off where reference counts are not exact (a
+    free-threaded Python).
 
     Example:
         >>> r = HOST_RESULTS.empty((1 << 18,), np.float32)   # reused after ``del r``
@@ -69,7 +73,7 @@ class HostResults:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         #: per (shape, dtype): (the buffer handed out, the array owning its memory)
-        self._kept: dict[tuple, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self._kept: OrderedDict[tuple, list[tuple[np.ndarray, np.ndarray]]] = OrderedDict()
         self._bytes = 0
         self._on = getattr(sys, "_is_gil_enabled", lambda: True)()
 
@@ -87,17 +91,46 @@ class HostResults:
             return np.empty(shape, dtype)
         if not (self._on and nbytes <= self.MAX_BYTES):
             return _aligned_empty(shape, dtype, nbytes)[0]
+        key = (tuple(shape), dtype)
         with self._lock:
-            kept = self._kept.setdefault((tuple(shape), dtype), [])
-            for buf, owner in kept:
-                if sys.getrefcount(buf) == self._IDLE and sys.getrefcount(owner) == self._OWNER_IDLE:
-                    return buf
-            if len(kept) < self.PER_KEY and self._bytes + nbytes <= self.TOTAL_BYTES:
+            kept = self._kept.get(key)
+            if kept is None:
+                kept = self._kept[key] = []
+            else:
+                self._kept.move_to_end(key)     # the most recently asked for last
+                for buf, owner in kept:
+                    if self._idle(buf, owner):
+                        return buf
+            if len(kept) < self.PER_KEY and (self._bytes + nbytes <= self.TOTAL_BYTES
+                                             or self._evict(nbytes, key)):
                 pair = _aligned_empty(shape, dtype, nbytes)
                 kept.append(pair)
                 self._bytes += nbytes
                 return pair[0]
         return _aligned_empty(shape, dtype, nbytes)[0]
+
+    def _idle(self, buf: np.ndarray, owner: np.ndarray) -> bool:
+        """No caller holds ``buf`` (nor a view of it); called with a pair held by the pool and
+        by the caller's loop names (``for buf, owner in kept``), hence the + 1."""
+        return sys.getrefcount(buf) == self._IDLE + 1 and sys.getrefcount(owner) == self._OWNER_IDLE + 1
+
+    def _evict(self, nbytes: int, asking: tuple) -> bool:
+        """Drop idle buffers of the shapes least recently asked for (not ``asking``'s) until
+        ``nbytes`` more fit (under the lock); whether they fit now."""
+        for key in [k for k in self._kept if k != asking]:
+            kept, busy = self._kept[key], []
+            for buf, owner in kept:
+                if self._idle(buf, owner):
+                    self._bytes -= buf.nbytes
+                else:
+                    busy.append((buf, owner))
+            if busy:
+                kept[:] = busy
+            else:
+                del self._kept[key]
+            if self._bytes + nbytes <= self.TOTAL_BYTES:
+                return True
+        return False
 
 
 def _aligned_empty(shape: tuple, dtype: np.dtype, nbytes: int) -> tuple[np.ndarray, np.ndarray]:

@@ -83,3 +83,26 @@ def test_host_results_are_reused_only_when_no_caller_holds_them():
     assert pool.empty((256, 256), np.float32).shape == (256, 256)
     small = [pool.empty((16,), np.float32) for _ in range(3)]
     assert len({s.ctypes.data for s in small}) == 3
+
+
+def test_host_results_make_room_for_new_shapes():
+    """Shapes that vary (``allgatherv``'s results, a metric of the batch's length) filled the pool's
+    256 MiB with buffers of shapes that never came back, pinned for good, and every new shape went
+    unpooled; a new shape now takes the room of idle buffers of the least recently used shapes,
+    never of a buffer a caller holds."""
+    from commlib.arrays import HostResults
+
+    pool = HostResults()
+    pool.TOTAL_BYTES = 4 << 20                  # small: the shapes below (64 KiB to 2.4 MiB) overflow it
+    held = pool.empty((1 << 16,), np.float32)   # the oldest shape, still held
+    held[:] = 7.0
+    for n in range(1, 40):                      # 39 other shapes, each used once
+        pool.empty((1 << 16, n), np.int8)
+    assert pool._bytes <= pool.TOTAL_BYTES
+    assert len(pool._kept) <= 16 and ((1 << 16,), np.dtype(np.float32)) in pool._kept
+    assert (held == 7.0).all()
+    again = pool.empty((1 << 16, 39), np.int8)  # the latest shape is still pooled: the same memory
+    ptr = again.ctypes.data
+    del again
+    assert pool.empty((1 << 16, 39), np.int8).ctypes.data == ptr
+    assert pool.empty((1 << 16,), np.float32).ctypes.data != held.ctypes.data

@@ -185,7 +185,16 @@ class Board:
         without its peers), so their verdict on it is an abort and they will not call ``seq``."""
         mine = self._mine_mv[4]
         return [p for p in self.peers() if p.state == REJECTED and (
-            p.seq == seq or (p.seq < seq and p.seq != mine))]
+            p.seq == seq or (p.seq < seq and self._rejected_apart(p, mine)))]
+
+    @staticmethod
+    def _rejected_apart(p: PeerState, mine: int) -> bool:
+        """``p`` shows a rejection (REJECTED) of an operation this rank did not reject (its last
+        rejected with nothing in flight is ``mine``).  Not a slot caught mid-write of the rejection
+        this rank made too: :meth:`reject` writes the rejected seq first, the slot's seq and state
+        after, so a peer descheduled between the writes shows its earlier rejection's seq for a
+        moment (an alike rejection read as apart: a close freed nothing while a peer freed)."""
+        return p.seq != mine and not (mine and p.rejected == mine)
 
     def rejected_alike(self, seq: int) -> tuple[bool | None, PeerState | None]:
         """After this rank rejected its input to operation ``seq`` with nothing in flight: whether
@@ -227,7 +236,8 @@ class Board:
         until = time.monotonic() + timeout if timeout > 0 else math.inf
         while True:
             peers = [p for p in self.peers() if p.rank != me]
-            gone = [p for p in peers if p.state in (ABORTED, LEFT) or (p.state == REJECTED and p.seq != mine)]
+            gone = [p for p in peers if p.state in (ABORTED, LEFT)
+                    or (p.state == REJECTED and self._rejected_apart(p, mine))]
             if gone or all(p.state == CLOSING for p in peers):
                 return gone
             if time.monotonic() > until:

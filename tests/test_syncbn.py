@@ -213,9 +213,12 @@ def test_convert_keeps_parameters_and_buffers():
 
 
 def test_horovod_name():
+    """Horovod's layer is commlib's, whose communicator defaults to Horovod's ranks (those
+    ``hvd.init(comm=...)`` was given: ``tests/test_horovod_torch.py``)."""
     import commlib.horovod.torch as hvd
 
-    assert hvd.SyncBatchNorm is SyncBatchNorm
+    assert issubclass(hvd.SyncBatchNorm, SyncBatchNorm)
+    assert isinstance(hvd.SyncBatchNorm.convert_sync_batchnorm(torch.nn.BatchNorm1d(3)), hvd.SyncBatchNorm)
 
 
 @pytest.mark.mpi

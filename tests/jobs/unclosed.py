@@ -145,12 +145,46 @@ def dropped_on_one_rank() -> None:
     gc.collect()
 
 
+def closed_after_alike_rejections() -> None:
+    """Every rank rejects two operations alike, then closes (the communicator stays usable: it is
+    freed). A rank's board slot is written in two steps (the rejected seq, then seq and state),
+    and a peer descheduled between them (4 ranks on 2 cores) showed its first rejection for a
+    moment: a closing rank read it as a rejection apart, freed nothing, and the others' frees
+    waited for it for good. Rank 1 is made slow between the writes."""
+    import time
+
+    world = commlib.init()
+    spare = world.split(0)
+    if world.rank == 1:
+        board = spare._run.board
+        fast = board.reject
+
+        def slow(seq, op, reason, alone):
+            if alone:
+                board._mine_mv[4] = seq
+                time.sleep(0.3)
+            fast(seq, op, reason, alone)
+
+        board.reject = slow
+    x = np.ones(3, np.complex64)
+    for op in ("max", "min"):
+        try:
+            spare.allreduce(x, op=op)
+        except commlib.ValidationError:
+            pass
+        else:
+            raise AssertionError(f"{op} of complex numbers was taken")
+    spare.close()
+    assert float(world.allreduce(np.ones(1))[0]) == world.size
+
+
 #: what a case keeps alive until the interpreter exits
 _KEPT: list = []
 
 
 CASES = {f.__name__: f for f in (store, syncswitch_asp, jax_results_held, horovod_ends_with_a_collective,
-                                  rejected_broadcast_at_the_end, forked_child_exits, dropped_on_one_rank)}
+                                  rejected_broadcast_at_the_end, forked_child_exits, dropped_on_one_rank,
+                                  closed_after_alike_rejections)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]]()

@@ -7,7 +7,7 @@
   around (circular), so that local steps see all of the data.
 * :class:`DataInjector`: for non-IID data, a fraction ``alpha`` of the ranks
   share a fraction ``beta`` of their batch with every other rank by real
-  point-to-point MPI messages; the local batch is shrunk to
+  commlib's collectives (one agreement, then an allgatherv); the local batch is shrunk to
   ``b' = b / (1 + alpha * beta * N)`` (:func:`injected_batch_size`, SelSync's rule), so
   that the batch after the exchange, ``b'`` and ``round(beta * b')`` from each other sharer,
   stays near ``b`` (64 at 4 ranks, alpha = beta = 0.75: 20, then 50 on a sharer and 65
@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -42,7 +43,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 import commlib
-from commlib import Communicator, split_counts
+from commlib import Communicator, ValidationError, split_counts
 from commlib.side import side_comm
 
 T = TypeVar("T")
@@ -290,14 +291,16 @@ class DataInjector:
 
     Each step ``sharers(step)`` picks ``round(alpha * size)`` ranks (the same on
     every rank: a seeded draw per step); a sharer sends the first
-    ``round(beta * len(batch))`` samples of its local batch to every other
-    rank (``Isend``), and every rank receives from every other sharer
-    (``Probe`` + ``Recv``, so a shorter last batch works).  A rank's batch
-    after :meth:`exchange` is its own, then the shared samples in rank order.
-    Construct it on every rank (it duplicates ``mpi_comm``, a collective).
+    ``round(beta * len(batch))`` samples of its local batch to every other rank
+    (a shorter last batch works).  A rank's batch after :meth:`exchange` is its
+    own, then the shared samples in rank order.  Every rank calls :meth:`exchange`
+    at the same step with arrays of the same dtypes and sample shapes (checked:
+    the same ``ValidationError`` on every rank otherwise); it runs over commlib's
+    communicator, so a rank that does not come (uneven data, an exception) is
+    named at once or at the timeout, as in any operation.
 
-    ``comm``: a :class:`commlib.Communicator` (its ``mpi_comm`` is used) or
-    an mpi4py communicator.
+    ``comm``: a :class:`commlib.Communicator`, or an mpi4py communicator (a
+    Communicator is made of it: a collective, and :meth:`close` closes it).
 
     Example:
         >>> inj = DataInjector(comm, alpha=0.75, beta=0.75, seed=0)
@@ -305,14 +308,14 @@ class DataInjector:
         >>> x, y = inj.exchange(step, x_local, y_local)     # 4 ranks: 50 or 65 samples
     """
 
-    TAG = 0x5E5
-
     def __init__(self, comm: Any, alpha: float, beta: float, seed: int = 0):
         if not 0.0 <= alpha <= 1.0 or not 0.0 <= beta <= 1.0:
             raise ValueError(f"alpha {alpha!r}, beta {beta!r}: expected fractions in [0, 1]")
-        mpi = comm.mpi_comm if isinstance(comm, Communicator) else comm
-        self._p2p = mpi.Dup()
-        self.rank, self.size = self._p2p.rank, self._p2p.size
+        self._own = not isinstance(comm, Communicator)
+        if self._own:
+            comm = commlib.init(comm=comm)
+        self.comm: Communicator = comm
+        self.rank, self.size = comm.rank, comm.size
         self.alpha, self.beta, self.seed = float(alpha), float(beta), int(seed)
         self.count = int(round(self.alpha * self.size))
         self.stats = {"sent_samples": 0, "received_samples": 0, "bytes_sent": 0}
@@ -329,45 +332,52 @@ class DataInjector:
         """Exchange the shared part of this step's batch; return the grown arrays.
 
         ``arrays``: the local batch's arrays (e.g. inputs and labels), numpy,
-        all with the same first dimension; received samples are appended.
+        all with the same first dimension; received samples are appended.  One
+        small agreement (step, dtypes, sample shapes, counts), then one
+        ``allgatherv`` per array of the sharers' samples as bytes.
         """
-        from mpi4py import MPI
-
-        if not arrays:
-            raise ValueError("exchange: give at least one array")
         arrays = tuple(np.ascontiguousarray(a) for a in arrays)
-        n = len(arrays[0])
-        if any(len(a) != n for a in arrays):
-            raise ValueError(f"exchange: arrays differ in length: {[len(a) for a in arrays]}")
-        sharers = self.sharers(step)
-        reqs = []
-        if self.rank in sharers:
-            m = self.shared_count(n)
-            for peer in range(self.size):
-                if peer == self.rank:
-                    continue
-                for k, a in enumerate(arrays):
-                    reqs.append(self._p2p.Isend(a[:m], dest=peer, tag=self.TAG + k))
-                    self.stats["bytes_sent"] += a[:m].nbytes
+        n = len(arrays[0]) if arrays and arrays[0].ndim else 0
+        problem = ""
+        if not arrays or any(a.ndim == 0 for a in arrays):
+            problem = "give at least one array of samples"
+        elif any(len(a) != n for a in arrays):
+            problem = f"arrays differ in length: {[len(a) for a in arrays]}"
+        elif any(a.dtype.hasobject for a in arrays):
+            problem = "object arrays cannot be sent"
+        m = self.shared_count(n) if self.rank in self.sharers(step) and not problem else 0
+        layout = [(a.dtype.str, a.shape[1:]) for a in arrays]
+        table = self.comm.allgather_object((problem, int(step), layout, m), label="DataInjector.exchange")
+        problems = [f"rank {r}: {p}" for r, (p, *_) in enumerate(table) if p]
+        if not problems:
+            first = table[0][1:3]
+            problems = [f"rank {r} exchanges step {st} with arrays {lay}, rank 0 step {first[0]} with "
+                        f"{first[1]}" for r, (_, st, lay, _) in enumerate(table) if (st, lay) != first]
+        if problems:        # every rank read the same table: every rank raises alike
+            raise ValidationError("DataInjector.exchange: " + "; ".join(problems))
+        counts = [row[3] for row in table]
+        if m:
             self.stats["sent_samples"] += m * (self.size - 1)
-        received: list[list[np.ndarray]] = [[] for _ in arrays]
-        status = MPI.Status()
-        for src in sharers:
-            if src == self.rank:
-                continue
-            for k, a in enumerate(arrays):
-                self._p2p.Probe(source=src, tag=self.TAG + k, status=status)
-                per_sample = int(np.prod(a.shape[1:], dtype=np.int64))
-                count = status.Get_count(MPI.BYTE) // (a.itemsize * max(per_sample, 1))
-                buf = np.empty((count, *a.shape[1:]), a.dtype)
-                self._p2p.Recv(buf, source=src, tag=self.TAG + k)
-                received[k].append(buf)
-            self.stats["received_samples"] += len(received[0][-1])
-        MPI.Request.Waitall(reqs)
-        return tuple(np.concatenate([a, *r]) if r else a for a, r in zip(arrays, received))
+            self.stats["bytes_sent"] += sum(a[:m].nbytes for a in arrays) * (self.size - 1)
+        if not any(counts):         # nobody shares (every rank knows): nothing moves
+            return arrays
+        grown = []
+        for a in arrays:
+            per = a.dtype.itemsize * math.prod(a.shape[1:])        # bytes a sample
+            sizes = [c * per for c in counts]
+            padded = [-(-b // 4) * 4 for b in sizes]                # as int32: a dtype MPI moves
+            mine = np.zeros(padded[self.rank], np.uint8)
+            mine[:sizes[self.rank]] = a[:m].reshape(-1).view(np.uint8)
+            flat = self.comm.allgatherv(mine.view(np.int32), [p // 4 for p in padded]).view(np.uint8)
+            offsets = np.cumsum([0, *padded])
+            got = [flat[offsets[r]:offsets[r] + sizes[r]].view(a.dtype).reshape(counts[r], *a.shape[1:])
+                   for r in range(self.size) if r != self.rank and counts[r]]
+            grown.append(np.concatenate([a, *got]))
+        self.stats["received_samples"] += sum(c for r, c in enumerate(counts) if r != self.rank)
+        return tuple(grown)
 
     def close(self) -> None:
-        """Free the duplicated communicator (collective)."""
-        if self._p2p is not None:
-            self._p2p.Free()
-            self._p2p = None
+        """Close the communicator made of an mpi4py one (collective); nothing for a Communicator."""
+        if self._own:
+            self.comm.close()
+            self._own = False

@@ -446,6 +446,7 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
             for i in self._unused.indices:
                 self._params[i].grad = self._grad_views[i]
         self._running_stats.sync(self._stats_root())     # before DeAR's all-gathers: none in flight
+        self._updates[0] = 1
         self._after_update()
         if self.strategy.syncs_optimizer_state():
             self._average_optimizer_state()     # SelSync: momentum agrees with the averaged parameters

@@ -438,6 +438,7 @@ class TrainingLoop:
 
     def _close_skipped_step(self) -> None:
         """A step whose update was skipped (GradScaler found inf): the strategy's step ends all the same."""
+        self._updates[1] = 1
         self._after_update()
         self._end_step()
 

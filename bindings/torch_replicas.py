@@ -50,6 +50,9 @@ class ReplicaLoads:
         self._loads_to_check = [False, False]
         #: whether this rank was one that loaded, at those agreements
         self._loaded_here = [False, False]
+        #: since the last agreement: whether this rank updated in step(), and whether it ended a
+        #: step without one (zero_grad() after backward(), no step())
+        self._updates = [0, 0]
 
     def _model_loading(self, *_: Any) -> None:
         """``model.load_state_dict()`` is about to run (a pre-hook of the model's modules): what is
@@ -62,8 +65,9 @@ class ReplicaLoads:
         self._loads[_OPTIMIZER] = 1
 
     def _load_flags(self) -> list[int]:
-        """What rides on the step's agreement (a max over ranks): per kind, whether this rank loaded."""
-        return list(self._loads)
+        """What rides on the step's agreement (a max over ranks): per kind, whether this rank loaded;
+        whether it updated, and whether it skipped an update, since the last agreement."""
+        return [*self._loads, *self._updates]
 
     def _agree_loads(self, agreed: np.ndarray | None) -> None:
         """The max over ranks of :meth:`_load_flags` (``None``: a local step agreed nothing).  Not
@@ -71,6 +75,14 @@ class ReplicaLoads:
         there they differ without any load."""
         if agreed is None:
             return
+        updated, skipped = (bool(v) for v in agreed[2:4])
+        self._updates = [0, 0]
+        if updated and skipped and not self.strategy.updates_parameters:
+            self._loads = [0, 0]
+            raise RuntimeError("DistributedOptimizer: at the last step some ranks updated and others "
+                               "skipped step() (zero_grad() after backward() without step()): the replicas "
+                               "differ now (DDP's would, silently). Decide a skip on a value every rank "
+                               "agrees on (an averaged loss, or a GradScaler: every rank skips alike)")
         if not self.strategy.updates_parameters:
             for k in (_MODEL, _OPTIMIZER):
                 if agreed[k]:

@@ -114,3 +114,27 @@ def test_add_param_group_after_a_step_grad_scaler_skipped(comm, strategy):
 
     np.testing.assert_allclose(run(True), run(False), rtol=1e-12, atol=1e-14)
     run(True, hand_over=False)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("strategy", ["allreduce", "dear", "sparse-dense"])
+def test_a_step_skipped_on_one_rank_alone_raises_on_every_rank(comm, strategy):
+    """Rank 0 decides alone to skip a step (zero_grad() after backward(), no step()) while the others
+    update: the replicas differed silently (DeAR: equal on every rank and wrong, rank 0's shard
+    not updated, then gathered everywhere). The next backward raises the same error on every
+    rank; a skip every rank makes alike goes on."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3).double()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                               strategy=STRATEGIES[strategy](), comm=comm)
+    for step in range(4):
+        x, y = batch_with_an_inf(comm, step, False, True)
+        opt.zero_grad()
+        if step == 3:
+            with pytest.raises(RuntimeError, match="some ranks updated and others skipped step"):
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            break
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if not (step == 2 and comm.rank == 0) and step != 1:     # step 1: every rank skips alike
+            opt.step()
+    opt.close()

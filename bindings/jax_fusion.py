@@ -93,9 +93,13 @@ class Plan:
         import jax.numpy as jnp
 
         bucket = self.buckets[b]
-        dtype, sh = numpy_dtype(bucket.dtype), bucket.shard(rank)
+        pieces = sorted(bucket.pieces(rank), key=lambda p: p[2].start)
+        # the leaves' own dtype (an optimizer state kept wider than bfloat16 parameters: optax's
+        # mu_dtype=float32 stays float32), else the bucket's
+        dtype = jnp.result_type(*(leaves[i] for i, _, _ in pieces)) if pieces else numpy_dtype(bucket.dtype)
+        sh = bucket.shard(rank)
         parts, at = [], sh.start
-        for i, flat, piece in sorted(bucket.pieces(rank), key=lambda p: p[2].start):
+        for i, flat, piece in pieces:
             if piece.start > at:
                 parts.append(jnp.zeros(piece.start - at, dtype))
             parts.append(jnp.ravel(leaves[i])[flat].astype(dtype))

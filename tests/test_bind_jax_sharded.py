@@ -324,3 +324,20 @@ def test_sharded_optimizer_refuses_what_is_not_elementwise(name):
                optax.chain(optax.clip(1.0), optax.sgd(0.1, momentum=0.9, nesterov=True)),
                optax.chain(optax.zero_nans(), optax.adam(1e-3))):
         sharded_optimizer(ok, strategy=DeAR())
+
+
+def test_a_state_wider_than_bfloat16_parameters_is_sharded_unrounded(comm):
+    """optax's mixed precision (bfloat16 parameters, ``adam(mu_dtype=float32)``): ``shard_state``
+    cut each part in the parameters' dtype and cast it back, so a resumed first moment was rounded
+    to bfloat16 (1 + 2**-20 came back 1.0; a resume 4e-4 off the run that went on)."""
+    start = jax.tree_util.tree_map(lambda x: x.astype(jax.numpy.bfloat16),
+                                   broadcast_params(init_params(comm.rank), comm=comm))
+    tx = sharded_optimizer(optax.adam(1e-3, mu_dtype=jax.numpy.float32), comm=comm,
+                           strategy=DeAR(cap_mb=SMALL))
+    whole = tx.whole_state(tx.init(start), start)
+    fine = jax.tree_util.tree_map(lambda m: jax.numpy.full(m.shape, 1 + 2.0 ** -20, m.dtype), whole[0].mu)
+    whole = (whole[0]._replace(mu=fine), *whole[1:])
+    again = tx.whole_state(tx.shard_state(whole, start), start)
+    for a, b in zip(jax.tree_util.tree_leaves(again[0].mu), jax.tree_util.tree_leaves(fine)):
+        assert a.dtype == jax.numpy.float32
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

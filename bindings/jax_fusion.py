@@ -13,9 +13,10 @@ import jax
 import numpy as np
 
 import commlib
-from commlib.arrays import HOST_RESULTS, INEXACT_DTYPES, is_tracer, numpy_dtype
+from commlib.arrays import INEXACT_DTYPES, is_tracer, numpy_dtype
 from commlib.collectives import TensorSpec, plan_buckets
 from commlib.collectives.buckets import Bucket
+from commlib.host_results import HOST_RESULTS
 from commlib.ops import agree, digest
 
 from .jax_global import summed_over_shards

@@ -10,12 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import HOST_RESULTS, View, as_view, host_alias, host_alias_result, host_pair, mark_written
+from .arrays import View, as_view, host_alias, host_alias_result, host_pair, mark_written
 from .backends.base import Backend, Pending, split_counts
 from .config import Config
 from .control import Control
 from .device import CallerStream
 from .errors import ValidationError
+from .host_results import HOST_RESULTS
 from .ops import Op, check_reduce_op, fingerprint, out_buffer, reduce_op_ok
 from .runner import Runner
 from .work import Work

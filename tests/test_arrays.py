@@ -58,7 +58,7 @@ def test_host_results_are_reused_only_when_no_caller_holds_them():
     """``HostResults``: a result is handed out again only after every reference to it is gone (a
     view, a reshape, a memoryview or a DLPack capsule made from it holds it); below 64 KiB, new
     arrays."""
-    from commlib.arrays import HostResults
+    from commlib.host_results import HostResults
 
     pool = HostResults()
     shape = (1 << 16,)                                      # 256 KiB of float32: pooled
@@ -90,7 +90,7 @@ def test_host_results_make_room_for_new_shapes():
     256 MiB with buffers of shapes that never came back, pinned for good, and every new shape went
     unpooled; a new shape now takes the room of idle buffers of the least recently used shapes,
     never of a buffer a caller holds."""
-    from commlib.arrays import HostResults
+    from commlib.host_results import HostResults
 
     pool = HostResults()
     pool.TOTAL_BYTES = 4 << 20                  # small: the shapes below (64 KiB to 2.4 MiB) overflow it

@@ -25,6 +25,7 @@ sends float32/float64 device arrays here.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import struct
 import threading
 from pathlib import Path
@@ -57,14 +58,18 @@ _TAKE_COUNTERS = 8 + _FINE
 _KEY_FORMATS = {4: (struct.Struct("<f"), struct.Struct("<I")), 8: (struct.Struct("<d"), struct.Struct("<Q"))}
 #: by itemsize: the float format's largest finite value
 _LARGEST = {4: float(np.finfo(np.float32).max), 8: float(np.finfo(np.float64).max)}
-#: the kernels of the CUDA source
-_KERNELS = ("scan_select", "take_boundary", "take_cut")
+#: the kernels of the CUDA source and their parameters' types (:class:`_Launch`'s codes; ``T``:
+#: the kernel's dtype)
+_KERNELS = {"scan_select": "PqTffiiqPPPP", "take_boundary": "PPqffiiqqqQiPPP", "take_cut": "PqqqQiPP"}
+#: a kernel parameter's ctypes type by code (``P``: a device pointer)
+_CTYPES = {"P": ctypes.c_void_p, "q": ctypes.c_int64, "Q": ctypes.c_uint64, "i": ctypes.c_int32,
+           "f": ctypes.c_float, "d": ctypes.c_double}
 #: the kernels' CUDA source (shipped beside this module)
 _CUDA_FILE = Path(__file__).with_name("gpu_select.cu")
 #: by device: the compiled module and the device's multiprocessor count
 _GPU_MODULES: dict[int, tuple[Any, int]] = {}
-#: by (device, kernel, dtype): the kernel and the device's multiprocessor count
-_GPU_KERNELS: dict[tuple[int, str, str], tuple[Any, int]] = {}
+#: by (device, kernel, dtype): the kernel's launch and the device's multiprocessor count
+_GPU_KERNELS: dict[tuple[int, str, str], tuple[_Launch, int]] = {}
 #: capacity of the candidate buffers, by partition size (grown when a scan keeps more)
 _GPU_CAPACITY: dict[int, int] = {}
 #: each thread's page-locked buffer for the scan's counts (:func:`_pinned_counts`)
@@ -91,7 +96,32 @@ def gpu_source() -> str:
             + _CUDA_FILE.read_text())
 
 
-def _gpu_kernel(xp: Any, name: str, dtype: str) -> tuple[Any, int]:
+class _Launch:
+    """One compiled kernel, launched through the driver (``cuLaunchKernel``) from parameter slots
+    made once: a launch sets the slots' values and passes their addresses.  cupy's own launch
+    converts each argument anew (the H200 host's cProfile put the scan's launch at 28 us and the
+    take's two at 33).  ``codes``: the parameters' types (:data:`_CTYPES`); array arguments are
+    given as device addresses (``a.data.ptr``).  The driver copies the values at the launch, so the
+    slots serve the next one at once; a lock keeps two threads' values apart."""
+
+    def __init__(self, function_ptr: int, codes: str):
+        self._fn = function_ptr
+        self._slots = tuple(_CTYPES[c]() for c in codes)
+        self._params = (ctypes.c_void_p * len(codes))(*(ctypes.addressof(v) for v in self._slots))
+        self._params_at = ctypes.addressof(self._params)
+        self._lock = threading.Lock()
+
+    def __call__(self, xp: Any, blocks: int, threads: int, args: tuple, shared_mem: int = 0) -> None:
+        """Queue the kernel on the current stream with ``args`` (one per parameter, in order)."""
+        stream = xp.cuda.get_current_stream().ptr
+        with self._lock:
+            for slot, value in zip(self._slots, args, strict=True):
+                slot.value = value
+            xp.cuda.driver.launchKernel(self._fn, blocks, 1, 1, threads, 1, 1, shared_mem, stream,
+                                        self._params_at, 0)
+
+
+def _gpu_kernel(xp: Any, name: str, dtype: str) -> tuple[_Launch, int]:
     """Kernel ``name`` (one of :data:`_KERNELS`) for ``dtype`` (a type character of
     :data:`GPU_TYPES`) on the current device, and
     the device's multiprocessor count (compiled once per device, looked up once per kernel)."""
@@ -104,14 +134,15 @@ def _gpu_kernel(xp: Any, name: str, dtype: str) -> tuple[Any, int]:
             mod = xp.RawModule(code=gpu_source(), options=("-std=c++14",), name_expressions=names)
             sms = int(xp.cuda.Device(dev).attributes["MultiProcessorCount"])
             module = _GPU_MODULES[dev] = (mod, sms)
-        entry = (module[0].get_function(f"{name}<{GPU_TYPES[dtype]}>"), module[1])
+        function = module[0].get_function(f"{name}<{GPU_TYPES[dtype]}>").kernel
+        entry = (_Launch(function.ptr, _KERNELS[name].replace("T", dtype)), module[1])
         _GPU_KERNELS[(dev, name, dtype)] = entry
     return entry
 
 
-def _grid(sms: int, n: int, per_block: int) -> tuple[int]:
+def _grid(sms: int, n: int, per_block: int) -> int:
     """Blocks for ``n`` elements, ``per_block`` a block each round: at most 8 per multiprocessor."""
-    return (max(1, min(sms * 8, -(-n // per_block))),)
+    return max(1, min(sms * 8, -(-n // per_block)))
 
 
 def _on_device(xp: Any, a: Any) -> Any:
@@ -170,18 +201,17 @@ def queue_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, 
     kernel, sms = _gpu_kernel(xp, "scan_select", seg.dtype.char)
     n = int(seg.size)
     grid = _grid(sms, n, per_block)
-    if n > _MAX_ROUNDS * grid[0] * per_block:
+    if n > _MAX_ROUNDS * grid * per_block:
         raise ValueError(f"{n} elements are more than the GPU scan's {_MAX_ROUNDS} rounds of "
-                         f"{grid[0]} blocks cover")
+                         f"{grid} blocks cover")
     pos = xp.empty(cap, xp.int64)
     mag = xp.empty(cap, seg.dtype)
     scratch = _scratch(xp, points)
     head, work = scratch[:2 + points], scratch[2 + points:2 + points + _TAKE_COUNTERS]
     counts = scratch[2 + points + _TAKE_COUNTERS:]
-    kernel(grid, (_THREADS,),
-           (seg, np.int64(n), seg.dtype.type(floor), np.float32(floor), np.float32(resolution),
-            np.int32(points), np.int32(store_from), np.int64(cap), pos, mag, head, counts),
-           shared_mem=4 * hist_words)
+    kernel(xp, grid, _THREADS,
+           (seg.data.ptr, n, floor, floor, resolution, points, store_from, cap, pos.data.ptr,
+            mag.data.ptr, head.data.ptr, counts.data.ptr), shared_mem=4 * hist_words)
     return pos, mag, counts, work
 
 
@@ -205,15 +235,13 @@ def queue_take(xp: Any, pos: Any, mags: Any, floor: float, resolution: float, po
     stage = xp.empty(4 * n_at if select else 1, xp.int64)
     m = int(pos.size)
     base, shift = _fine_buckets(mags.dtype, floor, resolution, points, j)
-    kernel(_grid(sms, m, _TAKE_THREADS), (_TAKE_THREADS,),
-           (pos, mags, np.int64(m), np.float32(floor), np.float32(resolution), np.int32(points),
-            np.int32(j), np.int64(take), np.int64(n_at), np.int64(n_above), np.uint64(base),
-            np.int32(shift), out, stage, work))
+    kernel(xp, _grid(sms, m, _TAKE_THREADS), _TAKE_THREADS,
+           (pos.data.ptr, mags.data.ptr, m, floor, resolution, points, j, take, n_at, n_above, base,
+            shift, out.data.ptr, stage.data.ptr, work.data.ptr))
     if select:
         cut, _ = _gpu_kernel(xp, "take_cut", mags.dtype.char)
-        cut(_grid(sms, n_at, _TAKE_THREADS), (_TAKE_THREADS,),
-            (stage, np.int64(n_at), np.int64(take), np.int64(n_above), np.uint64(base),
-             np.int32(shift), out, work))
+        cut(xp, _grid(sms, n_at, _TAKE_THREADS), _TAKE_THREADS,
+            (stage.data.ptr, n_at, take, n_above, base, shift, out.data.ptr, work.data.ptr))
     return out
 
 

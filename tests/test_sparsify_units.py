@@ -225,6 +225,25 @@ def test_fine_buckets_take_the_formats_bits(dtype):
                 assert shift == 0 or (hi - lo) >> (shift - 1) >= _FINE   # and no coarser than that
 
 
+def test_gpu_launch_codes_are_the_kernels_parameters():
+    """The driver launch packs each kernel's arguments by its codes (gpu_select._KERNELS): they
+    must be the parameter types of the kernel in the CUDA source, in order (a wrong width would
+    shift every later argument; this runs without a GPU)."""
+    import re
+
+    from commlib.sparsify.gpu_select import _KERNELS, gpu_source
+
+    code_of = {"long long": "q", "unsigned long long": "Q", "int": "i", "float": "f", "T": "T"}
+    source = gpu_source()
+    for name, codes in _KERNELS.items():
+        found = re.search(r"__global__ void(?: __launch_bounds__\([^)]*\))?\s+" + name + r"\(([^)]*)\)",
+                          source)
+        assert found, name
+        params = [" ".join(p.replace("__restrict__", "").split()) for p in found.group(1).split(",")]
+        types = [p.rsplit(" ", 1)[0].removeprefix("const ") for p in params]
+        assert "".join("P" if t.endswith("*") else code_of[t] for t in types) == codes, (name, types)
+
+
 def test_initial_estimate_from_samples():
     rng = np.random.default_rng(0)
     parts = [rng.laplace(scale=s, size=50_000).astype(np.float32) for s in (1.0, 2.0, 0.5, 4.0)]

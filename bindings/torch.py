@@ -306,6 +306,7 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
         s.setup(self.comm, self.buckets, self._flat_params, self._flat_grads,
                 self._shard_grads if s.needs_shard_grads else None, broadcast=broadcast)
         self._make_update_side(s.sharded)
+        self._note_grad_versions()
 
     def _make_update_side(self, sharded: bool) -> None:
         """``.grad``'s views of the buckets and what the update runs on: sharded, the shard optimizer
@@ -350,16 +351,25 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
     def _make_grad_hook(self, i: int) -> Any:
         @torch.compiler.disable     # called by autograd inside a compiled train step too: never traced
         def hook(p: torch.Tensor) -> None:
-            view = self._grad_views[i]
-            fresh = p.grad is not view
+            # autograd runs this hook also where the pass gave the parameter no gradient (a
+            # backward that returned None for it): then nothing was accumulated, and one
+            # process's .grad is as it was (None after model.zero_grad()), not a zero gradient
+            view, grad, b = self._grad_views[i], p.grad, self._bucket_of[i]
+            if grad is None:
+                return
+            fresh = grad is not view
             if fresh:
                 # .grad was set to None (model.zero_grad) and autograd made a new tensor
-                view.copy_(p.grad)
+                view.copy_(grad)
                 p.grad = view
+            if b >= 0:
+                version = self._flat_grads[b]._version      # an accumulation into a view moves it
+                if version == self._seen_versions[b] and not fresh:
+                    return
+                self._seen_versions[b] = version
             if not self._gradient_arrived(i, fresh):
                 return
             self._counts[i] += 1
-            b = self._bucket_of[i]
             if self._counts[i] == self.backward_passes_per_step and b >= 0:
                 self._bucket_need[b] -= 1
                 if self._bucket_need[b] == 0:
@@ -400,6 +410,7 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
             self._unused.zeroed()
         for g in self._flat_grads:
             g.zero_()
+        self._note_grad_versions()
         self._shards_settled(False)
         self._partial = False
         with torch._C.DisableTorchFunctionSubclass():     # parameters DeAR still gathers: .grad only

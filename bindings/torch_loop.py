@@ -75,6 +75,7 @@ class TrainingLoop:
     _retired_by: str
     _data_ptrs: list[int]
     _flat_grads: list[torch.Tensor]
+    _seen_versions: list[int]
     _shard_grads: list[torch.Tensor]
     _grad_views: list[torch.Tensor]
     _shard_norms: ShardNorms | None
@@ -227,7 +228,13 @@ class TrainingLoop:
         return ((not all(map(_REQUIRES_GRAD, params)) or any(map(_REQUIRES_GRAD, frozen)))
                 and (any(map(_REQUIRES_GRAD, params)) or any(map(_REQUIRES_GRAD, frozen))))
 
+    def _note_grad_versions(self) -> None:
+        """The buckets' gradient versions now: a gradient hook that finds its bucket's unchanged
+        had nothing accumulated (see ``_make_grad_hook``)."""
+        self._seen_versions = [g._version for g in self._flat_grads]
+
     def _end_step(self) -> None:
+        self._note_grad_versions()
         n = len(self._params)
         self._counts = [0] * n
         self._got = [False] * n
@@ -345,6 +352,7 @@ class TrainingLoop:
         """Launch what is left, wait for the strategy's reduction, agree on unused parameters."""
         if self._synced:
             return
+        gave_none = []             # model.zero_grad()'s None, and no gradient from this rank
         for i, got in enumerate(self._got):
             grad = self._params[i].grad
             if grad is not None and grad is not self._grad_views[i]:
@@ -355,6 +363,8 @@ class TrainingLoop:
                     self._take_assigned(i)
             elif not got:          # no gradient this step (.grad may hold a stale value): zeros
                 self._grad_views[i].zero_()
+                if grad is None:
+                    gave_none.append(i)
         for b in range(len(self.buckets)):
             if not self._signaled[b]:
                 self._signal(b)
@@ -367,6 +377,9 @@ class TrainingLoop:
         self._agree_loads(self._unused.find(self._params, self._reached, local, self.model,
                                             None if self._sharded else self._grad_views,
                                             also=self._load_flags()))
+        for i in gave_none:        # another rank gave one: this rank updates with the average too
+            if i not in self._unused.indices:
+                self._params[i].grad = self._grad_views[i]
         if self._sharded:
             self._settle_shards()
         self._synced = True

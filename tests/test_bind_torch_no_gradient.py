@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH, assert_same_on_every_rank
+from conftest import HAVE_TORCH, STRATEGIES, assert_same_on_every_rank
 
 pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 
@@ -23,7 +23,6 @@ if HAVE_TORCH:
     import torch
 
     from commlib.bindings.torch import DistributedOptimizer
-    from commlib.collectives import AllReduce, DeAR
 
     torch.set_num_threads(1)
 
@@ -42,8 +41,6 @@ if HAVE_TORCH:
 
 LOCAL = 4
 STEPS = 4
-STRATEGIES = {"allreduce": lambda: AllReduce(cap_mb=0.0002, first_cap_mb=0.0001),
-              "dear": lambda: DeAR(cap_mb=0.0002, first_cap_mb=0.0001)} if HAVE_TORCH else {}
 
 
 class Branches(torch.nn.Module if HAVE_TORCH else object):

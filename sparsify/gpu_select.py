@@ -74,7 +74,8 @@ _GPU_KERNELS: dict[tuple[int, str, str], tuple[_Launch, int]] = {}
 _GPU_CAPACITY: dict[int, int] = {}
 #: each thread's page-locked buffer for the scan's counts (:func:`_pinned_counts`)
 _PINNED = threading.local()
-#: each thread's device scratch by (device, stream, points) (:func:`_scratch`)
+#: each thread's device scratch by (device, stream, points) and take stages by (device, stream)
+#: (:func:`_scratch`, :func:`_stage`)
 _SCRATCH = threading.local()
 #: scratches a thread keeps (a thread that cycles through more streams makes new ones)
 _SCRATCH_KEPT = 16
@@ -161,22 +162,40 @@ def _pinned_counts(length: int) -> np.ndarray:
     return buf[:length]
 
 
-def _scratch(xp: Any, points: int) -> Any:
+def _scratch(xp: Any, points: int) -> tuple[Any, Any, Any]:
     """This thread's device scratch for a scan of ``points`` bins and its takes, on the current
-    device and stream: the scan's counters (``2 + points``), the take's (:data:`_TAKE_COUNTERS`),
-    then the scan's counts out (``1 + points``).  The counters are zeroed once, when the scratch
-    is made, and each kernel's last block leaves its own zeroed again (no memset before each
-    scan: it was 2 us of the H200's 63); a scratch is one stream's, so that kernels on two
-    streams never share counters."""
+    device and stream, as three views of one buffer: the scan's counters (``2 + points``), the
+    take's (:data:`_TAKE_COUNTERS`), then the scan's counts out (``1 + points``).  The counters
+    are zeroed once, when the scratch is made, and each kernel's last block leaves its own zeroed
+    again (no memset before each scan: it was 2 us of the H200's 63); a scratch is one stream's,
+    so that kernels on two streams never share counters."""
     cache = getattr(_SCRATCH, "by_key", None)
     if cache is None:
         cache = _SCRATCH.by_key = {}
     key = (current_device(), xp.cuda.get_current_stream().ptr, points)
-    buf = cache.get(key)
-    if buf is None:
+    views = cache.get(key)
+    if views is None:
         if len(cache) >= _SCRATCH_KEPT:
             cache.clear()
-        buf = cache[key] = xp.zeros(2 + points + _TAKE_COUNTERS + 1 + points, xp.uint64)
+        buf = xp.zeros(2 + points + _TAKE_COUNTERS + 1 + points, xp.uint64)
+        views = cache[key] = (buf[:2 + points], buf[2 + points:2 + points + _TAKE_COUNTERS],
+                              buf[2 + points + _TAKE_COUNTERS:])
+    return views
+
+
+def _stage(xp: Any, numel: int) -> Any:
+    """This thread's staging buffer for the take on the current device and stream: at least
+    ``numel`` int64, grown when a take needs more.  One serves every take of a stream: a take's
+    kernels run after the previous take's on that stream."""
+    cache = getattr(_SCRATCH, "stages", None)
+    if cache is None:
+        cache = _SCRATCH.stages = {}
+    key = (current_device(), xp.cuda.get_current_stream().ptr)
+    buf = cache.get(key)
+    if buf is None or buf.size < numel:
+        if buf is None and len(cache) >= _SCRATCH_KEPT:
+            cache.clear()
+        buf = cache[key] = xp.empty(max(numel, 2 * buf.size if buf is not None else 0), xp.int64)
     return buf
 
 
@@ -206,9 +225,7 @@ def queue_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, 
                          f"{grid} blocks cover")
     pos = xp.empty(cap, xp.int64)
     mag = xp.empty(cap, seg.dtype)
-    scratch = _scratch(xp, points)
-    head, work = scratch[:2 + points], scratch[2 + points:2 + points + _TAKE_COUNTERS]
-    counts = scratch[2 + points + _TAKE_COUNTERS:]
+    head, work, counts = _scratch(xp, points)
     kernel(xp, grid, _THREADS,
            (seg.data.ptr, n, floor, floor, resolution, points, store_from, cap, pos.data.ptr,
             mag.data.ptr, head.data.ptr, counts.data.ptr), shared_mem=4 * hist_words)
@@ -232,7 +249,7 @@ def queue_take(xp: Any, pos: Any, mags: Any, floor: float, resolution: float, po
     kernel, sms = _gpu_kernel(xp, "take_boundary", mags.dtype.char)
     select = 0 < take < n_at
     # the stage: bin j's positions and keys, then the cut's members' (take_cut's list)
-    stage = xp.empty(4 * n_at if select else 1, xp.int64)
+    stage = _stage(xp, 4 * n_at if select else 1)
     m = int(pos.size)
     base, shift = _fine_buckets(mags.dtype, floor, resolution, points, j)
     kernel(xp, _grid(sms, m, _TAKE_THREADS), _TAKE_THREADS,
@@ -272,7 +289,8 @@ def gpu_scan(xp: Any, seg: Any, floor: float, resolution: float, points: int, le
         >>> pos, mags, hist, work = gpu_scan(cupy, seg, 0.5, 32, 33, 41, 14)
     """
     n = int(seg.size)
-    seg = xp.ascontiguousarray(seg)
+    if not seg.flags.c_contiguous:
+        seg = xp.ascontiguousarray(seg)
     counts = _pinned_counts(1 + points)
     with _on_device(xp, seg):
         cap = _GPU_CAPACITY.get(n, max(1024, n // 256))

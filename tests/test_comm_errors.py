@@ -231,7 +231,7 @@ def test_a_peer_aborted_after_a_later_operation_lets_this_one_complete():
     """Rank 1 aborted after #2, so it left #1, whose part it did: a wait for #1 (the root of a
     broadcast still polling barrier #1 at 4 ranks on 2 cores) goes on (it raised CommAbortedError for
     an operation that completes), then gives up after the grace; a wait for #2 or later gives up at once."""
-    from commlib.runner import PASSED_ABORT_GRACE_S
+    from commlib.verdicts import PASSED_ABORT_GRACE_S
 
     c = fresh(timeout=60)
     c.barrier()

@@ -240,7 +240,7 @@ def closed_with_an_operation_in_flight() -> None:
                "rank 1 aborted the communicator after #1: allreduce #1 on rank 1 waits for ranks that "
                "will not call it: rank 0 is in rank 0's call")
         # at once: rank 1 never made the call, so its abort after a later operation is no sign
-        # that it passed the call (Runner.PASSED_ABORT_GRACE_S does not apply)
+        # that it passed the call (verdicts.PASSED_ABORT_GRACE_S does not apply)
         assert time.monotonic() - t0 < 1.5, f"{time.monotonic() - t0:.2f} s"
     assert time.monotonic() - t0 < 30, "must not wait for the timeout"
     report_and_end()

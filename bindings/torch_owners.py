@@ -35,7 +35,7 @@ def claim(p: torch.Tensor, opt: Any) -> None:
     Example:
         >>> claim(p, opt)
     """
-    _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(opt))
+    _OWNERS[id(p)] = (_dropped_with(p, _OWNERS), weakref.ref(opt))
 
 
 def driver_of(strategy: Any) -> Any:
@@ -56,4 +56,16 @@ def drive(strategy: Any, opt: Any) -> None:
     Example:
         >>> drive(opt.strategy, opt)
     """
-    _DRIVERS[id(strategy)] = (weakref.ref(strategy), weakref.ref(opt))
+    _DRIVERS[id(strategy)] = (_dropped_with(strategy, _DRIVERS), weakref.ref(opt))
+
+
+def _dropped_with(key: Any, table: dict[int, tuple[weakref.ref, weakref.ref]]) -> weakref.ref:
+    """A weak reference to ``key`` whose entry in ``table`` goes when ``key`` does (an entry for a
+    newer object at the same id stays)."""
+    at = id(key)
+
+    def forget(ref: weakref.ref) -> None:
+        entry = table.get(at)
+        if entry is not None and entry[0] is ref:
+            del table[at]
+    return weakref.ref(key, forget)

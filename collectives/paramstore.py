@@ -442,6 +442,11 @@ class ParamStore:
         return float(out[0])
 
     # ------------------------------------------------------------------ end
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (the windows are freed)."""
+        return self._closed
+
     def close(self) -> None:
         """Collective: complete everything and free the windows (a :class:`Communicator` it was
         made over does this when it closes, at interpreter exit too)."""

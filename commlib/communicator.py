@@ -20,9 +20,13 @@ from .tracing import Tracer
 
 
 class Closable(Protocol):
-    """What :meth:`Communicator.close_with` takes: a collective ``close()``, a no-op when repeated."""
+    """What :meth:`Communicator.close_with` takes: a collective ``close()``, a no-op when repeated,
+    and whether it has run."""
 
     def close(self) -> None: ...
+
+    @property
+    def closed(self) -> bool: ...
 
 
 class Communicator(CommunicatorOps):
@@ -296,6 +300,8 @@ class Communicator(CommunicatorOps):
             >>> comm.close()                        # closes the store, then the communicator
         """
         self._run.check_alive()
+        # those closed by their owner since go (a Sync-Switch wrapped again and again: one store each)
+        self._resources = [r for r in self._resources if not r.closed]
         self._resources.append(resource)
 
     def __enter__(self) -> "Communicator":

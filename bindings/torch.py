@@ -443,6 +443,7 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
         args, kwargs = self._pre_step_hooks(None if self._sharded else evaluate)
         if self._sharded:
             self._reduce()          # done when backward returned, unless passes are missing
+            self._adopt_assigned()
             with self._scaled_hyperparameters():
                 self._update_shards()
             self._partial = not self._gathered and self.comm.size > 1     # see _before_accumulate

@@ -397,6 +397,18 @@ class TrainingLoop:
         p.grad = view
         self._got[i] = self._reached[i] = True
 
+    def _adopt_assigned(self) -> None:
+        """Sharded strategies, once the gradients are averaged: a ``.grad`` assigned since (``p.grad =
+        p.grad * s``, a tensor of the user's) into its bucket's view, which the shard update reads (it
+        read the average and ignored the assignment); not averaged again, as one process, DDP or a
+        whole-gradient strategy steps with the ``.grad`` it finds."""
+        views = self._grad_views
+        for i, p in enumerate(self._params):
+            grad = p.grad
+            if grad is not None and grad is not views[i]:
+                views[i].copy_(grad)
+                p.grad = views[i]
+
     def _settle_shards(self) -> None:
         """Sharded strategies: the reduced shard into ``.grad``'s positions (the update reads
         them there), and a non-finite gradient on any rank made non-finite everywhere.  The

@@ -12,7 +12,7 @@ import copy
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH, rank_part
+from conftest import HAVE_TORCH, assert_same_on_every_rank, rank_part
 from conftest import STRATEGIES as LOOP_STRATEGIES
 from torch_reference import (
     LOCAL,
@@ -370,3 +370,33 @@ def test_dropped_models_leave_no_owner_entries(comm):
         wrap_and_drop()
     gc.collect()
     assert (len(torch_owners._OWNERS), len(torch_owners._DRIVERS)) <= before
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("assign", ["scaled", "constant"])
+@pytest.mark.parametrize("name", list(LOOP_STRATEGIES))
+def test_a_grad_assigned_after_backward_is_what_the_update_reads(comm, name, assign):
+    """``p.grad = p.grad * 0.5`` (or a tensor of the user's) between ``backward()`` and ``step()``:
+    one process, DDP and AllReduce step with it; DeAR's shard update read the averaged gradient and
+    ignored the assignment (the whole gradient applied, not half: 0.11 off)."""
+    def run(dist: bool) -> np.ndarray:
+        model = make_model(comm.rank if dist else 0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if dist:
+            opt = DistributedOptimizer(opt, model, strategy=LOOP_STRATEGIES[name](), comm=comm,
+                                       find_unused_parameters=True)
+        for step in range(3):
+            x, y = batch(step, comm.size)
+            part = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL) if dist else slice(None)
+            opt.zero_grad()
+            loss_fn(model, x[part], y[part]).backward()
+            w = model.fc2.weight
+            w.grad = w.grad * 0.5 if assign == "scaled" else torch.full_like(w, 0.25)
+            opt.step()
+        if dist:
+            opt.flush()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+
+    vec = run(True)
+    assert_same_on_every_rank(comm, vec)
+    np.testing.assert_allclose(vec, run(False), rtol=2e-5, atol=2e-6)

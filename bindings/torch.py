@@ -403,7 +403,9 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buckets (``.grad`` stays a view of its bucket).  With ``set_to_none``,
         a parameter that then gets no gradient on any rank is left out of the update (one process's
-        ``.grad`` is ``None``); without, it is updated with a zero gradient, as in one process."""
+        ``.grad`` is ``None``); without, it is updated with a zero gradient, as in one process, while
+        it trains (one frozen since, whose ``.grad`` one process would keep at zero and go on
+        updating, is left out: see :meth:`replan`)."""
         if self._synced:         # GradScaler skipped the last step(): close it
             self._close_skipped_step()
         if set_to_none:          # one process's .grad would be None until a gradient arrives
@@ -482,7 +484,9 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
         strategies).  The first training forward after a change of ``requires_grad`` calls it
         (gradual unfreezing): a parameter that starts training is averaged from then on, and one
         that stops is left out of the update (its ``.grad`` is ``None``, as after ``zero_grad()``
-        in one process; its optimizer state stays, as in one process).
+        in one process; its optimizer state stays, as in one process).  One process zeroing with
+        ``set_to_none=False`` would keep its zero ``.grad`` and go on moving it by momentum and
+        weight decay: left out here all the same (not reproduced).
 
         Example:
             >>> model.backbone.requires_grad_(True)     # the next forward re-plans on every rank

@@ -121,13 +121,24 @@ class GradientSync:
                                                     # with this object, it went whenever each rank's GC ran)
         return self._jit_comm
 
-    def _checked(self, plan: Plan, comm: commlib.Communicator) -> None:
-        if not plan.agreed or self.check == "always":
-            try:
-                agree_plan(comm, plan, "GradientSync", settings=repr(self.strategy))
-            except commlib.CommlibError:
-                self._drop(plan)
-                raise
+    def _checked(self, plan: Plan, comm: commlib.Communicator, problem: str | None = None) -> None:
+        """Before a call's first collective, on every rank: one all-gather of a few words compares
+        the tree's digest, whether this rank has a ``problem`` with it (a tree other than the one an
+        optimizer was made for) and whether it was agreed before; where any of that differs, or it
+        is new, :func:`agree_plan` on every rank (its error names the ranks and what differs).  A
+        tree that changed on one rank after its first call raised there alone, while the peers
+        trusted their cached plan and paired their all-reduce with its agreement (garbage of
+        1e218 in their parameters, no error)."""
+        row = np.array([plan.error is None and problem is None,
+                        plan.agreed and self.check != "always", *plan.digest], np.int64)
+        table = np.asarray(comm.allgather(row, tag="GradientSync-check")).reshape(comm.size, -1)
+        if bool((table == table[0]).all()) and table[0, 0] and table[0, 1]:
+            return
+        try:
+            agree_plan(comm, plan, "GradientSync", problem, settings=repr(self.strategy))
+        except commlib.CommlibError:
+            self._drop(plan)
+            raise
 
     def _drop(self, plan: Plan) -> None:
         for k, p in list(self._plans.items()):
@@ -146,18 +157,20 @@ class GradientSync:
     # ------------------------------------------------------------------ running
     def _run(self, plan: Plan, leaves: Sequence[Any],
              update: Callable[[list[np.ndarray]], None] | None = None,
-             comm: commlib.Communicator | None = None, into: Sequence[np.ndarray] | None = None
-             ) -> list[np.ndarray]:
+             comm: commlib.Communicator | None = None, into: Sequence[np.ndarray] | None = None,
+             problem: str | None = None) -> list[np.ndarray]:
         """Drive the strategy over ``plan``'s buckets filled from ``leaves``: :meth:`_begin`, then
-        :meth:`_finish` (``update``, ``comm``, ``into``: theirs; ``comm`` default ``self.comm``; the
-        jitted path passes its own)."""
+        :meth:`_finish` (``update``, ``comm``, ``into``, ``problem``: theirs; ``comm`` default
+        ``self.comm``; the jitted path passes its own)."""
         with self._lock:
-            self._begin(plan, leaves, comm if comm is not None else self.comm)
+            self._begin(plan, leaves, comm if comm is not None else self.comm, problem)
             return self._finish(plan, update, into)
 
-    def _begin(self, plan: Plan, leaves: Sequence[Any], comm: commlib.Communicator) -> None:
+    def _begin(self, plan: Plan, leaves: Sequence[Any], comm: commlib.Communicator,
+               problem: str | None = None) -> None:
         """The first half of a step: the buckets packed from ``leaves`` and launched over ``comm``; a
-        sharded strategy's averaged shards are in ``plan.shards`` when it returns."""
+        sharded strategy's averaged shards are in ``plan.shards`` when it returns.  ``problem``: this
+        rank's objection to the tree, raised on every rank by :meth:`_checked`."""
         s = self.strategy
         holder = _SET_UP_BY.get(s)
         holder = holder() if holder is not None else None
@@ -165,7 +178,7 @@ class GradientSync:
             raise ValueError(f"{s!r} serves another GradientSync (average_gradients) already: a sparse "
                              "strategy keeps the error feedback of the tree it averages, so give each "
                              "its own strategy object")
-        self._checked(plan, comm)
+        self._checked(plan, comm, problem)
         plan.allocate(s.sharded)
         self._last = plan
         try:
@@ -368,19 +381,23 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
         return ShardedState(inner.init(plan.shards_of(leaves, sync.comm.rank)), owned())
 
     def update_fn(updates: Any, state: ShardedState, params: Any = None) -> tuple[Any, ShardedState]:
+        # a problem with the trees goes to every rank through the step's tree check (raised here
+        # alone, it left the peers in the step's collectives until their timeout)
         plan, leaves, traced = planned(updates)
+        problem = None
         if digest and plan.digest != digest[0]:
-            raise ValidationError("sharded_optimizer: the gradient pytree differs from the parameters "
-                                  "given to init (structure, shapes or dtypes)")
+            problem = ("sharded_optimizer: the gradient pytree differs from the parameters given to "
+                       "init (structure, shapes or dtypes)")
         pleaves = None
         if params is not None:
             pplan, pleaves, ptraced = planned(params)
             traced = traced or ptraced
             if pplan.digest != plan.digest:
-                raise ValidationError("sharded_optimizer: params and gradients differ in structure, "
+                problem = problem or ("sharded_optimizer: params and gradients differ in structure, "
                                       "shapes or dtypes")
+                pleaves = None
         if traced:
-            return traced_update(plan, leaves, state, pleaves)
+            return traced_update(plan, leaves, state, pleaves, problem)
         owner = check_owner(state.owner, sync.comm)
         shard_params = None if pleaves is None else plan.shards_of(pleaves, sync.comm.rank)
         new_state: list[Any] = []
@@ -391,21 +408,29 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
             new_state.append(st)
             write_shards(plan, out)
 
-        arrays = sync._run(plan, leaves, update)
+        arrays = sync._run(plan, leaves, update, problem=problem)
         return (jax.tree_util.tree_unflatten(plan.treedef, plan.to_jax(arrays)),
                 ShardedState(new_state[0], owner))
 
     def traced_update(plan: Plan, leaves: list[Any], state: ShardedState,
-                      pleaves: list[Any] | None) -> tuple[Any, ShardedState]:
+                      pleaves: list[Any] | None, problem: str | None) -> tuple[Any, ShardedState]:
         """Inside ``jax.jit``: the reduce-scatter in one ordered callback (after the owner's check),
         ``inner.update`` traced on the shards (the parameters' taken in the traced code), the
         all-gather in another."""
         jit_comm = sync._comm_for_jit()
+        if problem is not None:     # the check raises on every rank; nothing past it is traced
+            def refuse(owner: np.ndarray, *gleaves: np.ndarray) -> list[np.ndarray]:
+                sync._begin(plan, gleaves, jit_comm, problem)
+                return [owner]
+
+            got = host_call(refuse, [jax.ShapeDtypeStruct((3,), np.int32)], state.owner, *leaves)
+            return (jax.tree_util.tree_unflatten(plan.treedef, list(leaves)),
+                    ShardedState(state.inner, got[0]))
         shard_types = [jax.ShapeDtypeStruct((bk.shard_numel,), numpy_dtype(bk.dtype)) for bk in plan.buckets]
 
         def begin(owner: np.ndarray, *gleaves: np.ndarray) -> list[np.ndarray]:
             owner = check_owner(owner, jit_comm)     # before any collective of the step
-            sync._begin(plan, gleaves, jit_comm)
+            sync._begin(plan, gleaves, jit_comm, problem)
             return [owner, *plan.shards]        # (copied into XLA's buffers)
 
         got = host_call(begin, [jax.ShapeDtypeStruct((3,), np.int32), *shard_types], state.owner, *leaves)

@@ -41,8 +41,9 @@ class GradientSync:
     ``AllReduce(cap_mb, first_cap_mb)``; give the caps to the strategy when
     you pass one).  A sharded strategy (``DeAR``) runs as a decoupled
     all-reduce: reduce-scatter (``avg``) of each bucket, then all-gather of
-    the averaged shards.  ``check``: ``"first"`` compares the tree over the
-    ranks when a structure is first seen, ``"always"`` on every call.
+    the averaged shards.  ``check``: ``"first"`` compares a digest of the tree
+    over the ranks on every call (a few words) and the whole tree when a structure is
+    first seen or differs, ``"always"`` the whole tree on every call.
 
     Calls reuse the bucket plan and the host buffers of the tree structure
     (the last ``16`` structures are kept).  Works on concrete arrays and,

@@ -339,12 +339,16 @@ class SyncSwitch(Strategy):
         self._compute_start = time.perf_counter()
 
     # ------------------------------------------------------------------ switching
-    def _switch(self, new: str) -> None:
+    def _switch(self, new: str, restoring: bool = False) -> None:
+        """Leave this phase for ``new`` on every rank.  ``restoring``: a load re-entering its
+        checkpoint's phase, which brings the switch's changes with it (the optimizer state as it
+        was after them, the scales): none is applied again (a momentum reset zeroed the loaded
+        momentum)."""
         if new not in PHASES:
             raise ValueError(f"policy chose phase {new!r}: expected one of {PHASES}")
         old = self.phase
         t0 = time.perf_counter()
-        changes = self.policy.changes(old, new, self.steps)
+        changes = {} if restoring else self.policy.changes(old, new, self.steps)
         if old == "bsp":
             self.bsp.flush()
             self._open_stores()
@@ -481,11 +485,11 @@ class SyncSwitch(Strategy):
             self.comm.allgather_object(None, label=LOADING)
         if self._live and self.phase != "bsp":      # a roll-back while asynchronous: every rank's pushes
             loaded = [p.copy() for p in self._np_params]     # land, then the loaded parameters stay
-            self._switch("bsp")
+            self._switch("bsp", restoring=True)
             for p, mine in zip(self._np_params, loaded):
                 np.copyto(p, mine)
         if self._live and state["phase"] != self.phase:
-            self._switch(state["phase"])            # an asynchronous phase: the stores take the parameters
+            self._switch(state["phase"], restoring=True)   # asynchronous: the stores take the parameters
             if saved is not None:       # then the store as saved: each rank's piece of its own
                 for store, values, p, b in zip(self.stores, saved, self._np_params, self.buckets):
                     full = p.copy()     # the padding as this world size has it

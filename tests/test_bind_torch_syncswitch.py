@@ -399,6 +399,41 @@ def test_each_rank_resumes_its_own_asp_checkpoint_as_the_run_continued(comm, bsp
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("bsp", ["allreduce", "dear"])
+def test_an_asp_checkpoint_keeps_its_momentum_where_the_switch_reset_it(comm, bsp):
+    """``OfflinePolicy(momentum="reset")`` zeroes the momentum at the switch to ASP; a checkpoint
+    taken two ASP steps later holds the momentum built since.  The load's re-entry into ASP applied
+    the switch's changes again and zeroed the loaded momentum (the resumed run 0.009 off at the
+    next step): a re-entry brings none of them, the checkpoint holds their outcome."""
+    from commlib.collectives import OfflinePolicy
+
+    def job():
+        model = make_model(comm.rank)
+        ss = SyncSwitch(bsp=AllReduce(cap_mb=0.0003) if bsp == "allreduce" else DeAR(cap_mb=0.0003),
+                        policy=OfflinePolicy(0.5, total_steps=8, lr_scale=0.5, momentum="reset"))
+        return model, ss, DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                               model, strategy=ss, comm=comm, find_unused_parameters=True)
+
+    model, ss, opt = job()
+    train_in_turns(comm, model, ss, opt, range(6))
+    assert ss.phase == "asp"
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    comm.barrier()
+    done = train_in_turns(comm, model, ss, opt, range(6, 8))
+    ss.close()
+
+    model, ss, opt = job()
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(copy.deepcopy(saved[1]))
+    training_forward(comm, model)
+    assert ss.phase == "asp"
+    assert_state_is(opt, saved[1])
+    resumed = train_in_turns(comm, model, ss, opt, range(6, 8))
+    ss.close()
+    np.testing.assert_array_equal(resumed, done)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("bsp", ["allreduce", "dear"])
 def test_horovods_resume_of_an_asp_checkpoint_trains_as_every_rank_loading_it(comm, bsp):
     """Rank 0 saves in ASP, alone (Horovod's habit); a fresh job where rank 0 alone loads it, then
     ``broadcast_parameters`` and ``broadcast_optimizer_state`` (Horovod's resume), trains on exactly

@@ -369,22 +369,38 @@ def test_a_checkpoint_resumes_in_its_phase_with_its_state(comm, bsp, taken):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=f"step {step}")
 
 
+def momentum_reset_job(comm, bsp: str) -> tuple:
+    """A fresh job: model, ``SyncSwitch`` (BSP for 4 steps, then ASP, the momentum reset at the switch)
+    over ``bsp``, SGD with momentum wrapped."""
+    from commlib.collectives import OfflinePolicy
+
+    model = make_model(comm.rank)
+    ss = SyncSwitch(bsp=AllReduce(cap_mb=0.0003) if bsp == "allreduce" else DeAR(cap_mb=0.0003),
+                    policy=OfflinePolicy(0.5, total_steps=8, lr_scale=0.5, momentum="reset"))
+    return model, ss, DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                           model, strategy=ss, comm=comm, find_unused_parameters=True)
+
+
 @pytest.mark.mpi
+@pytest.mark.parametrize("job,switch", [(adamw_job, 2), (momentum_reset_job, 4)], ids=["adamw", "reset"])
 @pytest.mark.parametrize("bsp", ["allreduce", "dear"])
-def test_each_rank_resumes_its_own_asp_checkpoint_as_the_run_continued(comm, bsp):
+def test_each_rank_resumes_its_own_asp_checkpoint_as_the_run_continued(comm, bsp, job, switch):
     """Each rank saves its own checkpoint in ASP (replicas, AdamW moments and the store's view apart,
     ranks in turns) and a fresh job, each rank loading its own, trains on as the run did: the store as
     it was (not filled from replicas that lag it), each rank its own optimizer state (over DeAR not a
-    gather of every rank's pieces of theirs, which the BSP start's pieces made of it)."""
-    model, ss, opt = adamw_job(comm, bsp)
-    train_in_turns(comm, model, ss, opt, range(4))
+    gather of every rank's pieces of theirs, which the BSP start's pieces made of it).  ``reset``:
+    ``OfflinePolicy(momentum="reset")`` zeroed the momentum at the switch, and the checkpoint holds the
+    momentum built since; the load's re-entry into ASP applied the switch's changes again and zeroed
+    it (0.009 off at the next step)."""
+    model, ss, opt = job(comm, bsp)
+    train_in_turns(comm, model, ss, opt, range(switch + 2))
     assert ss.phase == "asp"
     saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
     comm.barrier()      # every rank saved before any steps on (a peer's next push could land in a store
-    done = train_in_turns(comm, model, ss, opt, range(4, 7))      # view saved later: pushed twice on resume)
-    ss.close()
+    done = train_in_turns(comm, model, ss, opt, range(switch + 2, switch + 5))  # view saved later:
+    ss.close()                                                              # pushed twice on resume)
 
-    model, ss, opt = adamw_job(comm, bsp)
+    model, ss, opt = job(comm, bsp)
     model.load_state_dict(saved[0])
     opt.load_state_dict(copy.deepcopy(saved[1]))
     assert ss.phase == "bsp"        # until the next training forward, where every rank has loaded
@@ -392,42 +408,7 @@ def test_each_rank_resumes_its_own_asp_checkpoint_as_the_run_continued(comm, bsp
     training_forward(comm, model)
     assert ss.phase == "asp"
     assert_state_is(opt, saved[1])
-    resumed = train_in_turns(comm, model, ss, opt, range(4, 7))
-    ss.close()
-    np.testing.assert_array_equal(resumed, done)
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("bsp", ["allreduce", "dear"])
-def test_an_asp_checkpoint_keeps_its_momentum_where_the_switch_reset_it(comm, bsp):
-    """``OfflinePolicy(momentum="reset")`` zeroes the momentum at the switch to ASP; a checkpoint
-    taken two ASP steps later holds the momentum built since.  The load's re-entry into ASP applied
-    the switch's changes again and zeroed the loaded momentum (the resumed run 0.009 off at the
-    next step): a re-entry brings none of them, the checkpoint holds their outcome."""
-    from commlib.collectives import OfflinePolicy
-
-    def job():
-        model = make_model(comm.rank)
-        ss = SyncSwitch(bsp=AllReduce(cap_mb=0.0003) if bsp == "allreduce" else DeAR(cap_mb=0.0003),
-                        policy=OfflinePolicy(0.5, total_steps=8, lr_scale=0.5, momentum="reset"))
-        return model, ss, DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                               model, strategy=ss, comm=comm, find_unused_parameters=True)
-
-    model, ss, opt = job()
-    train_in_turns(comm, model, ss, opt, range(6))
-    assert ss.phase == "asp"
-    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
-    comm.barrier()
-    done = train_in_turns(comm, model, ss, opt, range(6, 8))
-    ss.close()
-
-    model, ss, opt = job()
-    model.load_state_dict(saved[0])
-    opt.load_state_dict(copy.deepcopy(saved[1]))
-    training_forward(comm, model)
-    assert ss.phase == "asp"
-    assert_state_is(opt, saved[1])
-    resumed = train_in_turns(comm, model, ss, opt, range(6, 8))
+    resumed = train_in_turns(comm, model, ss, opt, range(switch + 2, switch + 5))
     ss.close()
     np.testing.assert_array_equal(resumed, done)
 

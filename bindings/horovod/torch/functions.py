@@ -30,9 +30,9 @@ __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_objec
 def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
     """Copy ``root_rank``'s tensors to every rank, in place (a collective).
 
-    ``params``: ``model.state_dict()``, ``model.named_parameters()`` or a list of
-    ``(name, tensor)`` pairs or tensors.  Shapes or dtypes that differ across ranks
-    raise on every rank.
+    ``params``: ``model.state_dict()``, or a list of ``(name, tensor)`` pairs
+    (``list(model.named_parameters())``; the generator itself is refused, as by Horovod)
+    or of tensors.  Shapes or dtypes that differ across ranks raise on every rank.
 
     Example:
         >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)

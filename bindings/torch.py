@@ -403,15 +403,21 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buckets (``.grad`` stays a view of its bucket).  With ``set_to_none``,
         a parameter that then gets no gradient on any rank is left out of the update (one process's
-        ``.grad`` is ``None``); without, it is updated with a zero gradient, as in one process, while
-        it trains (one frozen since, whose ``.grad`` one process would keep at zero and go on
-        updating, is left out: see :meth:`replan`)."""
+        ``.grad`` is ``None``); without, it is updated with a zero gradient, as in one process (one
+        frozen since too: see :meth:`replan`)."""
         if self._synced:         # GradScaler skipped the last step(): close it
             self._close_skipped_step()
         if set_to_none:          # one process's .grad would be None until a gradient arrives
             self._unused.zeroed()
+        self._zero_to_none = set_to_none
         for g in self._flat_grads:
             g.zero_()
+        for p in self._frozen:   # those frozen since (see replan): as one process zeroes them
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
         self._note_grad_versions()
         self._shards_settled(False)
         self._partial = False
@@ -484,9 +490,9 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
         strategies).  The first training forward after a change of ``requires_grad`` calls it
         (gradual unfreezing): a parameter that starts training is averaged from then on, and one
         that stops is left out of the update (its ``.grad`` is ``None``, as after ``zero_grad()``
-        in one process; its optimizer state stays, as in one process).  One process zeroing with
-        ``set_to_none=False`` would keep its zero ``.grad`` and go on moving it by momentum and
-        weight decay: left out here all the same (not reproduced).
+        in one process; its optimizer state stays, as in one process).  After
+        ``zero_grad(set_to_none=False)`` it keeps a ``.grad`` of its own, zeroed by each such call,
+        and the update goes on moving it by momentum and weight decay, as one process's does.
 
         Example:
             >>> model.backbone.requires_grad_(True)     # the next forward re-plans on every rank
@@ -504,9 +510,9 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
                     p.grad = flat.to(p.device, p.dtype)
         kept = self._states_by_param()
         self._collect_params()      # raises on every rank, changing nothing, if none trains now
-        for p in before:
-            if not p.requires_grad:
-                p.grad = None
+        for p in before:            # stopped training: .grad as one process's (None, or zeroed and
+            if not p.requires_grad:     # kept by zero_grad(set_to_none=False)), out of the buckets
+                p.grad = None if self._zero_to_none or p.grad is None else p.grad.detach().clone()
         if cap_bytes is not None:
             self.strategy.cap_bytes = int(cap_bytes)
         placed = {id(before[sl.index]): (b.index, sl.offset) for b in self.buckets for sl in b.slots}

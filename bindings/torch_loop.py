@@ -76,6 +76,7 @@ class TrainingLoop:
     _data_ptrs: list[int]
     _flat_grads: list[torch.Tensor]
     _seen_versions: list[int]
+    _zero_to_none: bool
     _shard_grads: list[torch.Tensor]
     _grad_views: list[torch.Tensor]
     _shard_norms: ShardNorms | None
@@ -86,6 +87,7 @@ class TrainingLoop:
     _outside: OutsideParameters
 
     def _init_loop(self) -> None:
+        self._zero_to_none = True       # the last zero_grad's set_to_none (see replan)
         self._no_sync_depth = 0
         self._unscaled: set[int] = set()       # buckets still to bring to an agreed loss scale
         self._scale_factor = 1.0

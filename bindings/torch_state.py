@@ -158,6 +158,7 @@ class ConsolidatedState:
     _inner: torch.optim.Optimizer
     _params: list[torch.nn.Parameter]
     _group_of: list[int]
+    _frozen: list[torch.nn.Parameter]
     #: each parameter's bucket (-1: none, a parameter of no element) and ``.grad`` view
     _bucket_of: list[int]
     _grad_views: list[torch.Tensor]
@@ -524,3 +525,22 @@ class ConsolidatedState:
         _unhooked(type(self._shard_opt).step)(self._shard_opt)
         for piece, idx, _, bi, bslice in self._pieces:
             piece.grad = self._flat_grads[bi][bslice] if bi >= 0 else self._grad_views[idx].reshape(-1)
+        self._update_frozen()
+
+    def _update_frozen(self) -> None:
+        """Sharded: the wrapped optimizer's step over the frozen parameters that keep a ``.grad``
+        (frozen after ``zero_grad(set_to_none=False)``: one process keeps a zero one and goes on
+        moving them by momentum and weight decay); their state stayed whole in it at the re-plan.
+        (Not sharded, the wrapped optimizer's own step takes them.)"""
+        live = {id(p) for p in self._frozen if p.grad is not None}
+        if not live:
+            return
+        groups = self._inner.param_groups
+        every = [g["params"] for g in groups]
+        try:
+            for g in groups:
+                g["params"] = [p for p in g["params"] if id(p) in live]
+            _unhooked(type(self._inner).step)(self._inner)
+        finally:
+            for g, ps in zip(groups, every):
+                g["params"] = ps

@@ -8,6 +8,9 @@ Two ways a loop reaches them, each against one process training on the whole bat
 * a backward that returns ``None`` for a parameter that requires a gradient (a custom autograd
   Function; a graph compiled while the parameter was frozen, which torch 2.11's Dynamo keeps after
   unfreezing): autograd still runs the parameter's accumulation hooks, with nothing accumulated.
+
+And a parameter frozen during training, where one process zeroing with ``set_to_none=False`` keeps
+a zero ``.grad`` and goes on updating it (momentum, weight decay, Adam's moments).
 """
 
 from __future__ import annotations
@@ -102,3 +105,35 @@ def test_parameters_without_a_gradient_train_as_one_process(comm, strategy, zero
     ref = train(comm, None, zero, opaque)
     assert_same_on_every_rank(comm, vec)
     np.testing.assert_allclose(vec, ref, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_layer_frozen_after_zeroing_to_zeros_moves_as_in_one_process(comm, strategy, kind):
+    """``opt.zero_grad(set_to_none=False)`` and the trunk frozen at step 2: one process keeps its
+    ``.grad`` at zero and its optimizer goes on moving it (momentum and weight decay); the re-plan
+    set ``.grad`` to ``None`` and froze it in place (0.02-0.12 off a few steps later)."""
+    def run(dist: bool) -> np.ndarray:
+        torch.manual_seed(0)
+        model = Branches()
+        opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01) if kind == "sgd"
+               else torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1))
+        if dist:
+            opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[strategy](), comm=comm,
+                                       find_unused_parameters=True)
+        part = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL) if dist else slice(None)
+        for step in range(STEPS + 1):
+            if step == 2:
+                model.trunk.requires_grad_(False)
+            x, y, flagged = data(step, comm.size)
+            opt.zero_grad(set_to_none=False)
+            torch.nn.functional.mse_loss(model(x[part], flagged[part]), y[part]).backward()
+            opt.step()
+        if dist:
+            opt.flush()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+
+    vec = run(True)
+    assert_same_on_every_rank(comm, vec)
+    np.testing.assert_allclose(vec, run(False), rtol=2e-5, atol=2e-6)

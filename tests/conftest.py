@@ -81,6 +81,19 @@ def assert_same_on_every_rank(comm, vec: np.ndarray) -> None:
         np.testing.assert_array_equal(other, vec, err_msg=f"rank {r} differs from rank {comm.rank}")
 
 
+def trains_as_one_process(comm, run, rtol: float = 2e-5, atol: float = 2e-6) -> None:
+    """``run(dist)`` trains and returns the parameters, flat: through commlib on every rank (``True``)
+    and as one process on the whole batch (``False``); the replicas must be equal bit for bit and
+    close to the one process's.
+
+    Example:
+        >>> trains_as_one_process(comm, lambda dist: train(comm, "dear" if dist else None))
+    """
+    vec = run(True)
+    assert_same_on_every_rank(comm, vec)
+    np.testing.assert_allclose(vec, run(False), rtol=rtol, atol=atol)
+
+
 def rank_part(comm, local: int, *batch):
     """This rank's ``local`` rows of each tensor of a global batch (rank ``r``: rows ``r * local`` on).
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH, STRATEGIES, assert_same_on_every_rank
+from conftest import HAVE_TORCH, STRATEGIES, trains_as_one_process
 
 pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 
@@ -101,10 +101,7 @@ def test_parameters_without_a_gradient_train_as_one_process(comm, strategy, zero
     0.04 off after one step).  A trunk whose backward returns ``None`` for its parameters: commlib
     counted the hook autograd still runs as a zero gradient, which the update then applied (weight
     decay and momentum: 0.2 % off), or raised on ``model.zero_grad()``'s ``None``."""
-    vec = train(comm, strategy, zero, opaque)
-    ref = train(comm, None, zero, opaque)
-    assert_same_on_every_rank(comm, vec)
-    np.testing.assert_allclose(vec, ref, rtol=2e-5, atol=2e-6)
+    trains_as_one_process(comm, lambda dist: train(comm, strategy if dist else None, zero, opaque))
 
 
 @pytest.mark.mpi
@@ -134,6 +131,4 @@ def test_a_layer_frozen_after_zeroing_to_zeros_moves_as_in_one_process(comm, str
             opt.flush()
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
 
-    vec = run(True)
-    assert_same_on_every_rank(comm, vec)
-    np.testing.assert_allclose(vec, run(False), rtol=2e-5, atol=2e-6)
+    trains_as_one_process(comm, run)

@@ -446,15 +446,18 @@ class DistributedOptimizer:
                             "(between jitted steps; update works inside)")
 
     def _leaves(self, tree: Any, what: str, call: str | None) -> list[Any]:
-        """``tree``'s leaves, which must match the tree given to ``init`` (checked on this rank);
-        concrete ones unless ``call`` is None."""
+        """``tree``'s leaves, which must match the tree given to ``init`` (checked on this rank,
+        refused as its next operation on the strategy's communicator: a peer that makes it raises
+        too, instead of waiting there for this rank until its timeout); concrete ones unless
+        ``call`` is None."""
         plan = self._plan
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         if call is not None:
             self._eager(leaves, call)
         if treedef != plan.treedef or [tuple(np.shape(x)) for x in leaves] != plan.shapes:
-            raise ValidationError(f"DistributedOptimizer: the {what} differ from the parameters given to "
-                                  f"init in structure or shapes ({treedef} against {plan.treedef})")
+            self._comm.refuse(f"DistributedOptimizer.{call or 'update'}", ValidationError(
+                f"DistributedOptimizer: the {what} differ from the parameters given to init in "
+                f"structure or shapes ({treedef} against {plan.treedef})"))
         return leaves
 
     def _take(self, leaves: Sequence[Any]) -> None:

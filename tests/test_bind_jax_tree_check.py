@@ -4,7 +4,8 @@ The tree is compared over the ranks at every call (a few words; the whole compar
 differ or the tree is new): the ranks that had seen the tree before trusted their cached plan and
 paired their all-reduce with the odd rank's comparison, so that their parameters took garbage (1e218)
 with no error; a sharded optimizer's own check raised on the odd rank alone, its peers waiting in
-the step's collectives until their timeout.
+the step's collectives until their timeout.  (The JAX DistributedOptimizer's case leaves the peers'
+all-reduce posted: a job, tests/jobs/broken.py jax_optimizer_tree_on_one_rank.)
 """
 
 from __future__ import annotations

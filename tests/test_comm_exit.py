@@ -33,7 +33,7 @@ def run_job(case: str, ranks: int, timeout: float, tmp_path, job: str = "broken.
 
 @pytest.mark.parametrize("case,ranks,timeout", [
     ("rejected", 2, 60), ("refused_at_post", 2, 60), ("rejected_broadcast_left_by_its_root", 2, 60),
-    ("jax_op_refused_on_one_rank", 2, 60),
+    ("jax_op_refused_on_one_rank", 2, 60), ("jax_optimizer_tree_on_one_rank", 2, 60),
     ("rejected_while_peers_are_late", 2, 1),
     ("deadlock", 3, 1),
     ("synchronize_with_a_peer_gone", 2, 60), ("synchronize_times_out", 2, 1),

@@ -90,6 +90,29 @@ def jax_op_refused_on_one_rank() -> None:
     expect(Exception, lambda: np.asarray(jax.jit(lambda v: allreduce(v, comm=c))(jnp.ones(3))), "aborted")
 
 
+def jax_optimizer_tree_on_one_rank() -> None:
+    """The JAX ``DistributedOptimizer`` given, a step after the first, a gradient tree that differs
+    from init's on one rank: that rank raised alone and its peers waited in the step's collectives
+    until their timeout (30 min by default); now its refusal reaches them at once (their all-reduce
+    was posted: the job ends with MPI_Abort at exit)."""
+    import jax.numpy as jnp
+    import optax
+
+    from commlib.bindings.jax import DistributedOptimizer
+    from commlib.collectives import AllReduce, SelSync
+
+    c = fresh(timeout=60)
+    good = {"w": jnp.ones(4), "b": jnp.ones(2)}
+    odd = {"w": jnp.ones(5), "b": jnp.ones(2)} if c.rank == 1 else good
+    tx = DistributedOptimizer(optax.sgd(0.1), SelSync(inner=AllReduce(), delta=0.0), comm=c)
+    state = tx.init(good)
+    tx.update(good, state, good)
+    t0 = time.monotonic()
+    expect(commlib.ValidationError, lambda: tx.update(odd, state, odd),
+           "differ from the parameters given to init")
+    assert time.monotonic() - t0 < 30, "must not wait for the timeout"
+
+
 def rejected_while_peers_are_late() -> None:
     """A rank that rejected its input waits, at its next call, for every rank to reach the operation
     (to learn whether all rejected it alike); past the timeout it aborts, and a late peer's valid
@@ -532,7 +555,7 @@ def injector_with_a_batch_fewer() -> None:
 CASES = {f.__name__: f for f in (interrupted_in_a_wait, injector_with_a_batch_fewer, refused_at_post,
                                   rejected,
                                   rejected_broadcast_left_by_its_root,
-                                  jax_op_refused_on_one_rank,
+                                  jax_op_refused_on_one_rank, jax_optimizer_tree_on_one_rank,
                                   rejected_while_peers_are_late, deadlock,
                                   never_arrives, stall_made_an_error, only_rank0, unwaited, closed_early,
                                   synchronize_with_a_peer_gone, synchronize_times_out,

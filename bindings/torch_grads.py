@@ -355,6 +355,7 @@ class GradientClipping:
         if problem and not sharded:          # no collective here: raise before any
             raise ValueError(f"clip_grad_norm_: {problem}")
         self._reduce()
+        self._adopt_assigned()      # a .grad assigned since is what the update reads: clipped with the rest
         p = float(norm_type) if not problem else 2.0
         if sharded:
             rank = self.comm.rank

@@ -400,10 +400,10 @@ class TrainingLoop:
         self._got[i] = self._reached[i] = True
 
     def _adopt_assigned(self) -> None:
-        """Sharded strategies, once the gradients are averaged: a ``.grad`` assigned since (``p.grad =
-        p.grad * s``, a tensor of the user's) into its bucket's view, which the shard update reads (it
-        read the average and ignored the assignment); not averaged again, as one process, DDP or a
-        whole-gradient strategy steps with the ``.grad`` it finds."""
+        """Once the gradients are averaged: a ``.grad`` assigned since (``p.grad = p.grad * s``, a
+        tensor of the user's) into its bucket's view, which a sharded strategy's update and
+        ``clip_grad_norm_`` read (they read the average and ignored the assignment); not averaged
+        again, as one process, DDP or a whole-gradient strategy steps with the ``.grad`` it finds."""
         views = self._grad_views
         for i, p in enumerate(self._params):
             grad = p.grad

@@ -373,12 +373,13 @@ def test_dropped_models_leave_no_owner_entries(comm):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("assign", ["scaled", "constant"])
+@pytest.mark.parametrize("assign", ["scaled", "constant", "scaled-clipped"])
 @pytest.mark.parametrize("name", list(LOOP_STRATEGIES))
 def test_a_grad_assigned_after_backward_is_what_the_update_reads(comm, name, assign):
     """``p.grad = p.grad * 0.5`` (or a tensor of the user's) between ``backward()`` and ``step()``:
     one process, DDP and AllReduce step with it; DeAR's shard update read the averaged gradient and
-    ignored the assignment (the whole gradient applied, not half: 0.11 off)."""
+    ignored the assignment (the whole gradient applied, not half: 0.11 off), and ``opt.clip_grad_norm_``
+    clipped by the norm of the gradients before it, under every strategy (1.8e-2 off after a step)."""
     def run(dist: bool) -> np.ndarray:
         model = make_model(comm.rank if dist else 0)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -391,7 +392,12 @@ def test_a_grad_assigned_after_backward_is_what_the_update_reads(comm, name, ass
             opt.zero_grad()
             loss_fn(model, x[part], y[part]).backward()
             w = model.fc2.weight
-            w.grad = w.grad * 0.5 if assign == "scaled" else torch.full_like(w, 0.25)
+            w.grad = torch.full_like(w, 0.25) if assign == "constant" else w.grad * 0.5
+            if assign == "scaled-clipped":      # the norm of the gradients as they stand now
+                if dist:
+                    opt.clip_grad_norm_(0.1)
+                else:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
             opt.step()
         if dist:
             opt.flush()

@@ -510,9 +510,10 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
                     p.grad = flat.to(p.device, p.dtype)
         kept = self._states_by_param()
         self._collect_params()      # raises on every rank, changing nothing, if none trains now
-        for p in before:            # stopped training: .grad as one process's (None, or zeroed and
-            if not p.requires_grad:     # kept by zero_grad(set_to_none=False)), out of the buckets
-                p.grad = None if self._zero_to_none or p.grad is None else p.grad.detach().clone()
+        for p in before:            # stopped training: .grad as one process's, out of the buckets: a
+            if not p.requires_grad:     # tensor kept by zero_grad(set_to_none=False) where a gradient came
+                keep = not self._zero_to_none and p.grad is not None and self._unused.had_gradient(p)
+                p.grad = p.grad.detach().clone() if keep else None     # since the last None, else None
         if cap_bytes is not None:
             self.strategy.cap_bytes = int(cap_bytes)
         placed = {id(before[sl.index]): (b.index, sl.offset) for b in self.buckets for sl in b.slots}

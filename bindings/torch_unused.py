@@ -50,6 +50,11 @@ class UnusedParameters:
         self._checked = False       # the first step looked (and warned, unless expected)
         self._had: set[int] = set()     # ids of parameters some rank gave a gradient since zeroed
 
+    def had_gradient(self, p: torch.Tensor) -> bool:
+        """Whether some rank gave ``p`` a gradient since ``.grad`` was last set to ``None`` (one
+        process's ``.grad`` is a tensor then, ``None`` before)."""
+        return id(p) in self._had
+
     def zeroed(self) -> None:
         """``zero_grad(set_to_none=True)``: one process's ``.grad`` is ``None`` everywhere again."""
         self._had.clear()

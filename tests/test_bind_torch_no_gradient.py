@@ -105,12 +105,15 @@ def test_parameters_without_a_gradient_train_as_one_process(comm, strategy, zero
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("frozen_at", [0, 2])
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_a_layer_frozen_after_zeroing_to_zeros_moves_as_in_one_process(comm, strategy, kind):
+def test_a_layer_frozen_after_zeroing_to_zeros_moves_as_in_one_process(comm, strategy, kind, frozen_at):
     """``opt.zero_grad(set_to_none=False)`` and the trunk frozen at step 2: one process keeps its
     ``.grad`` at zero and its optimizer goes on moving it (momentum and weight decay); the re-plan
-    set ``.grad`` to ``None`` and froze it in place (0.02-0.12 off a few steps later)."""
+    set ``.grad`` to ``None`` and froze it in place (0.02-0.12 off a few steps later).  Frozen at
+    step 0, before any gradient (or after a resume), one process's ``.grad`` is ``None`` and it
+    stays in place: the re-plan kept the bucket's zeros and weight decay moved it."""
     def run(dist: bool) -> np.ndarray:
         torch.manual_seed(0)
         model = Branches()
@@ -121,7 +124,7 @@ def test_a_layer_frozen_after_zeroing_to_zeros_moves_as_in_one_process(comm, str
                                        find_unused_parameters=True)
         part = slice(comm.rank * LOCAL, (comm.rank + 1) * LOCAL) if dist else slice(None)
         for step in range(STEPS + 1):
-            if step == 2:
+            if step == frozen_at:
                 model.trunk.requires_grad_(False)
             x, y, flagged = data(step, comm.size)
             opt.zero_grad(set_to_none=False)

@@ -94,6 +94,21 @@ def trains_as_one_process(comm, run, rtol: float = 2e-5, atol: float = 2e-6) -> 
     np.testing.assert_allclose(vec, run(False), rtol=rtol, atol=atol)
 
 
+def clip_grad_norm(opt, model, dist: bool, max_norm: float) -> None:
+    """A run's clipping by the global norm: the wrapped optimizer's ``clip_grad_norm_`` through
+    commlib (``dist``), torch's over the model in the one-process reference.
+
+    Example:
+        >>> clip_grad_norm(opt, model, dist, 0.5)
+    """
+    if dist:
+        opt.clip_grad_norm_(max_norm)
+    else:
+        import torch
+
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
 def rank_part(comm, local: int, *batch):
     """This rank's ``local`` rows of each tensor of a global batch (rank ``r``: rows ``r * local`` on).
 

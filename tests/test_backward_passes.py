@@ -18,7 +18,7 @@ import contextlib
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH, STRATEGIES
+from conftest import HAVE_TORCH, STRATEGIES, clip_grad_norm
 
 pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 
@@ -113,10 +113,7 @@ def test_passes_after_the_average_add_up_as_one_process(comm, strategy, pattern)
                     losses[0].backward()
                 for loss in losses[1:]:
                     loss.backward()
-            if dist:
-                opt.clip_grad_norm_(0.5)
-            else:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            clip_grad_norm(opt, model, dist, 0.5)
             opt.step()
         if dist:
             opt.flush()

@@ -12,7 +12,7 @@ import copy
 import numpy as np
 import pytest
 
-from conftest import HAVE_TORCH, rank_part, trains_as_one_process
+from conftest import HAVE_TORCH, clip_grad_norm, rank_part, trains_as_one_process
 from conftest import STRATEGIES as LOOP_STRATEGIES
 from torch_reference import (
     LOCAL,
@@ -394,10 +394,7 @@ def test_a_grad_assigned_after_backward_is_what_the_update_reads(comm, name, ass
             w = model.fc2.weight
             w.grad = torch.full_like(w, 0.25) if assign == "constant" else w.grad * 0.5
             if assign == "scaled-clipped":      # the norm of the gradients as they stand now
-                if dist:
-                    opt.clip_grad_norm_(0.1)
-                else:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+                clip_grad_norm(opt, model, dist, 0.1)
             opt.step()
         if dist:
             opt.flush()

@@ -2,24 +2,26 @@
 
 The scan (:func:`gpu_scan`, float32 and float64) is one kernel that reads the
 partition once: for histogram threshold rules it bins each candidate on the
-rule's log2 grid (each warp stages its candidates in shared memory so that all
-its lanes bin them) and counts the bins in shared memory, and it keeps
-(compacts) only the candidates of the bins near the predicted boundary
-(``store_from``): each warp keeps them in shared memory across rounds and a
-block writes its warps' out together, with one global atomic add, when one of
-them is half full and at the end (``block_reserve`` in the source).  The only
-host synchronisation is one small copy (the count and the histogram), which
-the exchange needs anyway.
+rule's log2 grid (the hardware's approximate log2 where no bin edge lies within
+its error, the exact rule's arithmetic where one does: ``grid_bin`` in the
+source; each warp stages its candidates in shared memory so that all its lanes
+bin them) and counts the bins in shared memory, and it keeps (compacts) only
+the candidates of the bins near the predicted boundary (``store_from``): each
+warp keeps them in shared memory across rounds and a block writes its warps'
+out together, with one global atomic add, when one of them is half full and at
+the end (``block_reserve`` in the source).  The only host synchronisation is
+one small copy (the count and the histogram), which the exchange needs anyway.
 The take (:func:`gpu_take`) is then two kernels over the kept candidates, sized
 by the histogram: ``take_boundary`` writes everything above the boundary bin
 and stages the boundary bin's candidates, counted in fine buckets of their
 magnitudes; ``take_cut`` writes the buckets above the crossing one, over many
-blocks, and its last block radix-selects the crossing bucket's few members: no
-sort and no read-back.  The candidates come in no particular order (the
-exchange needs none).  :func:`queue_scan` and :func:`queue_take` are the
-kernels alone.  Their counters need no memset: :func:`_scratch`.
-:mod:`sparsify.kernels` holds the rules (the host's, which these reproduce) and
-sends float32/float64 device arrays here.
+blocks, and its last block ranks the crossing bucket's few members by counting
+(a radix select where there are more than :data:`_RANK_CAP`): no sort and no
+read-back.  The candidates come in no particular order (the exchange needs
+none).  :func:`queue_scan` and :func:`queue_take` are the kernels alone.  Their
+counters need no memset: :func:`_scratch`.  :mod:`sparsify.kernels` holds the
+rules (the host's, which these reproduce) and sends float32/float64 device
+arrays here.
 """
 
 from __future__ import annotations
@@ -47,10 +49,13 @@ _PER_LANE = 16
 _MAX_ROUNDS = 1 << 23
 #: threads per block of the scan (``block_reserve`` keeps a word per warp: at most 32 warps)
 _THREADS = 256
-#: threads per block of the take's kernels (take_cut's last block's radix select runs on one block)
+#: threads per block of the take's kernels (take_cut's last block's select runs on one block)
 _TAKE_THREADS = 1024
 #: the take's fine buckets of the boundary bin (FINE in the source)
 _FINE = 2048
+#: the take's crossing bucket ranks at most this many members by counting (RANK_CAP in the
+#: source; more are radix-selected)
+_RANK_CAP = 256
 #: the take's device counters (``heads`` in the source: 8, TAKE_FINE_AT, and the boundary bin's
 #: fine histogram of FINE buckets), in the scratch after the scan's (:func:`_scratch`)
 _TAKE_COUNTERS = 8 + _FINE
@@ -94,6 +99,7 @@ def gpu_source() -> str:
             f"#define WARPS {_THREADS // 32}         // warps per block of the scan\n"
             f"#define TAKE_THREADS {_TAKE_THREADS}  // threads per block of the take\n"
             f"#define FINE {_FINE}          // the take's buckets of the boundary bin\n"
+            f"#define RANK_CAP {_RANK_CAP}      // the cut's members ranked by counting\n"
             + _CUDA_FILE.read_text())
 
 

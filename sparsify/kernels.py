@@ -144,7 +144,7 @@ def take_scan(xp: Any, scan: Scan, j: int, take: int) -> Any:
     On the GPU two kernels do it from the kept candidates, sized by the
     histogram, no read-back (bins recomputed; bin ``j``'s candidates staged and
     counted in fine buckets of their magnitudes, the buckets above the crossing
-    one written, and the crossing bucket's radix-selected); when ``j`` lies below the bins the
+    one written, and the crossing bucket's members ranked); when ``j`` lies below the bins the
     scan kept, the partition is scanned again from bin ``j`` first.  The result
     comes in no particular order there (equal magnitudes at the cut: any of them).
 

@@ -295,6 +295,26 @@ def test_gpu_scan_equals_the_host_scan(n, dtype, floor):
         _assert_same_candidates(got.pos, got.mags, host.pos[kept], host.mags[kept], x.dtype)
 
 
+@pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("dtype, offset", [("float32", 1), ("float32", 2), ("float32", 3), ("float64", 1)])
+def test_gpu_scan_of_an_unaligned_view_equals_the_host_scan(dtype, offset):
+    """A partition's view at an odd offset (not 16-byte aligned, nor its tail a whole round)
+    gives the host's candidates and histogram, and its take the host's selection."""
+    import cupy
+
+    x = np.random.default_rng([offset, 4]).standard_normal((1 << 21) + 7).astype(dtype) * 2
+    d = cupy.asarray(x)[offset:]
+    assert d.data.ptr % 16
+    host = scan_binned(np, x[offset:], 0.5, 8, 33, 33)
+    got = scan_binned(cupy, d, 0.5, 8, 33, 33, 9)
+    np.testing.assert_array_equal(got.hist, host.hist)
+    kept = host.bins >= 9
+    _assert_same_candidates(got.pos, got.mags, host.pos[kept], host.mags[kept], x.dtype)
+    take = int(host.hist[12]) // 3
+    np.testing.assert_array_equal(np.sort(cupy.asnumpy(take_scan(cupy, got, 12, take))),
+                                  np.sort(take_scan(np, host, 12, take)))
+
+
 def _assert_same_candidates(pos, mags, want_pos, want_mags, dtype):
     """The GPU's candidates (in its own order) are the host's."""
     import cupy
@@ -361,12 +381,13 @@ def test_gpu_takes_on_two_streams_keep_their_own_counters():
 
 @pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_gpu_take_with_ties_at_the_cut(dtype):
+# the cut's members: a few tens (ranked by counting) and thousands (radix-selected)
+@pytest.mark.parametrize("n", [5_003, 200_003])
+def test_gpu_take_with_ties_at_the_cut(dtype, n):
     """Magnitudes on a coarse lattice: many equal at the cut.  The GPU take keeps exactly
     ``take`` of the boundary bin, every one at least as large as every one it leaves."""
     import cupy
 
-    n = 200_003
     x = (np.random.default_rng(9).integers(-40, 41, n) * 0.125).astype(dtype)
     host = scan_binned(np, x, 0.5, 4, 17, 17)
     scan = scan_binned(cupy, cupy.asarray(x), 0.5, 4, 17, 17, 3)

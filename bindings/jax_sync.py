@@ -349,21 +349,18 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
     def owned() -> np.ndarray:
         return np.array([sync.comm.rank, sync.comm.size, tag], np.int32)
 
-    def check_owner(owner: Any, comm: commlib.Communicator) -> np.ndarray:
-        """``owned()`` for the owner of a state given to an update.  One this optimizer handed out
-        passes; another (restored) is compared over the ranks: is each rank's its own?"""
-        owner = [int(v) for v in np.asarray(owner).reshape(-1)]
-        if owner == [comm.rank, comm.size, tag]:
-            return owned()
-        wrong = comm.allgather_object(None if owner[:2] == [comm.rank, comm.size] else owner[:2],
-                                      label="sharded_optimizer: the state's owner")
-        bad = [f"rank {r} holds rank {o[0]} of {o[1]}'s" for r, o in enumerate(wrong) if o is not None]
-        if bad:
-            raise ValidationError(f"sharded_optimizer: the optimizer state is per rank (each holds its "
-                                  f"own shard's), but {', '.join(bad)}: save every rank's state and "
-                                  "restore each its own (on as many ranks), or use optax.chain("
-                                  "average_gradients(...), inner), whose state is the same on every rank")
-        return owned()
+    def owner_problem(owner: Any, comm: commlib.Communicator) -> str | None:
+        """This rank's objection to the owner of a state given to an update (``None``: its own),
+        raised on every rank by the update's tree check (:meth:`GradientSync._checked`), which
+        every rank makes whatever its state (an all-gather of the owners on the ranks whose state
+        this optimizer had not handed out, alone, aborted the communicator: a mismatch)."""
+        rank, size = [int(v) for v in np.asarray(owner).reshape(-1)][:2]
+        if [rank, size] == [comm.rank, comm.size]:
+            return None
+        return (f"sharded_optimizer: rank {comm.rank} holds rank {rank} of {size}'s optimizer state "
+                "(each rank holds its own shard's): save every rank's state and restore each its own "
+                "(on as many ranks), or use optax.chain(average_gradients(...), inner), whose state "
+                "is the same on every rank")
 
     def write_shards(plan: Plan, shards: Sequence[Any]) -> None:
         """The updated shards into this rank's shard of each bucket (gathered next)."""
@@ -399,7 +396,7 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
                 pleaves = None
         if traced:
             return traced_update(plan, leaves, state, pleaves, problem)
-        owner = check_owner(state.owner, sync.comm)
+        problem = problem or owner_problem(state.owner, sync.comm)
         shard_params = None if pleaves is None else plan.shards_of(pleaves, sync.comm.rank)
         new_state: list[Any] = []
 
@@ -411,7 +408,7 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
 
         arrays = sync._run(plan, leaves, update, problem=problem)
         return (jax.tree_util.tree_unflatten(plan.treedef, plan.to_jax(arrays)),
-                ShardedState(new_state[0], owner))
+                ShardedState(new_state[0], owned()))
 
     def traced_update(plan: Plan, leaves: list[Any], state: ShardedState,
                       pleaves: list[Any] | None, problem: str | None) -> tuple[Any, ShardedState]:
@@ -430,9 +427,8 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
         shard_types = [jax.ShapeDtypeStruct((bk.shard_numel,), numpy_dtype(bk.dtype)) for bk in plan.buckets]
 
         def begin(owner: np.ndarray, *gleaves: np.ndarray) -> list[np.ndarray]:
-            owner = check_owner(owner, jit_comm)     # before any collective of the step
-            sync._begin(plan, gleaves, jit_comm, problem)
-            return [owner, *plan.shards]        # (copied into XLA's buffers)
+            sync._begin(plan, gleaves, jit_comm, owner_problem(owner, jit_comm))
+            return [owned(), *plan.shards]        # (copied into XLA's buffers)
 
         got = host_call(begin, [jax.ShapeDtypeStruct((3,), np.int32), *shard_types], state.owner, *leaves)
         pshards = None if pleaves is None else plan.shards_of(pleaves, sync.comm.rank)

@@ -108,10 +108,40 @@ def test_state_is_each_ranks_own(comm, jit):
     assert np.asarray(state.owner).shape == (3,)
     if comm.size > 1:
         params, state = pickle.loads(comm.allgather_object(saved)[0])     # rank 0's, everywhere
-        seq, strategy = comm.seq, DeAR(cap_mb=SMALL)
+        strategy = DeAR(cap_mb=SMALL)
         with pytest.raises(ValidationError if not jit else Exception, match="rank 1 holds rank 0 of"):
             steps(comm, stepper(fresh(strategy), jit), params, state, range(2, 3))
-        assert comm.seq == seq and strategy.comm is None      # refused before any collective of the update
+        assert strategy.comm is None      # refused by the update's tree check, before its reduction
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_one_rank_restoring_alone(comm, jit):
+    """Rank 0 restores its own state into a fresh optimizer while the others go on with theirs
+    (eagerly: inside jax.jit a new optimizer's first step makes its communicator, a call every
+    rank must make): the run continues as the uninterrupted one.  Rank 0 given rank 1's state
+    while the others go on is refused on every rank.  Both aborted the communicator before (a
+    mismatch: a rank whose state its optimizer had not handed out all-gathered the owners alone,
+    the others were in the update's tree check)."""
+    if comm.size < 2:
+        pytest.skip("needs 2 ranks or more")
+
+    def fresh():
+        return sharded_optimizer(optimizer("adamw"), comm=comm, strategy=DeAR(cap_mb=SMALL))
+
+    start = broadcast_params(init_params(comm.rank), comm=comm)
+    tx = fresh()
+    params, state = steps(comm, stepper(tx, jit), start, tx.init(start), range(2))
+    saved = comm.allgather_object(pickle.dumps(state))
+    if not jit:
+        whole, _ = steps(comm, stepper(tx, jit), params, state, range(2, STEPS))
+        mine = fresh() if comm.rank == 0 else tx
+        resumed, _ = steps(comm, stepper(mine, jit), params, pickle.loads(saved[comm.rank]),
+                           range(2, STEPS))
+        np.testing.assert_array_equal(flat(resumed), flat(whole))
+    if comm.rank == 0:
+        state = pickle.loads(saved[1])
+    with pytest.raises(ValidationError if not jit else Exception, match="rank 0 holds rank 1 of"):
+        steps(comm, stepper(tx, jit), params, state, range(2, 3))
 
 
 @pytest.mark.parametrize("jit", [False, True])

@@ -102,7 +102,8 @@ from .jax_fusion import agree_plan, make_plan
 from .jax_global import apply_if_finite, clip_by_global_norm
 from .jax_ops import allgather, allreduce, broadcast
 from .jax_params import DistributedOptimizer
-from .jax_sync import GradientSync, ShardedState, sharded_optimizer
+from .jax_sharded import ShardedState, sharded_optimizer
+from .jax_sync import GradientSync
 
 __all__ = ["GradientSync", "average_gradients", "sharded_optimizer", "clip_by_global_norm", "apply_if_finite",
            "allreduce_gradients", "broadcast_params", "ShardedState", "allreduce", "allgather", "broadcast",

@@ -2,7 +2,7 @@
 shards: :func:`clip_by_global_norm` (its norm) and :func:`apply_if_finite` (whether every element is
 finite).
 
-Under :func:`bindings.jax_sync.sharded_optimizer` the inner optax transformation runs on this rank's
+Under :func:`bindings.jax_sharded.sharded_optimizer` the inner optax transformation runs on this rank's
 flat shards of the buckets, so optax's own ``clip_by_global_norm`` would clip each rank's shard by the
 norm of that shard alone, and optax's ``apply_if_finite`` would skip the update on the ranks whose shard
 holds an inf only.  Ours take a sum over what they see (the squares; the non-finite elements) and hand it
@@ -87,7 +87,7 @@ def over_shards(local: Any) -> Any:
 
 def clip_by_global_norm(max_norm: float) -> Any:
     """optax's ``clip_by_global_norm`` that also clips by the global norm inside
-    :func:`~bindings.jax_sync.sharded_optimizer`, where each rank's update sees only its shard of the
+    :func:`~bindings.jax_sharded.sharded_optimizer`, where each rank's update sees only its shard of the
     averaged gradient: there the norm is summed over the ranks' shards (one scalar all-gather per
     step, in the step's order, eagerly or inside ``jax.jit``) and every rank clips by the norm one
     process computes over the whole tree.  Elsewhere it is optax's own.  ``max_norm``: positive.
@@ -122,7 +122,7 @@ def clip_by_global_norm(max_norm: float) -> Any:
 def apply_if_finite(inner: Any, max_consecutive_errors: int) -> Any:
     """optax's ``apply_if_finite`` (skip the update where the gradient holds an inf or a NaN, up to
     ``max_consecutive_errors`` steps in a row, then apply it) that also decides on the whole gradient
-    inside :func:`~bindings.jax_sync.sharded_optimizer`, where each rank's update sees only its shard:
+    inside :func:`~bindings.jax_sharded.sharded_optimizer`, where each rank's update sees only its shard:
     there the non-finite elements are counted over the ranks' shards (one scalar all-gather per step),
     so every rank skips the steps one process skips.  Elsewhere it is optax's.  Its state is optax's
     ``ApplyIfFiniteState``.

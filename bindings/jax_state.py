@@ -1,4 +1,4 @@
-""":func:`bindings.jax_sync.sharded_optimizer`'s state made whole and cut again.
+""":func:`bindings.jax_sharded.sharded_optimizer`'s state made whole and cut again.
 
 Each rank keeps the inner optimizer's state over its shard of each bucket: a per-rank state, which
 per-rank checkpoints restore on as many ranks.  :func:`whole_state` gathers every rank's shards into

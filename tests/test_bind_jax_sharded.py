@@ -1,4 +1,4 @@
-"""bindings.jax_sync's sharded_optimizer (DeAR's ZeRO-1 update): eagerly and inside ``jax.jit``,
+"""bindings.jax_sharded's sharded_optimizer (DeAR's ZeRO-1 update): eagerly and inside ``jax.jit``,
 against one process on the whole batch and against each other; its per-rank state through
 checkpoints; what it refuses."""
 

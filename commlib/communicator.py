@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+import warnings
 from collections.abc import Callable
 from typing import Any, NoReturn, Protocol
 
@@ -13,7 +15,7 @@ from .backends.base import Backend
 from .communicator_ops import CommunicatorOps
 from .config import Config
 from .control import Control
-from .errors import CommAbortedError, ValidationError
+from .errors import CommAbortedError, CommStallWarning, ValidationError
 from .ops import OPS, Op, fingerprint
 from .runner import Runner
 from .tracing import Tracer
@@ -268,12 +270,22 @@ class Communicator(CommunicatorOps):
             run.aborted = CommAbortedError("a peer aborted or left this communicator")
         if run.aborted is None:
             run.close_engine()
+        gave_up = ""
         if run.aborted is None:     # peers waiting for an operation this rank never called: fail now
             self._board.set(self._seq, "?", _board.CLOSING)
+            since = time.monotonic()
             gone = self._board.wait_to_free(run.timeout)
             if gone:                # they free nothing: the frees would wait for them for good
                 run.aborted = CommAbortedError("peers will not free this communicator: " + "; ".join(
                     p.describe() for p in gone))
+                # shown aborted: a peer closing later frees nothing either (it read this rank's
+                # slot, closing, as ready for the collective frees, and waited in them alone)
+                self._board.set(self._seq, "?", _board.ABORTED, str(run.aborted))
+                if 0 < run.timeout <= time.monotonic() - since:
+                    gave_up = (f"rank {self.rank} gave up closing {self!r} after {run.timeout:g} s "
+                               f"({'; '.join(p.describe() for p in gone)}): its MPI resources are "
+                               "not freed, nor by a rank that closes later (a longer timeout lets a "
+                               "rank's last checkpoint or evaluation finish first)")
         if run.aborted is None:
             resources, self._resources = self._resources, []
             for resource in reversed(resources):
@@ -287,6 +299,8 @@ class Communicator(CommunicatorOps):
             self._control.free()
             self._user.Free()
         self._tracer.write()    # after the collective frees: a failed write must not skip them
+        if gave_up:     # last: a warnings filter that makes it an error raises with the close done
+            warnings.warn_explicit(gave_up, CommStallWarning, "commlib", 0, module="commlib")
 
     def close_with(self, resource: Closable) -> None:
         """Have :meth:`close` (explicit, or at interpreter exit) close ``resource`` first.

@@ -233,6 +233,16 @@ class Runner(WaitVerdicts):
             self.aborted = CommAbortedError(f"this rank left the communicator: {reason}")
             self.board.set(self.posted if seq is None else seq, "?", _board.LEFT, reason)
 
+    def ending(self, seq: int) -> None:
+        """This rank's program ends after its operation ``seq`` (the last called): shown closing at
+        once, before the exit closes the communicators one by one, newest first, each waiting for
+        its peers' close.  A peer waiting in this one for an operation this rank never called fails
+        at once, not when the close of a newer one, which it would reach only after, gave up (a
+        split's close kept it the whole timeout after one rank raised).  Not over a rejection whose
+        verdict is pending: its close settles it, and peers read the rejection meanwhile."""
+        if self.aborted is None and not self.closed and self.rejection is None:
+            self.board.set(seq, "?", _board.CLOSING)
+
     def mark_aborted(self, err: CommlibError, name: str, seq: int) -> None:
         """Abort this communicator for ``err`` (raised in operation ``seq``, or in a side
         communicator's wait): no later operation runs; peers on this node see it on the board."""

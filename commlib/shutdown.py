@@ -33,6 +33,10 @@ def _close_all() -> None:
     # an operation already given up: a peer may be stuck in it, and the collective frees of
     # the other communicators could wait for that peer forever, so end the job first
     dangling = [label for _, run in _OPEN for label in run.unfinished()]
+    for ref, run in _OPEN if not dangling else []:      # every one shown closing, then each closed
+        comm = ref()
+        if comm is not None:
+            run.ending(comm.seq)
     for ref, run in reversed(_OPEN if not dangling else []):
         comm = ref()
         try:

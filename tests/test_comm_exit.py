@@ -61,6 +61,19 @@ def test_timed_out_job_exits_within_timeout_plus_10s(tmp_path):
     assert took < 5 + 10, f"{took:.1f} s"
 
 
+@pytest.mark.parametrize("case,ranks,code", [("raised_with_a_split", 2, 1), ("raised_with_a_split", 3, 1),
+                                             ("closed_after_the_timeout", 2, 0),
+                                             ("closed_after_the_timeout", 3, 0)])
+def test_a_rank_ending_apart_from_its_peers(case, ranks, code, tmp_path):
+    """One rank raises with a split open: the others fail at once, not after the timeout (60 s in
+    the job); one rank closes after its peers' close gave up: nobody hangs (``tests/jobs/ends.py``)."""
+    proc, took, ok = run_job(case, ranks, 20, tmp_path, job="ends.py")
+    out = proc.stdout + proc.stderr
+    assert ok == list(range(ranks)), out
+    assert (proc.returncode != 0) == bool(code), out
+    assert took < 20, f"{case}: {took:.1f} s\n{out}"
+
+
 @pytest.mark.parametrize("case,ranks", [("store", 2), ("syncswitch_asp", 2), ("jax_results_held", 2),
                                         ("horovod_ends_with_a_collective", 3),
                                         ("rejected_broadcast_at_the_end", 2), ("forked_child_exits", 2),

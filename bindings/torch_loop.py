@@ -92,6 +92,7 @@ class TrainingLoop:
         self._unscaled: set[int] = set()       # buckets still to bring to an agreed loss scale
         self._scale_factor = 1.0
         self._partial = False
+        self._last_averaged = True      # the last step's gradients were averaged (see _reduce)
         self._unused = UnusedParameters(self.comm, self.find_unused_parameters)
         self._end_step()
         model = self.model
@@ -355,6 +356,15 @@ class TrainingLoop:
         if self._synced:
             return
         gave_none = []             # model.zero_grad()'s None, and no gradient from this rank
+        # .grad still holding the last step's average (no zero_grad() since) and no gradient added
+        # this step: one process steps with it again (step() twice, a branch some steps take), so
+        # it is averaged again as it is, the same on every rank (DeAR's shards gathered first);
+        # it was zeroed, the update dropped it.  Not where the last step's were the ranks' own
+        # (SelSync's local steps, Sync-Switch's ASP) or a batch repeats (join): zeros there.
+        keeps = self._join is None and self._last_averaged
+        if keeps and self._partial and any(
+                not got and self._params[i].grad is self._grad_views[i] for i, got in enumerate(self._got)):
+            self._gather_shards()
         for i, got in enumerate(self._got):
             grad = self._params[i].grad
             if grad is not None and grad is not self._grad_views[i]:
@@ -363,7 +373,7 @@ class TrainingLoop:
                     self._grad_views[i].zero_()
                 else:
                     self._take_assigned(i)
-            elif not got:          # no gradient this step (.grad may hold a stale value): zeros
+            elif not got and (grad is None or not keeps):      # no gradient this step: zeros
                 self._grad_views[i].zero_()
                 if grad is None:
                     gave_none.append(i)
@@ -375,6 +385,7 @@ class TrainingLoop:
         if factor != 1.0:           # the average over the ranks that had a batch (join)
             torch._foreach_mul_(self._shard_grads if self._sharded else self._flat_grads, factor)
         local = self.strategy.gradients_are_local()
+        self._last_averaged = not local
         self._outside.average(local)
         self._agree_loads(self._unused.find(self._params, self._reached, local, self.model,
                                             None if self._sharded else self._grad_views,

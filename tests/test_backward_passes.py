@@ -163,6 +163,44 @@ def test_steps_without_zero_grad_add_up_as_one_process(comm, strategy, zero_ever
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+@pytest.mark.parametrize("case", ["step_twice", "branch"])
+def test_a_gradient_left_in_grad_steps_again_as_one_process(comm, strategy, case):
+    """A parameter that gets no gradient before a ``step()`` while ``.grad`` still holds the last
+    step's (no ``zero_grad()`` since) is stepped with it again, as one process does: ``step()``
+    twice after one ``backward()``, or ``zero_grad()`` every other step with a layer that only the
+    even steps use.  Its ``.grad`` was zeroed: the second step moved nothing (0.03 off one
+    process's SGD at 2 ranks), the branch's layer lost its odd steps (0.05)."""
+
+    def run(dist: bool) -> np.ndarray:
+        torch.manual_seed(0)
+        trunk, head = torch.nn.Linear(5, 4), torch.nn.Linear(4, 2)
+        extra = torch.nn.Linear(4, 4)
+        model = torch.nn.ModuleList([trunk, head, extra])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+        if dist:
+            opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[strategy](), comm=comm)
+        g = torch.Generator().manual_seed(5)
+        for step in range(STEPS + 1):
+            x, y = local_slice(comm, dist, torch.randn(LOCAL * comm.size, 5, generator=g),
+                               torch.randn(LOCAL * comm.size, 2, generator=g))
+            if case == "step_twice" or step % 2 == 0:
+                opt.zero_grad()
+            h = torch.tanh(trunk(x))
+            if case == "branch" and step % 2 == 0:
+                h = torch.tanh(extra(h))
+            torch.nn.functional.mse_loss(head(h), y).backward()
+            opt.step()
+            if case == "step_twice":
+                opt.step()
+        if dist:
+            opt.flush()
+        return flat(model)
+
+    np.testing.assert_allclose(run(True), run(False), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("strategy", ["selsync0", "sparse-dense"])
 def test_a_pass_after_the_average_raises_where_it_cannot_add(comm, strategy):
     """A gate or error feedback cannot take a pass onto a reduced gradient: every rank raises,

@@ -41,6 +41,12 @@ def local_slice(comm, dist: bool, *tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.chunk(comm.size)[comm.rank] if dist else t for t in tensors]
 
 
+def batch(comm, dist: bool, g: torch.Generator) -> list[torch.Tensor]:
+    """A step's inputs (5 features) and targets (2) from ``g``: this rank's rows, or all of them."""
+    return local_slice(comm, dist, torch.randn(LOCAL * comm.size, 5, generator=g),
+                       torch.randn(LOCAL * comm.size, 2, generator=g))
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("strategy", ["allreduce", "dear", "syncswitch-bsp", "syncswitch-dear"])
 def test_dcgan_loop_trains_as_one_process(comm, strategy):
@@ -100,8 +106,7 @@ def test_passes_after_the_average_add_up_as_one_process(comm, strategy, pattern)
                                        backward_passes_per_step=passes)
         g = torch.Generator().manual_seed(7)
         for _ in range(STEPS):
-            x, y = local_slice(comm, dist, torch.randn(LOCAL * comm.size, 5, generator=g),
-                               torch.randn(LOCAL * comm.size, 2, generator=g))
+            x, y = batch(comm, dist, g)
             opt.zero_grad()
             if pattern == "retain_graph":
                 out = model(x)
@@ -145,8 +150,7 @@ def test_steps_without_zero_grad_add_up_as_one_process(comm, strategy, zero_ever
             opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[strategy](), comm=comm)
         g = torch.Generator().manual_seed(3)
         for step in range(STEPS + 2):
-            x, y = local_slice(comm, dist, torch.randn(LOCAL * comm.size, 5, generator=g),
-                               torch.randn(LOCAL * comm.size, 2, generator=g))
+            x, y = batch(comm, dist, g)
             if unfreeze and step == 3:
                 model[0].requires_grad_(True)
             if zero_every and step % zero_every == 0:
@@ -182,8 +186,7 @@ def test_a_gradient_left_in_grad_steps_again_as_one_process(comm, strategy, case
             opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[strategy](), comm=comm)
         g = torch.Generator().manual_seed(5)
         for step in range(STEPS + 1):
-            x, y = local_slice(comm, dist, torch.randn(LOCAL * comm.size, 5, generator=g),
-                               torch.randn(LOCAL * comm.size, 2, generator=g))
+            x, y = batch(comm, dist, g)
             if case == "step_twice" or step % 2 == 0:
                 opt.zero_grad()
             h = torch.tanh(trunk(x))

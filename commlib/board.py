@@ -106,6 +106,14 @@ class Board:
         mine[1] = self._codes.get(op, -1)      # new operation, never the new state beside an old one
         mine[2] = state
 
+    def idle_after(self, seq: int, op: str) -> None:
+        """Operation ``seq`` completed, nothing posted since: show this rank idle after it (over a
+        call it is in too: :meth:`keep_call_shown`), unless the slot shows a rejection of a later
+        call (whose verdict its peers read there: overwritten, a peer waited for it for good), an
+        abort or a close."""
+        if self._mine_mv[2] in (IDLE, IN_OP, IN_CALL):
+            self.set(seq, op, IDLE)
+
     def reject(self, seq: int, op: str, reason: str, alone: bool) -> None:
         """Show that this rank rejected its input to operation ``seq``; ``alone``: with nothing in
         flight here, so that it cannot have called an earlier operation that is still pending

@@ -83,10 +83,19 @@ class Runner(WaitVerdicts):
         operation could pair with this rank's next one.  Where the board shows every rank (one
         node) and nothing is in flight here, the verdict waits for this rank's next call on the
         communicator (:meth:`settle_rejection`): it goes on if every rank rejected the operation
-        alike.  Elsewhere the communicator is aborted now.  ``err``'s message says which."""
+        alike.  Operations in flight here are waited for first (valid where they were posted, they
+        complete: they were aborted, or a peer that waited for them first waited for this rank's
+        verdict for good).  Elsewhere the communicator is aborted now.  ``err``'s message says which."""
+        one_node = len(self.board.members) == self.size
+        if one_node and not self.engine.idle and self.aborted is None:
+            try:
+                self.drain()
+            except CommlibError:        # their wait failed and aborted the communicator: say so
+                err.args = (f"{err} (communicator aborted before: {self.aborted})",)
+                return
         alone = self.engine.idle
         self.board.reject(seq, name, str(err), alone)
-        if len(self.board.members) == self.size and alone:
+        if one_node and alone:
             self.rejection = (name, seq, str(err))
             err.args = (f"{err} (if a peer called {name} #{seq} with valid input, the communicator is "
                         "aborted and its next call here raises CommAbortedError; COMMLIB_CHECK=1 agrees "
@@ -286,8 +295,8 @@ class Runner(WaitVerdicts):
             raise
         if p.finish is not None:
             p.finish()
-        if self.posted == seq:   # nothing posted since: the board shows this rank idle
-            self.board.set(seq, name, _board.IDLE)
+        if self.posted == seq:   # nothing posted since: the board shows this rank idle (unless it
+            self.board.idle_after(seq, name)    # shows a later call's rejection or an abort)
 
     def start(self, op: Op) -> Pending:
         """:meth:`post` ``op``, traced."""

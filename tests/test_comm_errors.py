@@ -138,6 +138,25 @@ def test_an_input_every_rank_rejects_keeps_the_communicator_without_check_mode()
     assert c.dangling() == []
 
 
+@pytest.mark.mpi(min_size=2)
+def test_an_input_every_rank_rejects_with_operations_in_flight():
+    """The same bad call on every rank while a nonblocking all-reduce is in flight on some of them
+    (rank 1 waited for it first): every rank raises the rejection, the all-reduce completes, and
+    the communicator goes on (the ranks with it in flight aborted, and the others' verdict hung:
+    the all-reduce's completion showed them idle over their rejection)."""
+    c = fresh(check=False, timeout=60)
+    for size in (1024, 1 << 16):
+        work = c.iallreduce(np.ones(size))
+        if c.rank == 1:
+            work.wait()
+        with pytest.raises(commlib.ValidationError, match="if a peer called .* with valid input"):
+            c.allreduce(np.ones(4, np.int8))
+        np.testing.assert_array_equal(work.wait(), np.full(size, c.size))
+        np.testing.assert_array_equal(c.allreduce(np.ones(2)), np.full(2, c.size))
+    c.close()
+    assert c.dangling() == []
+
+
 @pytest.mark.mpi(min_size=1)
 def test_work_wait_timeout_does_not_abort(comm):
     w = comm.iallreduce(np.ones(4))

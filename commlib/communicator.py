@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import time
 import warnings
 from collections.abc import Callable
@@ -29,6 +30,20 @@ class Closable(Protocol):
 
     @property
     def closed(self) -> bool: ...
+
+
+def _split_problem(color: Any, key: Any) -> str | None:
+    """What is wrong with a split's ``color`` and ``key`` (C ints: MPI's; ``key`` may be ``None``)."""
+    for name, value in (("color", color), ("key", key)):
+        if value is None and name == "key":
+            continue
+        try:
+            v = operator.index(value)       # an int (numpy's too), not a float or a string
+        except TypeError:
+            return f"{name} {value!r} is not an integer"
+        if not -2**31 <= v < 2**31:
+            return f"{name} {v} does not fit a C int (MPI's)"
+    return None
 
 
 class Communicator(CommunicatorOps):
@@ -225,12 +240,19 @@ class Communicator(CommunicatorOps):
         """
         self._run.check_alive()
         self._run.drain()
+        problem = _split_problem(color, key)
         # every rank into the split first, watched as any call (MPI's split waits without limit):
         # a rank that splits alone (one rank tracing a jitted collective) fails on the timeout,
-        # its peers at once where they wait in an operation instead
-        self._control.allgather_object(None, "split", self._seq)
+        # its peers at once where they wait in an operation instead; a rank's bad color or key
+        # comes with it, raised on every rank (raised on its rank alone, after, it left its peers
+        # in MPI's split for good)
+        problems = self._control.allgather_object(problem, "split", self._seq)
+        if any(problems):
+            raise ValidationError("split: " + "; ".join(
+                f"rank {r}'s {p}" for r, p in enumerate(problems) if p))
+        color = operator.index(color)
         sub = self._mpi.Split(MPI.UNDEFINED if color < 0 else color,
-                              self.rank if key is None else key)
+                              self.rank if key is None else operator.index(key))
         if sub == MPI.COMM_NULL:
             return None
         comm = Communicator(sub, self.config, self.backend, tracer=self._tracer)

@@ -139,6 +139,25 @@ def test_an_input_every_rank_rejects_keeps_the_communicator_without_check_mode()
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("color,key,says", [(None, None, "color None is not an integer"),
+                                            (1.5, None, "color 1.5 is not an integer"),
+                                            (2**40, None, "color 1099511627776 does not fit a C int"),
+                                            (0, "k", "key 'k' is not an integer")])
+def test_a_bad_split_on_one_rank_raises_on_every_rank(comm, color, key, says):
+    """A split's color or key that is not a C int on the last rank alone: every rank raises,
+    naming it, and the communicator goes on (the bad rank raised alone, its peers waited in MPI's
+    split for good; a float color was truncated).  A numpy integer is an integer."""
+    last = comm.rank == comm.size - 1
+    with pytest.raises(commlib.ValidationError, match=f"split: rank {comm.size - 1}'s {says}"):
+        comm.split(color if last else 0, key if last else None)
+    half = comm.split(np.int64(comm.rank % 2), np.int32(-comm.rank))
+    assert half.size == len(range(comm.rank % 2, comm.size, 2))
+    np.testing.assert_array_equal(half.allgather_object(comm.rank, label="order"),
+                                  sorted(range(comm.rank % 2, comm.size, 2), reverse=True))
+    half.close()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_an_input_every_rank_rejects_with_operations_in_flight():
     """The same bad call on every rank while a nonblocking all-reduce is in flight on some of them
     (rank 1 waited for it first): every rank raises the rejection, the all-reduce completes, and

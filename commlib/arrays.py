@@ -211,14 +211,15 @@ def host_pair(x: Any, out: Any) -> str | None:
     if type(x) is not np.ndarray:
         return None
     dt = _NP_NAMES.get(x.dtype)
-    if dt is None or dt == "bfloat16" or not x.flags.c_contiguous:
+    flags = x.flags
+    if dt is None or dt == "bfloat16" or not (flags.c_contiguous and flags.aligned):
         return None
     if out is None:
         return dt
     if type(out) is not np.ndarray or out.dtype is not x.dtype:
         return None
     flags = out.flags
-    return dt if flags.c_contiguous and flags.writeable else None
+    return dt if flags.c_contiguous and flags.writeable and flags.aligned else None
 
 
 #: the torch dtypes the host path takes (all of DTYPES but bfloat16), made at the first torch call
@@ -328,7 +329,8 @@ def as_view(x: Any, name: str, read_only: bool = False) -> View:
     """
     if type(x) is np.ndarray:  # fast path: the common case costs a few attribute reads
         dt = _NP_NAMES.get(x.dtype)
-        if dt is not None and x.flags.c_contiguous:
+        flags = x.flags
+        if dt is not None and flags.c_contiguous and flags.aligned:
             flat = x if x.ndim == 1 else x.reshape(-1)
             if dt == "bfloat16":
                 flat = flat.view(np.uint16)
@@ -344,6 +346,10 @@ def as_view(x: Any, name: str, read_only: bool = False) -> View:
         arr = np.asarray(x)     # a subclass (np.memmap, np.matrix) as the plain ndarray of its memory
         arr = arr if arr.flags.c_contiguous else _read_copy(
             arr, np.ascontiguousarray, read_only, lambda: _contiguity_error(name, kind))
+        if not arr.flags.aligned:       # (np.frombuffer at an odd offset) MPI maps no such datatype
+            arr = _read_copy(arr, np.copy, read_only, lambda: ValidationError(
+                f"{name}: its memory is not aligned to its dtype ({arr.dtype}; np.frombuffer at an "
+                "offset that is not a multiple of the itemsize?): pass an aligned copy (x.copy())"))
         if not arr.dtype.isnative:      # the other byte order: MPI would read its bytes as this machine's
             order = arr.dtype.str
             arr = _read_copy(arr, lambda a: a.astype(a.dtype.newbyteorder("=")), read_only,

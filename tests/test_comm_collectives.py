@@ -438,6 +438,29 @@ def test_the_other_byte_order_is_read_through_a_copy_and_refused_in_place(comm):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dt", ["float64", "int32", "complex64"])
+def test_an_unaligned_array_is_read_through_a_copy_and_refused_in_place(comm, dt):
+    """A contiguous array whose memory is not aligned to its dtype (``np.frombuffer`` at an odd
+    offset: a field of a packed message), which numpy computes with: read through an aligned copy,
+    refused (alike on every rank) as ``out``.  MPI maps no datatype to it: the post failed and
+    aborted the communicator."""
+    n = 5
+    every = all_inputs(comm.size, n, dt)
+    raw = bytearray(every[comm.rank].nbytes + 1)
+    x = np.frombuffer(raw, dtype=dt, count=n, offset=1)
+    x[:] = every[comm.rank]
+    assert not x.flags.aligned and x.flags.c_contiguous
+    for call in (lambda: comm.allreduce(x), lambda: comm.iallreduce(x).wait()):
+        assert_close(call(), reference("sum", every), dt)
+    assert_close(comm.allgather(x), every, dt)
+    spare = comm.split(0)
+    with pytest.raises(commlib.ValidationError, match="not aligned"):
+        spare.allreduce(np.ones(n, dt), out=x)
+    np.testing.assert_array_equal(spare.allreduce(np.ones(2)), np.full(2, comm.size))   # alike: usable
+    spare.close()
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
 def test_broadcast_reads_a_non_contiguous_x_into_out(comm, mode):
     """With ``out``, broadcast only reads ``x`` (on the root): a transpose is read through a copy,

@@ -255,7 +255,7 @@ class Communicator(CommunicatorOps):
                               self.rank if key is None else operator.index(key))
         if sub == MPI.COMM_NULL:
             return None
-        comm = Communicator(sub, self.config, self.backend, tracer=self._tracer)
+        comm = Communicator(sub, self.config, self.backend, tracer=self._tracer.sibling())
         comm.timeout = self.timeout
         if comm.size == self.size and key is None:      # the same ranks, in order: its waits watch ours
             comm._run.parent = self._run

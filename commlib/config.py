@@ -158,10 +158,20 @@ class Config:
             raise ValidationError(f"poll_spin {self.poll_spin!r}: expected seconds >= 0 (inf: never sleep)")
 
     def timeline_path(self, rank: int) -> str | None:
-        """The timeline file of ``rank``, or ``None`` when the timeline is off."""
+        """The timeline file of ``rank``, or ``None`` when the timeline is off: ``{rank}`` in the
+        path replaced, else ``.rank<N>`` inserted before the extension; in a folder (one that
+        exists, or a path ending in ``/``), ``rank<N>.json``.
+
+        Example:
+            >>> Config.from_env(timeline="/tmp/tl/").timeline_path(1)
+            '/tmp/tl/rank1.json'
+        """
         if not self.timeline:
             return None
-        if "{rank}" in self.timeline:
-            return self.timeline.replace("{rank}", str(rank))
+        path = self.timeline.replace("{rank}", str(rank))
+        if path.endswith(os.sep) or os.path.isdir(path):        # a folder: rank<N>.json in it
+            return os.path.join(path, f"rank{rank}.json")
+        if path != self.timeline:
+            return path
         root, ext = os.path.splitext(self.timeline)
         return f"{root}.rank{rank}{ext or '.json'}"

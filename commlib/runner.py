@@ -305,7 +305,8 @@ class Runner(WaitVerdicts):
             if self.aborted is not None or self.closed:
                 self.check_alive()   # before a trace phase opens
             if op.submitted_us:
-                tr.add("queued", op.name, "engine", op.submitted_us, tr.now_us(), seq=op.seq)
+                tr.add_overlapping("queued", op.name, "engine", op.seq, op.submitted_us, tr.now_us(),
+                                   seq=op.seq, nbytes=op.nbytes, **({"tag": op.tag} if op.tag else {}))
             op.token = tr.begin("running", op.name, "engine", op.tag, seq=op.seq, nbytes=op.nbytes)
         return self.post(op.name, op.seq, op.start, op.args)
 

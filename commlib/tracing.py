@@ -8,11 +8,16 @@ With ``COMMLIB_TIMELINE=path`` each rank also writes the same events as a
 Chrome-trace JSON (open it in ``chrome://tracing`` or https://ui.perfetto.dev),
 with three phases per operation:
 
-* ``queued``  (track ``engine``): submitted, waiting for earlier operations;
+* ``queued``  (an async slice beside track ``engine``: several overlap, one per
+  operation, matched by its ``seq``): submitted, waiting for earlier operations;
 * ``running`` (track ``engine``): inside the backend;
 * ``waiting`` (track ``caller``): the caller blocked in ``Work.wait()``, or in a
   blocking call queued behind operations in flight (one that finds the engine idle
   runs on the caller's thread: its ``running`` phase is the whole call).
+
+Each communicator of a file has its own three tracks (``engine (communicator 1)``
+for the second one made, a split: the first's are plain ``caller``, ``engine``,
+``control``), so that the slices of a track nest, as the trace format needs.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -34,9 +40,11 @@ _COLORS = {"allreduce": "green", "reduce_scatter": "blue", "allgather": "purple"
            "allgatherv": "purple", "broadcast": "orange", "barrier": "red",
            "check": "yellow"}
 _TIDS = {"caller": 1, "engine": 2, "control": 3}
+#: thread ids of a communicator's tracks: lane k's are ``_TIDS`` + k * _LANE_TIDS
+_LANE_TIDS = 10
 #: by timeline path: (the tracer that writes it, its events, their lock, perf_counter and wall
-#: clock at its start)
-_RECORDS: dict[str, tuple[Any, list[dict[str, Any]], threading.Lock, float, float]] = {}
+#: clock at its start, the lanes taken: one per communicator whose tracer writes there)
+_RECORDS: dict[str, tuple[Any, list[dict[str, Any]], threading.Lock, float, float, list[int]]] = {}
 
 
 def timeline_problem(path: str | None) -> str | None:
@@ -57,8 +65,12 @@ def timeline_problem(path: str | None) -> str | None:
         return f"timeline {path}: {exc}"
     if os.path.isdir(path):
         return f"timeline {path}: a folder is there"
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"timeline {path}: folder {folder} is not writable"
+    try:    # a file made and removed: os.access says yes to root everywhere (/proc, /sys)
+        fd, probe = tempfile.mkstemp(prefix=".commlib-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"timeline {path}: folder {folder} is not writable ({exc.strerror or exc})"
     return None
 
 
@@ -83,6 +95,7 @@ class Tracer:
     def __init__(self, rank: int, path: str | None, nvtx: bool | str = True):
         self.rank = rank
         self.path = path
+        self._nvtx_setting = nvtx
         # NVTX ranges cost label formatting per call: build them only when a tool
         # (Nsight Systems sets NVTX_INJECTION64_PATH) is attached to collect them, or when forced
         self.nvtx = _nvtx is not None and (nvtx == "force" or (
@@ -93,12 +106,29 @@ class Tracer:
         # init() with one COMMLIB_TIMELINE) share them, so that no write replaces another's
         shared = _RECORDS.get(path) if path else None
         if shared is None:
-            shared = (self, [], threading.Lock(), time.perf_counter(), time.time())
+            shared = (self, [], threading.Lock(), time.perf_counter(), time.time(), [0])
             if path:
                 _RECORDS[path] = shared
                 from .shutdown import at_exit  # here: importing it imports mpi4py.MPI (starts MPI)
                 at_exit(self.write)
-        self._writer, self._events, self._lock, self._t0, self._t0_wall = shared
+        else:
+            with shared[2]:
+                shared[5][0] += 1
+        self._writer, self._events, self._lock, self._t0, self._t0_wall, self._lanes = shared
+        #: this tracer's tracks among the file's: one lane per communicator
+        self.lane = self._lanes[0]
+
+    def sibling(self) -> "Tracer":
+        """A tracer of the same file and settings for another communicator (a split): its own
+        tracks, the same clock.
+
+        Example:
+            >>> Communicator(sub, config, backend, tracer=self._tracer.sibling())
+        """
+        return Tracer(self.rank, self.path, self._nvtx_setting)
+
+    def _tid(self, track: str) -> int:
+        return _TIDS.get(track, 9) + _LANE_TIDS * self.lane
 
     @property
     def recording(self) -> bool:
@@ -113,17 +143,32 @@ class Tracer:
         if not self.path:
             return
         ev = {"name": f"{op} {phase}", "cat": phase, "ph": "X", "pid": self.rank,
-              "tid": _TIDS.get(track, 9), "ts": round(start_us, 3),
+              "tid": self._tid(track), "ts": round(start_us, 3),
               "dur": round(max(end_us - start_us, 0.0), 3), "args": {"op": op, **args}}
         with self._lock:
             self._events.append(ev)
+
+    def add_overlapping(self, phase: str, op: str, track: str, key: int, start_us: float,
+                        end_us: float, **args: Any) -> None:
+        """Add one completed phase that may overlap others of its track without nesting in them
+        (an operation's ``queued``: the next was submitted before it started): an async slice,
+        ``key`` (its ``seq``) telling it from the others (no-op when not recording)."""
+        if not self.path:
+            return
+        ident = f"{self.lane}.{key}"
+        common = {"name": f"{op} {phase}", "cat": phase, "id": ident, "pid": self.rank,
+                  "tid": self._tid(track)}
+        begin = {**common, "ph": "b", "ts": round(start_us, 3), "args": {"op": op, **args}}
+        end = {**common, "ph": "e", "ts": round(max(end_us, start_us), 3)}
+        with self._lock:
+            self._events += (begin, end)
 
     def instant(self, name: str, track: str = "control", **args: Any) -> None:
         """Add a point event (a decision, an error) to the timeline."""
         if not self.path:
             return
         ev = {"name": name, "ph": "i", "s": "t", "pid": self.rank,
-              "tid": _TIDS.get(track, 9), "ts": round(self.now_us(), 3), "args": args}
+              "tid": self._tid(track), "ts": round(self.now_us(), 3), "args": args}
         with self._lock:
             self._events.append(ev)
 
@@ -177,8 +222,9 @@ class Tracer:
             events = list(self._events)
         meta = [{"name": "process_name", "ph": "M", "pid": self.rank,
                  "args": {"name": f"rank {self.rank}"}}]
-        meta += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid,
-                  "args": {"name": name}} for name, tid in _TIDS.items()]
+        meta += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid + _LANE_TIDS * lane,
+                  "args": {"name": name if not lane else f"{name} (communicator {lane})"}}
+                 for lane in range(self._lanes[0] + 1) for name, tid in _TIDS.items()]
         doc = {"traceEvents": meta + events, "displayTimeUnit": "ms",
                "otherData": {"rank": self.rank, "start_unix_s": self._t0_wall}}
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)

@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 import commlib
-from commlib.tracing import Tracer
+from commlib.tracing import Tracer, timeline_problem
 
 
 @pytest.mark.mpi(min_size=1)
@@ -28,7 +28,7 @@ def test_timeline_file_holds_every_phase(tmp_path_factory):
     with open(path) as f:
         doc = json.load(f)
     events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
-    phases = {(e["args"]["op"], e["cat"]) for e in events}
+    phases = {(e["args"]["op"], e["cat"]) for e in events + queued_slices(doc)}
     assert {("allreduce", "queued"), ("allreduce", "running"), ("reduce_scatter", "running")} <= phases
     if c.size > 1:   # on one rank an operation completes when it is posted: nothing to wait for
         assert ("allreduce", "waiting") in phases
@@ -42,11 +42,64 @@ def test_timeline_file_holds_every_phase(tmp_path_factory):
     assert all(e["pid"] == MPI.COMM_WORLD.rank for e in events)
 
 
+def queued_slices(doc: dict) -> list[dict]:
+    """The async ``queued`` slices of a timeline, their begin and end paired by ``id``: one
+    event each, with its ``dur``."""
+    begins = {e["id"]: e for e in doc["traceEvents"] if e["ph"] == "b"}
+    ends = {e["id"]: e for e in doc["traceEvents"] if e["ph"] == "e"}
+    assert begins.keys() == ends.keys()
+    return [{**b, "dur": ends[k]["ts"] - b["ts"]} for k, b in begins.items()]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_timeline_tracks_nest_with_a_split_and_operations_in_flight(tmp_path_factory):
+    """Several nonblocking operations in flight on a communicator and its split: every track's
+    complete slices nest (the trace format's rule: Perfetto drops the others), each communicator
+    has tracks of its own, named, and every queued slice is an async one with its tag and bytes
+    (they overlapped on the one engine track, both communicators' slices on it)."""
+    base = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("tl4")) if MPI.COMM_WORLD.rank == 0
+                                else None)
+    a = commlib.init(comm=MPI.COMM_WORLD, timeline=base + os.sep)
+    b = a.split(0)
+    x = np.ones(1 << 15)
+    for _ in range(3):
+        works = [c.iallreduce(x, tag=f"{name}{i}") for i in range(3) for name, c in (("a", a), ("b", b))]
+        for w in works:
+            w.wait()
+    b.close()
+    a.close()
+    with open(os.path.join(base, f"rank{MPI.COMM_WORLD.rank}.json")) as f:
+        doc = json.load(f)
+    names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    by_tid: dict[int, list[dict]] = {}
+    for e in doc["traceEvents"]:
+        if e["ph"] == "X":
+            by_tid.setdefault(e["tid"], []).append(e)
+    for tid, events in by_tid.items():
+        events.sort(key=lambda e: (e["ts"], -e["dur"]))
+        open_ends: list[float] = []
+        for e in events:
+            while open_ends and open_ends[-1] <= e["ts"]:
+                open_ends.pop()
+            assert not open_ends or e["ts"] + e["dur"] <= open_ends[-1] + 1e-3, (names[tid], e)
+            open_ends.append(e["ts"] + e["dur"])
+    running = {names[e["tid"]]: e["args"]["tag"][0] for e in doc["traceEvents"]
+               if e["ph"] == "X" and e["cat"] == "running" and "tag" in e["args"]}
+    assert running == {"engine": "a", "engine (communicator 1)": "b"}, running
+    queued = queued_slices(doc)
+    assert {q["args"]["tag"][0] for q in queued} == {"a", "b"} and len(queued) >= 6
+    assert all(q["args"]["nbytes"] == x.nbytes and q["dur"] >= 0 for q in queued)
+
+
 def test_tracer_timeline_path_and_nvtx_off(tmp_path):
     cfg = commlib.Config.from_env(timeline=str(tmp_path / "t-{rank}.json"))
     assert cfg.timeline_path(3) == str(tmp_path / "t-3.json")
     assert commlib.Config.from_env(timeline=str(tmp_path / "t.json")).timeline_path(1) == \
         str(tmp_path / "t.rank1.json")
+    for folder in (str(tmp_path) + os.sep, str(tmp_path), str(tmp_path / "n{rank}") + os.sep):
+        assert commlib.Config.from_env(timeline=folder).timeline_path(2) == \
+            os.path.join(folder.replace("{rank}", "2"), "rank2.json")
+    assert "not writable" in timeline_problem("/proc/t.json")     # as root too (os.access said yes)
     tr = Tracer(rank=0, path=str(tmp_path / "x.json"), nvtx=False)
     with tr.span("running", "allreduce", "engine", seq=1, nbytes=8):
         pass

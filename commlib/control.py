@@ -59,10 +59,20 @@ class Control:
         check_agreement(table, name, seq)
 
     def exchange_counts(self, mine: int, seq: int) -> list[int]:
-        """``allgatherv`` without counts: every rank's element count (``-1``: it rejected its input)."""
-        table = np.empty(self.size, np.int64)
-        req = self.ctl.Iallgather(np.array([mine], np.int64), table)
-        self._wait(req, "allgatherv", seq, rejections=False)    # a rejecting rank sends -1 first
+        """``allgatherv`` #``seq`` without counts: every rank's element count (``-1``: it rejected
+        its input).  Without check mode a call before the operation, shown on the board as one: a
+        peer that was given the counts and went into the operation fails at once, naming it, and
+        this rank with it (both waited for the timeout, and its message said this rank had called
+        nothing).  In check mode every rank exchanges them, after agreeing on the call: part of
+        the operation (as a call, a peer still in the agreement would take it for one it never
+        makes)."""
+        table, send = np.empty(self.size, np.int64), np.array([mine], np.int64)
+        if self._run.config.check:
+            self._wait(self.ctl.Iallgather(send, table), "allgatherv", seq, rejections=False)
+        else:
+            label = "allgatherv's counts exchange"
+            with self._run.board.calling(seq - 1, label):     # (a rejecting rank sends -1 first)
+                self._wait(self.ctl.Iallgather(send, table), label, seq - 1, rejections=False)
         return [int(c) for c in table]
 
     def allgather_object(self, obj: Any, label: str, seq: int) -> list[Any]:

@@ -221,6 +221,20 @@ def closed_early() -> None:
     report_and_end()
 
 
+def allgatherv_counts_on_some_ranks() -> None:
+    """Rank 0 gives allgatherv its counts, the others let commlib exchange them: every rank fails
+    at once, rank 0 naming the exchange (both sides waited for the timeout, and the exchanging
+    ranks' message said they had called nothing)."""
+    c = fresh(timeout=60)
+    counts = [r + 1 for r in range(c.size)]
+    t0 = time.monotonic()
+    expect(commlib.MismatchError if c.rank == 0 else commlib.CommlibError,
+           lambda: c.allgatherv(np.full(c.rank + 1, 1.0), counts=counts if c.rank == 0 else None),
+           "rank 1 is in allgatherv's counts exchange" if c.rank == 0 else "")
+    assert time.monotonic() - t0 < 30, "must not wait for the timeout"
+    report_and_end()
+
+
 def synchronize_with_a_peer_gone() -> None:
     """``synchronize()`` watches the operation in progress as ``Work.wait`` does: rank 0's
     all-reduce, which rank 1 (its program ended: closed) never calls, fails at once, naming it (it
@@ -563,7 +577,8 @@ CASES = {f.__name__: f for f in (interrupted_in_a_wait, injector_with_a_batch_fe
                                   state_on_rank0, state_on_rank0_with_syncbn, state_on_rank0_at_the_end,
                                   norm_on_rank0, values_on_rank0, call_while_ops_in_flight,
                                   syncswitch_load_on_rank0, syncswitch_load_on_rank0_unbroadcast,
-                                  horovod_exit_before_a_peers_call, split_alone)}
+                                  horovod_exit_before_a_peers_call, split_alone,
+                                  allgatherv_counts_on_some_ranks)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]]()

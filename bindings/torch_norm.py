@@ -275,6 +275,17 @@ class RunningStats:
         if not any(which is c for c in BUFFER_CHOICES):
             raise ValueError(f"broadcast_buffers {which!r}: expected True (norm layers' running "
                              "statistics), 'all' (every buffer) or False")
+        torch_sync = [name for name, m in model.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+        if torch_sync and comm.size > 1 and not (torch.distributed.is_available()
+                                                 and torch.distributed.is_initialized()):
+            # (the same on every rank: the model's structure and torch.distributed's state)
+            raise ValueError(
+                f"the model has torch.nn.SyncBatchNorm layers ({', '.join(torch_sync[:4])}"
+                f"{', ...' if len(torch_sync) > 4 else ''}), which synchronize over torch.distributed's "
+                "process group; none is initialized, so each would normalize with its rank's own batch "
+                "and keep its own running statistics (the replicas drift apart, silently): convert the "
+                "model with commlib.bindings.torch.SyncBatchNorm.convert_sync_batchnorm(model), "
+                "before wrapping it")
         self.model, self.comm, self.which = model, comm, which
         #: the ranks step together (False: a strategy whose replicas drift; nothing is sent)
         self.lockstep = lockstep

@@ -300,10 +300,10 @@ class Communicator(CommunicatorOps):
             if gone:                # they free nothing: the frees would wait for them for good
                 run.aborted = CommAbortedError("peers will not free this communicator: " + "; ".join(
                     p.describe() for p in gone))
-                # shown aborted: a peer closing later frees nothing either (it read this rank's
-                # slot, closing, as ready for the collective frees, and waited in them alone)
-                self._board.set(self._seq, "?", _board.ABORTED, str(run.aborted))
-                if 0 < run.timeout <= time.monotonic() - since:
+                if 0 < run.timeout <= time.monotonic() - since:     # (not peers shown gone: aborted)
+                    # shown aborted: a peer closing later frees nothing either (it read this rank's
+                    # slot, closing, as ready for the collective frees, and waited in them alone)
+                    self._board.set(self._seq, "?", _board.ABORTED, str(run.aborted))
                     gave_up = (f"rank {self.rank} gave up closing {self!r} after {run.timeout:g} s "
                                f"({'; '.join(p.describe() for p in gone)}): its MPI resources are "
                                "not freed, nor by a rank that closes later (a longer timeout lets a "

@@ -179,7 +179,9 @@ class OfflinePolicy(Policy):
         return int(round(self.bsp_fraction * self.total_steps))
 
     def phase(self, step: int) -> str:
-        return "bsp" if step < self.switch_step else self.async_phase
+        # bsp_fraction 1: BSP throughout (find_bsp_fraction's baseline), also past total_steps (it
+        # switched after the last step: a store opened, the momentum reset, for nothing)
+        return "bsp" if step < self.switch_step or self.bsp_fraction >= 1.0 else self.async_phase
 
     def changes(self, old: str, new: str, step: int) -> dict[str, Any]:
         if old == "bsp" and new != "bsp":

@@ -136,6 +136,10 @@ class SyncSwitch(Strategy):
         inner = checked_inner(bsp, "SyncSwitch(bsp=...)") if bsp is not None else AllReduce()
         if isinstance(inner, SyncSwitch):
             raise ValueError("SyncSwitch cannot wrap another SyncSwitch")
+        if inner.updates_parameters:    # (SelSync: its local steps are not BSP's)
+            raise ValueError(f"SyncSwitch(bsp={inner.name}): the BSP phase averages every step's "
+                             f"gradients (AllReduce, DeAR), but {inner.name} writes the parameters itself "
+                             "and synchronizes only some steps")
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(f"SyncSwitch(policy={policy!r}): expected a Policy (OfflinePolicy(...), "
                             "StragglerPolicy(...), SchedulePolicy(...); one phase throughout: "

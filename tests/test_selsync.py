@@ -474,6 +474,8 @@ def test_bad_arguments():
         SelSync(inner=SyncSwitch(bsp=DeAR()))   # its update changes with its phase: not a gradient average
     with pytest.raises(ValueError, match="SyncSwitch cannot wrap another SyncSwitch"):
         SyncSwitch(bsp=SyncSwitch())
+    with pytest.raises(ValueError, match=r"SyncSwitch\(bsp=selsync\): .* writes the parameters itself"):
+        SyncSwitch(bsp=SelSync(delta=1e30))     # its 'BSP' steps were local: the replicas drifted
     for wrap in (lambda s: SelSync(inner=s), lambda s: SyncSwitch(bsp=s)):    # its tuner never fed
         with pytest.raises(ValueError, match=r"\(tune=...\)\): the cap of a wrapped strategy is not tuned"):
             wrap(AllReduce(tune=True))

@@ -118,6 +118,27 @@ def test_offline_policy_switches_once_with_lr_scale(comm):
     assert params[0][0] <= expected + 1e-6
 
 
+@pytest.mark.mpi(min_size=1)
+def test_offline_policy_of_bsp_fraction_one_stays_synchronous(comm):
+    """``OfflinePolicy(1.0, N)`` is BSP throughout (find_bsp_fraction's baseline), past its N steps
+    too: it switched to ASP after the last step (a store opened, the momentum reset)."""
+    buckets, params, grads = _flat(comm, ((0, 16, "float32", 4),))
+    ss = SyncSwitch(policy=OfflinePolicy(1.0, total_steps=3, momentum="reset"))
+    seen = []
+    ss.on_switch(lambda old, new, ch: seen.append((old, new)))
+    momentum = np.ones(16, np.float32)
+    ss.register_state_buffers([momentum])
+    ss.setup(comm, buckets, params, grads)
+    try:
+        for _ in range(5):
+            grads[0][:] = 1.0
+            ss.step(0.5)
+        assert seen == [] and ss.phase == "bsp" and not ss.stores and momentum.all()
+    finally:
+        ss.close()
+    np.testing.assert_allclose(params[0][:16], -2.5)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_an_asynchronous_checkpoint_loads_on_another_number_of_ranks(comm):
     """The README's state is "loadable on any number of ranks": a checkpoint taken in ASP held the

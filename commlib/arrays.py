@@ -221,8 +221,7 @@ def host_pair(x: Any, out: Any) -> str | None:
         return dt
     if type(out) is not np.ndarray or out.dtype is not x.dtype:
         return None
-    flags = out.flags
-    return dt if flags.c_contiguous and flags.writeable and flags.aligned else None
+    return dt if out.flags.carray else None     # (C-contiguous, aligned and writeable)
 
 
 #: the torch dtypes the host path takes (all of DTYPES but bfloat16), made at the first torch call

@@ -34,6 +34,8 @@ LEFT = 7
 _STATE_NAMES = {IDLE: "idle after", IN_OP: "in", REJECTED: "rejected", TIMED_OUT: "timed out in",
                 ABORTED: "aborted after"}
 _WITH_TEXT = (REJECTED, ABORTED, IN_CALL, LEFT)
+#: the states a completed operation's idle replaces (not a later call's rejection, an abort, a close)
+_OVERWRITTEN_BY_IDLE = frozenset((IDLE, IN_OP, IN_CALL))
 _INTS = 5            # seq, op code, state, calls made (:meth:`Board.calling`), last rejected (:meth:`reject`)
 _TEXT = 192          # bytes of reason text per slot
 _SLOT = _INTS * 8 + _TEXT
@@ -111,8 +113,11 @@ class Board:
         call it is in too: :meth:`keep_call_shown`), unless the slot shows a rejection of a later
         call (whose verdict its peers read there: overwritten, a peer waited for it for good), an
         abort or a close."""
-        if self._mine_mv[2] in (IDLE, IN_OP, IN_CALL):
-            self.set(seq, op, IDLE)
+        mine = self._mine_mv
+        if mine[2] in _OVERWRITTEN_BY_IDLE:      # (set()'s stores inline: once per operation)
+            mine[0] = seq
+            mine[1] = self._codes.get(op, -1)
+            mine[2] = IDLE
 
     def reject(self, seq: int, op: str, reason: str, alone: bool) -> None:
         """Show that this rank rejected its input to operation ``seq``; ``alone``: with nothing in

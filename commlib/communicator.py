@@ -281,7 +281,10 @@ class Communicator(CommunicatorOps):
         in the same order.  Done for every open communicator at interpreter exit
         (before MPI is finalized; an OFI fabric with live objects fails to close).
         A communicator that is aborted here or on a node-local peer frees
-        nothing, since its peers may never join the collective frees.
+        nothing, since its peers may never join the collective frees; nor does one whose peers
+        do not close within its timeout (a :class:`~commlib.errors.CommStallWarning` says so, and
+        a rank that closes later frees nothing either).  At exit every open communicator shows
+        this rank closing first, so that peers waiting in any of them fail at once.
         """
         run = self._run
         if run.closed:

@@ -258,9 +258,13 @@ class Board:
             time.sleep(nap)
             nap = min(2 * nap, 1e-3)
 
-    def who_waits(self, name: str, seq: int, size: int) -> tuple[list[int], list[int], list[int], str]:
+    def who_waits(self, name: str, seq: int, size: int, parent: Board | None = None
+                  ) -> tuple[list[int], list[int], list[int], str]:
         """For operation ``seq``: the ranks waiting in it, the node-local ranks not in it, the
-        ranks on other nodes, and a sentence saying so (what each missing rank is doing)."""
+        ranks on other nodes, and a sentence saying so (what each missing rank is doing; with
+        ``parent``, the board of the communicator this one was split from with the same ranks,
+        what a missing one does there too: it read "has not called any operation" here when it
+        waited in the parent)."""
         peers = {p.rank: p for p in self.peers()}
         waiting = sorted(r for r, p in peers.items()
                          if (p.seq == seq and p.op == name and p.state in (IN_OP, ABORTED))
@@ -270,15 +274,20 @@ class Board:
         text = f"ranks {waiting} are waiting in it"
         if missing:
             text += "; not arrived: " + ", ".join(peers[r].describe() for r in missing)
+            there = {p.rank: p for p in parent.peers()} if parent is not None else {}
+            busy = [there[r].describe() for r in missing if r in there and there[r].state != IDLE]
+            if busy:
+                text += " (on the communicator this one was split from: " + ", ".join(busy) + ")"
         if unknown:
             text += f"; ranks {unknown} are on other nodes (state unknown)"
         return waiting, missing, unknown, text
 
     def timeout_error(self, name: str, seq: int, timeout: float, rank: int, size: int,
-                      limit: str = "COMMLIB_TIMEOUT sets the limit") -> CommTimeoutError:
+                      limit: str = "COMMLIB_TIMEOUT sets the limit", parent: Board | None = None
+                      ) -> CommTimeoutError:
         """The error for operation ``seq`` timing out on ``rank``: who waits, who is elsewhere
-        (``limit``: what set the time it gave up at)."""
-        waiting, missing, unknown, text = self.who_waits(name, seq, size)
+        (``limit``: what set the time it gave up at; ``parent``: see :meth:`who_waits`)."""
+        waiting, missing, unknown, text = self.who_waits(name, seq, size, parent)
         msg = (f"{name} #{seq} timed out after {timeout:g} s on rank {rank}: {text} "
                f"({limit}; COMMLIB_CHECK=1 catches mismatched calls)")
         return CommTimeoutError(msg, name, seq, waiting, missing if not unknown else None)

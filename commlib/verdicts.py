@@ -62,17 +62,19 @@ class WaitVerdicts:
             err = self._parent_verdict(parent, seq, name)
             if err is not None:
                 return err
+        related = parent.board if parent is not None else None
         if self.timeout > 0 and waited >= self.timeout:
-            return self.board.timeout_error(name, seq, self.timeout, self.rank, self.size)
+            return self.board.timeout_error(name, seq, self.timeout, self.rank, self.size, parent=related)
         if not self.warn_stall(seq if name in OPS else (seq, self.board.calls), waited, lambda: (
                 f"{name} #{seq} has waited {waited:.3g} s on rank {self.rank}: "
-                f"{self.board.who_waits(name, seq, self.size)[3]}; it goes on ("
+                f"{self.board.who_waits(name, seq, self.size, related)[3]}; it goes on ("
                 + (f"CommTimeoutError after {self.timeout:g} s" if self.timeout > 0 else "no timeout")
                 + "; COMMLIB_STALL_WARNING sets this warning)")):
             return self.board.timeout_error(
                 name, seq, self.stall_warning, self.rank, self.size,
                 "a warnings filter made the CommStallWarning an error, so the wait ends at "
-                f"COMMLIB_STALL_WARNING's {self.stall_warning:g} s; COMMLIB_TIMEOUT is {self.timeout:g} s")
+                f"COMMLIB_STALL_WARNING's {self.stall_warning:g} s; COMMLIB_TIMEOUT is {self.timeout:g} s",
+                parent=related)
         return None
 
     def warn_stall(self, key: int | tuple[int, int], waited: float, message: Callable[[], str]) -> bool:

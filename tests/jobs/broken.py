@@ -235,6 +235,21 @@ def allgatherv_counts_on_some_ranks() -> None:
     report_and_end()
 
 
+def side_and_parent_crossed() -> None:
+    """Rank 0 in an all-reduce on a split of the world (same ranks), rank 1 in one on the world:
+    rank 0's timeout says where rank 1 is (it read "has not called any operation", the split's
+    board alone)."""
+    c = fresh(timeout=2.0)
+    side = c.split(0)
+    if c.rank == 0:
+        expect(commlib.CommTimeoutError, lambda: side.allreduce(np.ones(3)),
+               "rank 1 has not called any operation (on the communicator this one was split from: "
+               "rank 1 in allreduce #1)")
+    else:
+        expect(commlib.CommlibError, lambda: c.allreduce(np.ones(3)))
+    report_and_end()
+
+
 def synchronize_with_a_peer_gone() -> None:
     """``synchronize()`` watches the operation in progress as ``Work.wait`` does: rank 0's
     all-reduce, which rank 1 (its program ended: closed) never calls, fails at once, naming it (it
@@ -578,7 +593,7 @@ CASES = {f.__name__: f for f in (interrupted_in_a_wait, injector_with_a_batch_fe
                                   norm_on_rank0, values_on_rank0, call_while_ops_in_flight,
                                   syncswitch_load_on_rank0, syncswitch_load_on_rank0_unbroadcast,
                                   horovod_exit_before_a_peers_call, split_alone,
-                                  allgatherv_counts_on_some_ranks)}
+                                  allgatherv_counts_on_some_ranks, side_and_parent_crossed)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]]()

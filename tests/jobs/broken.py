@@ -238,9 +238,10 @@ def allgatherv_counts_on_some_ranks() -> None:
 def side_and_parent_crossed() -> None:
     """Rank 0 in an all-reduce on a split of the world (same ranks), rank 1 in one on the world:
     rank 0's timeout says where rank 1 is (it read "has not called any operation", the split's
-    board alone)."""
-    c = fresh(timeout=2.0)
+    board alone).  Rank 1 gives up later (6 s): it is still in its all-reduce when rank 0 looks."""
+    c = fresh(timeout=6.0)
     side = c.split(0)
+    side.timeout = 2.0
     if c.rank == 0:
         expect(commlib.CommTimeoutError, lambda: side.allreduce(np.ones(3)),
                "rank 1 has not called any operation (on the communicator this one was split from: "

@@ -223,6 +223,15 @@ def _setup() -> tuple[Any, str]:
             return results
 
         mlir.register_lowering(prim, lower, platform="cpu")
+        from jax._src.interpreters import batching
+
+        def refuse_batching(*_: Any, **__: Any) -> Any:
+            raise NotImplementedError(
+                "commlib's collectives inside jax.jit are one host call per call, not one per batch "
+                "element: call them outside jax.vmap (on the whole batched array: the ranks' arrays "
+                "are reduced elementwise), not under vmap, pmap or shard_map")
+
+        batching.primitive_batchers[prim] = refuse_batching    # (JAX's own message named no one)
         return prim, "ffi"
     except Exception as e:  # noqa: BLE001 - another JAX: io_callback then
         return None, f"io_callback ({type(e).__name__}: {e})"

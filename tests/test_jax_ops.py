@@ -106,6 +106,20 @@ def test_max_is_not_differentiable_on_every_rank(comm):
     np.testing.assert_array_equal(allreduce(jnp.ones(3), "sum", comm), np.full(3, comm.size))
 
 
+def test_vmap_is_refused_naming_commlib(comm):
+    """Under ``jax.vmap`` (README: not supported) every rank raises, saying so and what to do
+    (JAX's own "Batching rule for 'commlib_host_call' not implemented" named no one), before any
+    collective; the communicator goes on."""
+    from commlib.bindings.jax_host import MECHANISM
+
+    if MECHANISM != "ffi":
+        pytest.skip(f"the io_callback path ({MECHANISM}): JAX refuses vmap of an ordered effect itself")
+    with pytest.raises(NotImplementedError, match="outside jax.vmap"):
+        jax.jit(jax.vmap(lambda v: allreduce(v, comm=comm)))(jnp.ones((3, 2)))
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: allreduce(v, comm=comm))(jnp.ones(2))),
+                                  np.full(2, comm.size))
+
+
 def test_bad_input_raises_on_every_rank_before_any_collective(comm):
     x = jnp.ones(3)
     for call, match in [(lambda: allreduce(x, "prod", comm), "op 'prod'"),

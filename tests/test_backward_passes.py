@@ -41,6 +41,12 @@ def local_slice(comm, dist: bool, *tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.chunk(comm.size)[comm.rank] if dist else t for t in tensors]
 
 
+def wrapped(comm, dist: bool, strategy: str, opt: torch.optim.Optimizer,
+            model: torch.nn.Module) -> torch.optim.Optimizer:
+    """``opt`` through commlib with ``STRATEGIES[strategy]`` (``dist``), or itself (one process)."""
+    return DistributedOptimizer(opt, model, strategy=STRATEGIES[strategy](), comm=comm) if dist else opt
+
+
 def batch(comm, dist: bool, g: torch.Generator) -> list[torch.Tensor]:
     """A step's inputs (5 features) and targets (2) from ``g``: this rank's rows, or all of them."""
     return local_slice(comm, dist, torch.randn(LOCAL * comm.size, 5, generator=g),
@@ -146,8 +152,7 @@ def test_steps_without_zero_grad_add_up_as_one_process(comm, strategy, zero_ever
         model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
         model[0].requires_grad_(not unfreeze)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
-        if dist:
-            opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[strategy](), comm=comm)
+        opt = wrapped(comm, dist, strategy, opt, model)
         g = torch.Generator().manual_seed(3)
         for step in range(STEPS + 2):
             x, y = batch(comm, dist, g)
@@ -182,8 +187,7 @@ def test_a_gradient_left_in_grad_steps_again_as_one_process(comm, strategy, case
         extra = torch.nn.Linear(4, 4)
         model = torch.nn.ModuleList([trunk, head, extra])
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
-        if dist:
-            opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[strategy](), comm=comm)
+        opt = wrapped(comm, dist, strategy, opt, model)
         g = torch.Generator().manual_seed(5)
         for step in range(STEPS + 1):
             x, y = batch(comm, dist, g)
@@ -246,8 +250,7 @@ def test_activation_checkpointing_and_a_tied_weight_train_as_one_process(comm, s
         torch.manual_seed(0)
         model = Net()
         opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-        if dist:
-            opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[strategy](), comm=comm)
+        opt = wrapped(comm, dist, strategy, opt, model)
         g = torch.Generator().manual_seed(3)
         for _ in range(STEPS):
             x, y = local_slice(comm, dist, *torch.randn(2, LOCAL * comm.size, 6, generator=g))
@@ -281,8 +284,7 @@ def test_lbfgs_evaluates_its_closure_as_one_process(comm, strategy, line_search)
         torch.manual_seed(1)
         model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
         opt = torch.optim.LBFGS(model.parameters(), lr=1, max_iter=5, line_search_fn=line_search)
-        if dist:
-            opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[strategy](), comm=comm)
+        opt = wrapped(comm, dist, strategy, opt, model)
         x, y = pinn_batch(comm, dist)
         evaluations = 0
 
@@ -313,8 +315,7 @@ def test_a_closure_with_an_elementwise_optimizer_trains_as_one_process(comm, str
         torch.manual_seed(1)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
         opt = torch.optim.Adam(model.parameters(), lr=0.05)
-        if dist:
-            opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[strategy](), comm=comm)
+        opt = wrapped(comm, dist, strategy, opt, model)
         x, y = pinn_batch(comm, dist)
 
         def closure() -> torch.Tensor:

@@ -263,3 +263,48 @@ def test_a_grad_scaler_reaches_the_strategy_optimizer():
     with pytest.raises(ValueError, match="grad_scaler= goes with strategy="):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                  named_parameters=model.named_parameters(), grad_scaler=scaler)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("variant", ["horovod", "strategy"])
+def test_a_scheduler_made_before_wrapping_trains_as_one_process(variant):
+    """Horovod's order of a script that builds optimizer and scheduler first, then wraps and
+    broadcasts: the scheduler holds the unwrapped optimizer.  Its patch of ``optimizer.step``
+    (torch's check that ``step()`` comes first) was copied onto the wrapper, so ``step()`` updated
+    with each rank's own gradient (replicas 1.0 and 2.0 apart after one step of lr 1), and
+    ``broadcast_optimizer_state`` gave the wrapper new parameter groups that the scheduler no
+    longer reached.  Each step is averaged, the scheduler's rates reach it, and torch does not
+    warn that the scheduler stepped first."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+
+    def run(model, opt, sched, dist):
+        for step in range(STEPS):
+            x, y = _batch(step, n)
+            if dist:
+                x, y = x[r * LOCAL:(r + 1) * LOCAL], y[r * LOCAL:(r + 1) * LOCAL]
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            sched.step()
+
+    def make(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    ref = _net()
+    run(ref, *make(ref), False)
+    model = _net(seed=0 if r == 0 else 1 + r)
+    sgd, sched = make(model)
+    if variant == "horovod":
+        opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+    else:
+        opt = hvd.DistributedOptimizer(sgd, model=model, strategy=DeAR(cap_mb=0.001))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*lr_scheduler.step.*")
+        run(model, opt, sched, True)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.2 * 0.5 ** STEPS)
+    for k, q in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], q, rtol=1e-10, atol=1e-12)

@@ -58,6 +58,7 @@ class HorovodOptimizerMixin:
     """The Horovod behaviour, mixed into a subclass of the wrapped optimizer's class."""
 
     param_groups: list[dict[str, Any]]
+    _hvd_scheduled: torch.optim.Optimizer | None   # the unwrapped optimizer, where a scheduler patched it
 
     def _hvd_setup(self, named_parameters: Any, compression: Any, backward_passes_per_step: int, op: int,
                    gradient_predivide_factor: float, groups: Any, sparse_as_dense: bool) -> None:
@@ -217,6 +218,8 @@ class HorovodOptimizerMixin:
         Example:
             >>> loss = opt.step(closure)        # closure: zero_grad, forward, backward, return loss
         """
+        if self._hvd_scheduled is not None:     # an LR scheduler made on the unwrapped optimizer
+            self._hvd_scheduled._opt_called = True   # reads it (else torch warns that it stepped first)
         if closure is not None and self._should_synchronize and basics.size() > 1:
             def evaluate() -> Any:
                 with torch.enable_grad():
@@ -258,7 +261,16 @@ class HorovodOptimizerMixin:
         self._next = 0
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
+        groups, state = self.param_groups, self.state
         super().load_state_dict(state_dict)  # type: ignore[misc]
+        # still shared with the unwrapped optimizer (torch's load makes new ones): an LR scheduler
+        # made on it before wrapping sets the rates this optimizer steps with
+        for group, loaded in zip(groups, self.param_groups):
+            group.clear()
+            group.update(loaded)
+        state.clear()
+        state.update(self.state)
+        self.param_groups, self.state = groups, state
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,  # noqa: N802
@@ -307,6 +319,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     cls = type(type(optimizer).__name__, (HorovodOptimizerMixin, type(optimizer)), {"__module__": __name__})
     wrapped = object.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)      # shares param_groups and state with `optimizer`
+    # an instance attribute over a method is bound to `optimizer` (an LR scheduler made before
+    # wrapping patches `optimizer.step`): the wrapper's methods are its class's
+    patched = [k for k, v in vars(wrapped).items() if callable(v) and callable(getattr(cls, k, None))]
+    for name in patched:
+        del wrapped.__dict__[name]
+    wrapped._hvd_scheduled = optimizer if "step" in patched else None
     if hasattr(wrapped, "_patch_step_function"):
         wrapped._patch_step_function()
     wrapped._hvd_setup(named_parameters, compression, backward_passes_per_step, op, gradient_predivide_factor,

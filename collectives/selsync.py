@@ -519,10 +519,14 @@ class SelSync(Strategy):
                    "inner": self.inner.state_dict()})
         return st
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def check_state(self, state: dict[str, Any]) -> None:
+        super().check_state(state)
         if state["mode"] != self.mode:
             raise ValueError(f"state of mode {state['mode']!r} given to a gate of mode {self.mode!r}")
+        self.inner.check_state(state["inner"])
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
         loaded = (float(state["delta"]), int(state["warmup"]))
         if loaded != (self.delta, self.warmup):
             warnings.warn(f"{self.name}: the checkpoint's delta={loaded[0]!r}, warmup={loaded[1]!r} "

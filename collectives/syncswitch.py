@@ -465,6 +465,18 @@ class SyncSwitch(Strategy):
                    if self.stores and self.phase != "bsp" else None})
         return sd
 
+    def check_state(self, state: dict[str, Any]) -> None:
+        super().check_state(state)
+        if state["phase"] not in PHASES:
+            raise ValidationError(f"phase {state['phase']!r}: expected one of {PHASES}")
+        saved = state.get("store") if self._live else None
+        if saved is not None and (len(saved) != len(self.buckets) or any(
+                len(v) < b.numel for v, b in zip(saved, self.buckets))):
+            raise ValidationError(f"{self.name}: the checkpoint's parameter store holds buckets of "
+                                  f"{[len(v) for v in saved]} elements, this model's "
+                                  f"{[b.numel for b in self.buckets]} (another model, or other bucket caps)")
+        self.bsp.check_state(state["bsp"])
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore (collective after ``setup``: the phase is re-entered with the current parameters,
         loaded before it, as a checkpoint's model is: in an asynchronous phase the parameter store
@@ -475,14 +487,7 @@ class SyncSwitch(Strategy):
             >>> model.load_state_dict(ckpt["model"]); ss.load_state_dict(ckpt["syncswitch"])
         """
         super().load_state_dict(state)
-        if state["phase"] not in PHASES:
-            raise ValidationError(f"phase {state['phase']!r}: expected one of {PHASES}")
         saved = state.get("store") if self._live else None
-        if saved is not None and (len(saved) != len(self.buckets) or any(
-                len(v) < b.numel for v, b in zip(saved, self.buckets))):     # before anything moves
-            raise ValidationError(f"{self.name}: the checkpoint's parameter store holds buckets of "
-                                  f"{[len(v) for v in saved]} elements, this model's "
-                                  f"{[b.numel for b in self.buckets]} (another model, or other bucket caps)")
         self.bsp.load_state_dict(state["bsp"])
         self.staleness = int(state["staleness"])
         if self.load_is_collective(state):      # a collective follows: a rank loading alone is named at once

@@ -201,11 +201,9 @@ class Selector:
         """Everything needed to continue exactly (plain Python values and numpy arrays)."""
         return {"name": self.name, "step": self.step, "numel": self.numel, "density": self.density}
 
-    def load_state_dict(self, state: dict[str, Any], same_world: bool = True) -> None:
-        """Continue from ``state``.  ``same_world=False``: it was saved at another
-        world size, or over another bucket layout (a re-plan), so only what does not depend
-        on the ranks or the layout is taken (the step, the threshold; partition boundaries
-        start afresh)."""
+    def check_state(self, state: dict[str, Any], same_world: bool = True) -> None:
+        """Raise unless :meth:`load_state_dict` takes ``state`` (it checks first, so that a refused
+        state changes nothing: the strategy asks every bucket's selector before it loads any)."""
         if state.get("name") != self.name:
             raise ValueError(f"state of selector {state.get('name')!r} given to {self.name!r}")
         if self.comm is None:
@@ -213,6 +211,13 @@ class Selector:
         if same_world and int(state["numel"]) != self.numel:    # elsewhere: padded to another size
             raise ValueError(f"{self.name}: state for {state['numel']} elements given to a selector "
                              f"of {self.numel}")
+
+    def load_state_dict(self, state: dict[str, Any], same_world: bool = True) -> None:
+        """Continue from ``state``.  ``same_world=False``: it was saved at another
+        world size, or over another bucket layout (a re-plan), so only what does not depend
+        on the ranks or the layout is taken (the step, the threshold; partition boundaries
+        start afresh)."""
+        self.check_state(state, same_world)
         self.step = int(state["step"])
 
     def __repr__(self) -> str:

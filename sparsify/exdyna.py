@@ -172,6 +172,12 @@ class PartitionedThreshold(Selector):
         return {**super().state_dict(), "threshold": self.policy.state_dict(),
                 "partitions": self.partitions.state_dict()}
 
+    def check_state(self, state: dict[str, Any], same_world: bool = True) -> None:
+        super().check_state(state, same_world)
+        self.policy.check_state(state["threshold"])
+        if same_world:
+            self.partitions.check_state(state["partitions"])
+
     def load_state_dict(self, state: dict[str, Any], same_world: bool = True) -> None:
         super().load_state_dict(state, same_world)
         self.policy.load_state_dict(state["threshold"])

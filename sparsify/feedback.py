@@ -61,10 +61,15 @@ class ErrorFeedback:
         """The residual as a host (numpy) copy: exact."""
         return {"residual": np.array(to_host(self.residual), copy=True)}
 
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise unless :meth:`load_state_dict` takes ``state`` (changing nothing)."""
+        shape = np.shape(state["residual"])
+        if shape != (self.numel,):
+            raise ValueError(f"residual of shape {shape} given to a vector of {self.numel} elements")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
         r = np.asarray(state["residual"])
-        if r.shape != (self.numel,):
-            raise ValueError(f"residual of shape {r.shape} given to a vector of {self.numel} elements")
         self.residual[...] = self.xp.asarray(r.astype(self.residual.dtype, copy=False))
 
     @classmethod

@@ -76,6 +76,9 @@ class Partitions:
     def state_dict(self) -> dict[str, Any]:
         return {}
 
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise unless :meth:`load_state_dict` takes ``state`` (changing nothing)."""
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
@@ -198,11 +201,14 @@ class BlockPartitions(Partitions):
         return {"bounds": list(self.bounds), "numel": self.numel, "n": self.n,
                 "num_blocks": self.num_blocks, "block_size": self.block_size}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_state(self, state: dict[str, Any]) -> None:
         want = (self.numel, self.n, self.num_blocks, self.block_size)
         got = (state["numel"], state["n"], state["num_blocks"], state["block_size"])
         if tuple(int(v) for v in got) != want:
             raise ValueError(f"partition state for (numel, ranks, blocks, block size) {got} "
                              f"given to a layout of {want}")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
         self.bounds = [int(b) for b in state["bounds"]]
         self.check()

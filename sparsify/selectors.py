@@ -139,6 +139,10 @@ class HardThreshold(Selector):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "threshold": self.policy.state_dict()}
 
+    def check_state(self, state: dict[str, Any], same_world: bool = True) -> None:
+        super().check_state(state, same_world)
+        self.policy.check_state(state["threshold"])
+
     def load_state_dict(self, state: dict[str, Any], same_world: bool = True) -> None:
         super().load_state_dict(state, same_world)
         self.policy.load_state_dict(state["threshold"])

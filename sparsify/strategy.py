@@ -193,6 +193,14 @@ class SparseAllReduce(Strategy):
         })
         return state
 
+    def check_state(self, state: dict[str, Any]) -> None:
+        """As :meth:`Strategy.check_state`, and once set up, every bucket's selector and residual
+        state too: a checkpoint of other buckets or selector settings is refused before anything
+        of it is loaded."""
+        super().check_state(state)
+        if self.comm is not None:
+            self._saved_buckets(state)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if self.comm is None:
@@ -200,11 +208,14 @@ class SparseAllReduce(Strategy):
         else:
             self._load_buckets(state)
 
-    def _load_buckets(self, state: dict[str, Any]) -> None:
+    def _saved_buckets(self, state: dict[str, Any]) -> tuple[list[dict[str, Any]], bool, str]:
+        """``state``'s buckets, whether it was saved at this world size and, where it is another
+        rank's, whose (:func:`saved_elsewhere`); raises unless each fits its bucket here."""
         saved = state.get("buckets", [])
-        if not saved:
-            return
         same_world = state.get("world_size") == self.comm.size
+        elsewhere = saved_elsewhere(state.get("rank"), state.get("world_size"), self.comm)
+        if not saved:
+            return saved, same_world, elsewhere
         if same_world:      # buckets as padded to a multiple of the world size
             got = [(int(s["numel"]), s["dtype"]) for s in saved]
             want = [(n, dt) for n, dt, _ in self._layout]
@@ -213,18 +224,26 @@ class SparseAllReduce(Strategy):
             want = [(b.numel, dt) for b, (_, dt, _) in zip(self.buckets, self._layout)]
         if got != want:
             raise ValueError(f"{self.name}: state of buckets {got} given to buckets {want}")
+        for s, sel, fb in zip(saved, self.selectors, self.feedback):
+            sel.check_state(s["selector"], same_world)
+            if not elsewhere:
+                fb.check_state(s["feedback"])
+        return saved, same_world, elsewhere
+
+    def _load_buckets(self, state: dict[str, Any]) -> None:
+        saved, same_world, elsewhere = self._saved_buckets(state)
+        if not saved:
+            return
         saved_as = state.get("selector")
         if saved_as is not None and saved_as != repr(self.selector):
             warnings.warn(f"{self.name}: state of {saved_as} loaded into {self.selector!r}: its step and "
                           "threshold go on under the new settings", stacklevel=3)
-        elsewhere = saved_elsewhere(state.get("rank"), state.get("world_size"), self.comm)
-        same_rank = not elsewhere
         if elsewhere:
             warnings.warn(f"{self.name}: {elsewhere}: residuals start from zero" + (
                 "" if same_world else ", partition boundaries from the start"), stacklevel=3)
         for s, sel, fb in zip(saved, self.selectors, self.feedback):
             sel.load_state_dict(s["selector"], same_world)
-            if same_rank:
+            if not elsewhere:
                 fb.load_state_dict(s["feedback"])
             else:
                 fb.residual[...] = 0

@@ -142,9 +142,13 @@ class ThresholdPolicy:
     def state_dict(self) -> dict[str, Any]:
         return {"name": self.name, "threshold": self.threshold}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise unless :meth:`load_state_dict` takes ``state`` (changing nothing)."""
         if state.get("name") != self.name:
             raise ValueError(f"threshold state of {state.get('name')!r} given to {self.name!r}")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
         self.threshold = None if state["threshold"] is None else float(state["threshold"])
 
     def describe(self) -> str:
@@ -330,11 +334,14 @@ class CountCurveThreshold(ThresholdPolicy):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "half": self.half, "config": list(self._config)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def check_state(self, state: dict[str, Any]) -> None:
+        super().check_state(state)
         if tuple(state["config"]) != tuple(self._config):
             raise ValueError(f"count-curve state of {state['config']} given to a controller of "
                              f"{list(self._config)}")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
         self.half = int(state["half"])
 
 

@@ -253,6 +253,34 @@ def test_drops_into_the_torch_binding(comm):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize("saved, loaded", [
+    ("exdyna", "topk"), ("exdyna", "exdyna-reference"), ("exdyna", "exdyna-64-blocks"),
+    ("selsync-exdyna", "selsync-topk")])
+def test_a_refused_checkpoint_changes_nothing(comm, saved, loaded):
+    """A checkpoint of other selector settings is refused on every rank (``ValueError``) before any of
+    it is loaded, as torch refuses a load: the optimizer's momentum had been replaced by the
+    checkpoint's, and the strategy's step count, before the selector refused its state."""
+    from commlib.collectives import SelSync
+
+    def make(kind):
+        kind, gated = (kind[len("selsync-"):], True) if kind.startswith("selsync-") else (kind, False)
+        selector = {"exdyna": lambda: ExDyna(0.05), "topk": lambda: TopK(0.05),
+                    "exdyna-reference": lambda: ExDyna(0.05, threshold="reference"),
+                    "exdyna-64-blocks": lambda: ExDyna(0.05, num_blocks=64)}[kind]()
+        sparse = SparseAllReduce(selector=selector)
+        return SelSync(inner=sparse, delta=0.0, mode="grads") if gated else sparse
+
+    _, other = _train_mlp(comm, make(saved), 3, momentum=0.9)
+    ckpt = checkpoint_bytes(opt=other)
+    _, opt = _train_mlp(comm, make(loaded), 2, momentum=0.9)
+    before = checkpoint_bytes(opt=opt)
+    with pytest.raises(ValueError, match="given to"):
+        resume_from(ckpt, opt=opt)
+    assert checkpoint_bytes(opt=opt) == before
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 def test_selsync_gates_the_sparse_exchange(comm):
     """``SelSync(inner=SparseAllReduce(selector=ExDyna()), mode="grads")``, DESIGN's composition, through
     the torch binding: at ``delta=0`` every step is the sparse exchange's own (the same parameters and

@@ -23,11 +23,13 @@ import numpy as np
 from commlib import Communicator
 
 from ._arrays import ACC_DTYPES, index_dtype, is_array_of
-from .exchange import Traffic
+from .exchange import Traffic, exchange_records
 
 
 def check_density(density: Any) -> float:
     """``density`` as a float in (0, 1], else ``ValueError``."""
+    if isinstance(density, (bool, np.bool_)):
+        raise ValueError(f"density {density!r}: expected a number in (0, 1]")
     try:
         d = float(density)
     except (TypeError, ValueError):
@@ -181,6 +183,19 @@ class Selector:
 
     def _reduce(self, acc: Any, problem: str | None, traffic: Traffic) -> Reduced:
         raise NotImplementedError
+
+    def _reduce_dense(self, acc: Any, problem: str | None, traffic: Traffic) -> Reduced:
+        """Everything, all-reduced (``avg``): :class:`Dense`'s step, and a partitioned selector's
+        where ``k`` is every element (``density=1``: a threshold would leave the zeros and, while
+        it settles, the smallest values behind)."""
+        comm = self.comm
+        exchange_records(comm, [], 1, problem, self.name, traffic)
+        values = acc.copy()
+        comm.allreduce(values, "avg", out=values, tag=f"{self.name}:values")
+        traffic.allreduce(values.nbytes)
+        n = self.numel
+        stats = self._stats(n, n, n * comm.size, 0.0)
+        return Reduced(None, values, None, stats)
 
     def _stats(self, selected: int, union: int, sum_selected: int, select_s: float,
                **kw: Any) -> StepStats:

@@ -28,8 +28,11 @@ Example (under ``mpiexec -n 4``):
 from __future__ import annotations
 
 import copy
+import math
 import time
 from typing import Any
+
+from commlib.collectives.checks import check_bool, check_int, check_real
 
 from .base import Reduced, Selector
 from .exchange import Traffic, average_at, exchange_records, gather_indices
@@ -127,6 +130,8 @@ class PartitionedThreshold(Selector):
         self.policy.threshold = solve_initial(table[:, 1:], self.density, float(self.k))
 
     def _reduce(self, acc: Any, problem: str | None, traffic: Traffic) -> Reduced:
+        if self.k >= self.numel:
+            return self._reduce_dense(acc, problem, traffic)
         comm, xp, policy = self.comm, self.xp, self.policy
         n = comm.size
         if policy.needs_init:
@@ -208,13 +213,11 @@ class ExDyna(PartitionedThreshold):
                  balance: float = DEFAULT_BALANCE, rebalance: bool = True,
                  threshold: str | float | ThresholdPolicy = "auto"):
         super().__init__(density, threshold)
-        if int(num_blocks) < 1 or int(align) < 1 or not balance > 1:
-            raise ValueError(f"num_blocks {num_blocks!r}, align {align!r} must be >= 1 and "
-                             f"balance {balance!r} > 1")
-        self.num_blocks = int(num_blocks)
-        self.align = int(align)
-        self.balance = float(balance)
-        self.rebalance = bool(rebalance)
+        self.num_blocks = check_int("ExDyna", "num_blocks", num_blocks, 1)
+        self.align = check_int("ExDyna", "align", align, 1)
+        self.balance = check_real("ExDyna", "balance", balance, "a finite number > 1",
+                                  lambda v: 1 < v < math.inf)
+        self.rebalance = check_bool("ExDyna", "rebalance", rebalance)
 
     def config(self) -> dict[str, Any]:
         return {**super().config(), "num_blocks": self.num_blocks, "align": self.align,

@@ -183,11 +183,4 @@ class Dense(Selector):
         super().__init__(density)
 
     def _reduce(self, acc: Any, problem: str | None, traffic: Traffic) -> Reduced:
-        comm = self.comm
-        exchange_records(comm, [], 1, problem, self.name, traffic)
-        values = acc.copy()
-        comm.allreduce(values, "avg", out=values, tag=f"{self.name}:values")
-        traffic.allreduce(values.nbytes)
-        n = self.numel
-        stats = self._stats(n, n, n * comm.size, 0.0)
-        return Reduced(None, values, None, stats)
+        return self._reduce_dense(acc, problem, traffic)

@@ -56,9 +56,12 @@ Example:
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import numpy as np
+
+from commlib.collectives.checks import check_real
 
 from .kernels import bin_counts, log2_bins
 
@@ -165,9 +168,10 @@ class FixedThreshold(ThresholdPolicy):
 
     def __init__(self, value: float | None = None):
         super().__init__()
-        if value is not None and not value > 0:
-            raise ValueError(f"threshold {value!r}: expected > 0")
-        self.threshold = None if value is None else float(value)
+        if value is not None:
+            value = check_real("FixedThreshold", "value", value, "a finite number > 0",
+                               lambda v: 0 < v < math.inf)
+        self.threshold = value
         self._value = value
 
     def describe(self) -> str:
@@ -353,7 +357,7 @@ def make_policy(spec: str | ThresholdPolicy | float | None) -> ThresholdPolicy:
         return CountCurveThreshold()
     if spec == "reference":
         return ReferenceThreshold()
-    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+    if isinstance(spec, numbers.Real) and not isinstance(spec, (bool, np.bool_)):
         return FixedThreshold(float(spec))
     raise ValueError(f"threshold {spec!r}: expected 'auto', 'reference', a number or a ThresholdPolicy")
 

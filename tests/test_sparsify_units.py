@@ -425,12 +425,25 @@ def test_bfloat16_round_trip():
                                   v.astype(ml_dtypes.bfloat16).astype(np.float32))
 
 
-@pytest.mark.parametrize("density", [0, -0.1, 1.5, float("nan"), "x", None])
+@pytest.mark.parametrize("density", [0, -0.1, 1.5, float("nan"), "x", None, True])
 def test_density_out_of_range_raises(density):
     with pytest.raises(ValueError, match="density"):
         check_density(density)
     with pytest.raises(ValueError, match="density"):
         ExDyna(density=density)
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"rebalance": "no"}, TypeError), ({"rebalance": 0}, TypeError), ({"num_blocks": 2.7}, TypeError),
+    ({"align": 3.5}, TypeError), ({"num_blocks": 0}, ValueError), ({"balance": 1.0}, ValueError),
+    ({"balance": float("inf")}, ValueError), ({"threshold": float("inf")}, ValueError),
+    ({"threshold": -1.0}, ValueError), ({"threshold": True}, ValueError)])
+def test_exdyna_settings_out_of_range_raise(kwargs, error):
+    """ExDyna's settings are refused, not converted: ``rebalance="no"`` turned rebalancing on,
+    ``num_blocks=2.7`` became 2 blocks and ``threshold=inf`` never selected anything."""
+    name = next(iter(kwargs))
+    with pytest.raises(error, match=name if name != "threshold" else "value|threshold"):
+        ExDyna(density=0.05, **kwargs)
 
 
 def test_selector_config_and_clone():

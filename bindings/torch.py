@@ -405,6 +405,7 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
         a parameter that then gets no gradient on any rank is left out of the update (one process's
         ``.grad`` is ``None``); without, it is updated with a zero gradient, as in one process (one
         frozen since too: see :meth:`replan`)."""
+        self._end_interrupted_pass()
         if self._synced:         # GradScaler skipped the last step(): close it
             self._close_skipped_step()
         if set_to_none:          # one process's .grad would be None until a gradient arrives
@@ -443,6 +444,7 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
         if closure is not None and self._join is not None:
             raise ValueError("DistributedOptimizer.step(closure) inside join(): the closure's losses would "
                              "average the repeated batches in; step without a closure")
+        self._end_interrupted_pass()
         self._check_replicas()      # after a load: the same error on every rank if the replicas differ
         loss = None
         evaluate = None if closure is None else self._evaluation(closure)

@@ -82,6 +82,7 @@ class TrainingLoop:
     _shard_norms: ShardNorms | None
     _in_flight: InFlight
     _signaled: list[bool]
+    _interrupted: int
     _planned_cap: int
     _loss_scale: LossScale
     _outside: OutsideParameters
@@ -206,6 +207,8 @@ class TrainingLoop:
         parameter no longer lives in its bucket (the model moved or converted after wrapping) or a loaded
         checkpoint's cap is not the plan's (it was tuned).  Never traced by ``torch.compile``, like every
         hook that waits: Dynamo would replay the state it saw while tracing instead of waiting."""
+        if torch.is_grad_enabled():
+            self._end_interrupted_pass()
         if self._synced and torch.is_grad_enabled():
             self._end_skipped_step()    # before this forward reads the parameters (Sync-Switch may
                                         # switch and pull them)
@@ -344,6 +347,16 @@ class TrainingLoop:
         self._passes += 1
         if self._passes >= self.backward_passes_per_step:
             self._reduce()
+
+    def _end_interrupted_pass(self) -> None:
+        """A backward that raised on this rank (the exception caught, the loop going on) left its
+        pass open: autograd dropped the callback that ends it, and the peers wait for the buckets it
+        had not sent (its next pass's would pair with them, a step apart, silently).  At the next
+        ``zero_grad()``, training forward or ``step()`` outside a backward, the pass ends here as it
+        stands, and the step's agreement raises on every rank, before any update."""
+        if self._callback_queued and torch._C._current_autograd_node() is None:
+            self._interrupted = self.comm.rank + 1
+            self._backward_done()
 
     def _queue_in_enclosing(self, handle: Any) -> None:
         """After the node of an enclosing backward that ran a nested one where this pass's callback

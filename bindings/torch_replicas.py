@@ -53,6 +53,8 @@ class ReplicaLoads:
         #: since the last agreement: whether this rank updated in step(), and whether it ended a
         #: step without one (zero_grad() after backward(), no step())
         self._updates = [0, 0]
+        #: this rank's rank + 1 where a backward raised here mid-pass since the last agreement
+        self._interrupted = 0
 
     def _model_loading(self, *_: Any) -> None:
         """``model.load_state_dict()`` is about to run (a pre-hook of the model's modules): what is
@@ -66,8 +68,9 @@ class ReplicaLoads:
 
     def _load_flags(self) -> list[int]:
         """What rides on the step's agreement (a max over ranks): per kind, whether this rank loaded;
-        whether it updated, and whether it skipped an update, since the last agreement."""
-        return [*self._loads, *self._updates]
+        whether it updated, and whether it skipped an update, since the last agreement; whether a
+        backward raised on it mid-pass (its rank + 1)."""
+        return [*self._loads, *self._updates, self._interrupted]
 
     def _agree_loads(self, agreed: np.ndarray | None) -> None:
         """The max over ranks of :meth:`_load_flags` (``None``: a local step agreed nothing).  Not
@@ -77,6 +80,13 @@ class ReplicaLoads:
             return
         updated, skipped = (bool(v) for v in agreed[2:4])
         self._updates = [0, 0]
+        if agreed[4]:
+            self._loads, self._interrupted = [0, 0], 0
+            raise RuntimeError(f"DistributedOptimizer: a backward() raised on rank {int(agreed[4]) - 1} and "
+                               "the loop went on there (the exception caught): that pass's gradients were "
+                               "partly sent, so no rank updates with this step's average. Skip a batch on "
+                               "every rank alike (decided on a value every rank agrees on), or let the "
+                               "exception end the job")
         if updated and skipped and not self.strategy.updates_parameters:
             self._loads = [0, 0]
             raise RuntimeError("DistributedOptimizer: at the last step some ranks updated and others "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -285,4 +286,61 @@ def _tried(inner: Any) -> str | None:
                 "gradient infinite at one step, its update of the other elements differed on two ranks' "
                 "shards from its update of the whole: a skip of the whole update, as optax.apply_if_finite "
                 "makes, would be decided by each shard alone)")
+    return None
+
+
+def tree_problem(inner: Any, tree: Any) -> str | None:
+    """Why elementwise ``inner`` (see :func:`shard_problem`) cannot run on the shards of ``tree``'s
+    buckets, or ``None``: it decides by the tree itself (a mask or labels computed from the leaves'
+    paths or keys, or given as a tree of the parameters' structure, as ``optax.masked``,
+    ``optax.multi_transform`` and ``optax.adamw(mask=...)`` take them), which the shards, flat
+    arrays in a list, do not have: every leaf would be treated alike, silently.  Tried: two steps on
+    a small stand-in of ``tree`` (each leaf of its own dimensions, two elements each) against the
+    same leaves in a list (a transformation that fails on the tree itself: its own error comes later).
+
+    Example:
+        >>> tree_problem(optax.masked(optax.adam(1e-3), lambda p: {"w": True, "b": False}), params)
+        'it takes the tree's structure ...'
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if not leaves:
+        return None
+    if any(is_tracer(x) for x in leaves):     # jax.jit(tx.init): tried eagerly, on a thread of its own
+        verdict: list[str | None] = []         # (JAX's trace is the tracing thread's)
+        thread = threading.Thread(target=lambda: verdict.append(_tree_tried(inner, leaves, treedef)))
+        thread.start()
+        thread.join()
+        return verdict[0]
+    return _tree_tried(inner, leaves, treedef)
+
+
+def _tree_tried(inner: Any, leaves: list[Any], treedef: Any) -> str | None:
+    """:func:`tree_problem`'s trial."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(4321)
+    small = [jnp.asarray(rng.random((2,) * np.ndim(x)) + 0.5, jnp.float32) for x in leaves]
+    grads = [[jnp.asarray(rng.random(w.shape) - 0.5, jnp.float32) for w in small] for _ in range(2)]
+
+    def run(wrap: Any) -> list[Any]:
+        ws = list(small)
+        state = inner.init(wrap(ws))
+        for g in grads:
+            out, state = inner.update(wrap(g), state, wrap(ws))
+            ws = [w + u for w, u in zip(ws, jax.tree_util.tree_leaves(out))]
+        return ws
+
+    with summed_over_shards(lambda sq: sq):         # one piece: commlib's global sums are its own
+        try:
+            as_tree = run(lambda ls: jax.tree_util.tree_unflatten(treedef, ls))
+        except Exception:   # noqa: BLE001 - not runnable on the tree: its own error comes later
+            return None
+        try:
+            as_list = run(list)
+        except Exception as e:  # noqa: BLE001
+            return (f"it takes the tree's structure (a mask or labels given as a tree?), which the shards, "
+                    f"flat arrays in a list, do not have ({type(e).__name__}: {e})")
+    if any(not np.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(as_tree, as_list)):
+        return ("it decides by the tree (a mask or labels computed from the leaves' paths or keys?): on "
+                "the shards, flat arrays in a list, every leaf would be treated alike")
     return None

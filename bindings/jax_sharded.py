@@ -19,7 +19,7 @@ from commlib.arrays import is_tracer, numpy_dtype
 from commlib.collectives import DeAR, Strategy, checked_strategy
 from commlib.errors import ValidationError
 
-from .jax_fusion import Plan, agree_plan, shard_problem
+from .jax_fusion import Plan, agree_plan, shard_problem, tree_problem
 from .jax_global import ranks_sum, summed_over_shards
 from .jax_host import host_call
 from .jax_state import shard_state, shards_problem, whole_state
@@ -76,13 +76,14 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
     """
     import jax.numpy as jnp
 
+    instead = ("use optax.chain(average_gradients(...), inner) instead (its state then on every rank), or "
+               "an elementwise transformation (to clip by the global norm or skip non-finite steps: "
+               "commlib.bindings.jax.clip_by_global_norm or apply_if_finite, which read the whole "
+               "gradient over the ranks' shards)")
     problem = shard_problem(inner)
     if problem:
         raise ValueError(f"sharded_optimizer: the update runs on flat shards of the buckets: {problem}; "
-                         "use optax.chain(average_gradients(...), inner) instead (its state then on every "
-                         "rank), or an elementwise transformation (to clip by the global norm or skip "
-                         "non-finite steps: commlib.bindings.jax.clip_by_global_norm or apply_if_finite, "
-                         "which read the whole gradient over the ranks' shards)")
+                         f"{instead}")
     strategy = checked_strategy(strategy, "sharded_optimizer") if strategy is not None else DeAR()
     if not strategy.sharded:
         raise ValueError(f"sharded_optimizer needs a sharded strategy (DeAR), got {strategy!r}")
@@ -124,6 +125,10 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
     def init_fn(params: Any) -> ShardedState:
         plan, leaves = sync.plan(params)
         sync.check_tree(plan, sync.comm)      # inside jax.jit: while tracing, which every rank does
+        problem = tree_problem(inner, params)     # the same tree on every rank: the same verdict
+        if problem:
+            raise ValueError(f"sharded_optimizer: the update runs on flat shards of the buckets: {problem}; "
+                             f"{instead}")
         digest[:] = [plan.digest]
         return ShardedState(inner.init(plan.shards_of(leaves, sync.comm.rank)), owned())
 

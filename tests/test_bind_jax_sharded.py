@@ -371,3 +371,35 @@ def test_a_state_wider_than_bfloat16_parameters_is_sharded_unrounded(comm):
     for a, b in zip(jax.tree_util.tree_leaves(again[0].mu), jax.tree_util.tree_leaves(fine)):
         assert a.dtype == jax.numpy.float32
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("kind", ["labels-by-path", "mask-by-path", "adamw-mask-by-path", "mask-tree"])
+def test_a_transformation_that_decides_by_the_tree_is_refused_on_every_rank(comm, kind, jit):
+    """Masks and labels keyed by the leaves' paths (flax's idiom), or given as a tree: the inner update
+    runs on a list of flat shards, where every leaf looked alike, so a leaf labelled frozen trained
+    (0.31 after 3 steps at 2 ranks) and adamw's mask decayed the biases, silently; a mask given as a
+    tree failed in optax with a bare pytree error.  ``init`` refuses each on every rank, naming why,
+    eagerly and inside ``jax.jit``; a mask by the leaves' values alone trains on."""
+    def by_path(fn):
+        return lambda tree: jax.tree_util.tree_map_with_path(lambda kp, _: fn(jax.tree_util.keystr(kp)), tree)
+
+    inner = {
+        "labels-by-path": optax.multi_transform(
+            {"train": optax.sgd(0.1), "frozen": optax.set_to_zero()},
+            by_path(lambda path: "frozen" if "hidden" in path else "train")),
+        "mask-by-path": optax.masked(optax.adam(0.1), by_path(lambda path: "out" in path)),
+        "adamw-mask-by-path": optax.adamw(0.1, weight_decay=0.1,
+                                          mask=by_path(lambda path: "'b'" not in path)),
+        "mask-tree": optax.masked(optax.adam(0.1), {"hidden": {"w": True, "b": False}, "out": [True, False]}),
+    }[kind]
+    start = broadcast_params(init_params(comm.rank), comm=comm)
+    tx = sharded_optimizer(inner, comm=comm, strategy=DeAR(cap_mb=SMALL))
+    init = jax.jit(tx.init) if jit else tx.init
+    why = "takes the tree's" if kind == "mask-tree" else "decides by the tree"
+    with pytest.raises(ValueError, match=why):
+        init(start)
+    fine = sharded_optimizer(optax.adamw(0.1, mask=lambda tree: jax.tree_util.tree_map(lambda _: True, tree)),
+                             comm=comm, strategy=DeAR(cap_mb=SMALL))
+    (jax.jit(fine.init) if jit else fine.init)(start)
+    assert float(comm.allreduce(np.ones(1))[0]) == comm.size

@@ -197,7 +197,11 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel,
     """Route a DDP model's gradient buckets through commlib's all-reduce (averaged).
 
     DDP keeps its bucketing and overlap; commlib carries the bytes (MPI or
-    NCCL), with its timeouts, checks and timeline.
+    NCCL), with its timeouts, checks and timeline.  ``comm`` (default: the world) must hold
+    the ranks of the model's process group, in its order (a DDP group of part of the world:
+    a split, ``commlib.init().split(color, key)``); another is refused (a collective, like the
+    registration: every member of the group makes it).  ``ddp.join(divide_by_initial_world_size
+    =False)`` is not honoured (as by DDP's own Python hooks): the average is over the group.
 
     Example:
         >>> ddp = torch.nn.parallel.DistributedDataParallel(model)   # gloo process group
@@ -205,6 +209,15 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel,
     """
     global _completer
     comm = comm or commlib.init()
+    members = torch.distributed.get_process_group_ranks(ddp_model.process_group)
+    here = [] if len(members) != comm.size else comm.allgather_object(
+        torch.distributed.get_rank(), label="register_comm_hook")
+    if here != members:
+        raise ValueError(f"register_comm_hook: the DDP model's process group holds ranks {members} of "
+                         f"torch.distributed's world, the communicator {comm.size} rank(s)"
+                         + (f" ({here})" if here else "") + ": pass comm=, a communicator of the group's "
+                         "ranks in its order (commlib.init().split(color, key)), or its gradients are "
+                         "averaged over other ranks")
     if _completer is None:
         _completer = _Completer()
 

@@ -143,6 +143,16 @@ def test_ddp_comm_hook_routes_buckets_through_commlib(comm):
         assert comm.seq - before >= 3                # every step's buckets went through commlib
         for p, q in zip(model.parameters(), ref.parameters()):
             np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=2e-5, atol=2e-6)
+        # a DDP over part of the world (a rank alone here) with the world's communicator: its
+        # gradients were averaged over the world, silently; refused, and its own split taken
+        alone = [dist.new_group([r]) for r in range(comm.size)][comm.rank]
+        sub = torch.nn.parallel.DistributedDataParallel(make_model(0).fc1, process_group=alone)
+        if comm.size > 1:
+            with pytest.raises(ValueError, match="process group holds ranks"):
+                register_comm_hook(sub, comm)
+        own = comm.split(comm.rank, 0)
+        register_comm_hook(sub, own)
+        own.close()
     finally:
         dist.destroy_process_group()
 

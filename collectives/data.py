@@ -61,8 +61,18 @@ def _check_rank(rank: int, size: int) -> None:
         raise ValueError(f"rank {rank!r}: expected an integer in 0..{size - 1}")
 
 
+def _seeded(*words: int) -> np.random.Generator:
+    """numpy's generator seeded by ``words``, any integers (a negative seed too, as torch's
+    ``DistributedSampler`` takes one: numpy's entropy words are not negative).
+
+    Example:
+        >>> _seeded(-1, 0).permutation(3)       # the same on every rank
+    """
+    return np.random.default_rng([int(w) % 2**64 for w in words])
+
+
 def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
-    return np.random.default_rng([int(seed), int(epoch), 0x5E15]).permutation(n)
+    return _seeded(seed, epoch, 0x5E15).permutation(n)
 
 
 class IndexPlan:
@@ -164,7 +174,7 @@ class DefDP(IndexPlan):
         if self.partition is not None:
             mine = self.partition[self.rank]
             if self.shuffle:
-                rng = np.random.default_rng([self.seed, epoch, self.rank, 0xDEF])
+                rng = _seeded(self.seed, epoch, self.rank, 0xDEF)
                 mine = mine[rng.permutation(len(mine))]
             if self.drop_last:       # every rank: its own set's first (shortest set's length) indices
                 return mine[:min(len(p) for p in self.partition)].copy()
@@ -214,7 +224,7 @@ def label_shards(labels: Sequence[int], size: int, shards_per_rank: int = 2,
                          f"{shards_per_rank} shards, got {len(labels)}")
     order = np.argsort(labels, kind="stable")
     shards = np.array_split(order, size * shards_per_rank)
-    deal = np.random.default_rng([int(seed), 0x11D]).permutation(len(shards))
+    deal = _seeded(seed, 0x11D).permutation(len(shards))
     return [np.sort(np.concatenate([shards[j] for j in deal[r::size]])) for r in range(size)]
 
 
@@ -322,7 +332,7 @@ class DataInjector:
 
     def sharers(self, step: int) -> list[int]:
         """The ranks that share at ``step`` (sorted; the same on every rank)."""
-        rng = np.random.default_rng([self.seed, int(step), 0x1E]).permutation(self.size)
+        rng = _seeded(self.seed, step, 0x1E).permutation(self.size)
         return sorted(int(r) for r in rng[:self.count])
 
     def shared_count(self, batch_len: int) -> int:

@@ -47,8 +47,11 @@ def test_seldp_covers_the_whole_dataset_on_every_rank(comm, n):
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("n", NS)
 @pytest.mark.parametrize("drop_last", [False, True])
-def test_defdp_disjoint_shards(comm, n, drop_last):
-    plan = DefDP(n, comm.rank, comm.size, seed=1, drop_last=drop_last)
+@pytest.mark.parametrize("seed", [1, -1])
+def test_defdp_disjoint_shards(comm, n, drop_last, seed):
+    """Disjoint shards covering the data; a negative seed too, as torch's ``DistributedSampler``
+    takes one (it failed in numpy at the first iteration)."""
+    plan = DefDP(n, comm.rank, comm.size, seed=seed, drop_last=drop_last)
     if drop_last and n < comm.size:
         assert len(plan.indices(0)) == 0
         return
@@ -61,6 +64,13 @@ def test_defdp_disjoint_shards(comm, n, drop_last):
         else:
             assert np.array_equal(np.unique(allidx), np.arange(n))
             assert len(allidx) == -(-n // comm.size) * comm.size
+
+
+def test_a_seed_orders_as_it_did():
+    """The entropy words of a non-negative seed are as they were: recorded orders hold."""
+    old = np.random.default_rng([7, 3, 0x5E15]).permutation(50)
+    np.testing.assert_array_equal(DefDP(50, 0, 1, seed=7).indices(3), old)
+    assert not np.array_equal(DefDP(50, 0, 1, seed=-7).indices(3), old)
 
 
 def test_label_shards_and_partition():

@@ -402,10 +402,12 @@ class SyncSwitch(Strategy):
 
     # ------------------------------------------------------------------ end
     def flush(self) -> None:
-        """BSP: the inner strategy's flush.  ASP/SSP: pull the latest store contents (local view)."""
+        """BSP: the inner strategy's flush.  ASP/SSP: every rank's pushes land (a barrier: a
+        collective, as a flush is), then the store's contents are pulled, the same on every rank."""
         if self.phase == "bsp":
             self.bsp.flush()
         else:
+            self.comm.barrier()
             for store, p in zip(self.stores, self._np_params):
                 store.pull(p)
 

@@ -78,6 +78,29 @@ def test_syncswitch_through_distributed_optimizer_keeps_replicas_identical_at_bs
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_flush_in_asp_gives_every_rank_the_same_parameters(comm):
+    """``opt.flush()`` (and JAX's ``tx.flush``) in ASP: every rank's pushes land before any rank pulls
+    the store, so an evaluation or a checkpoint after it sees one model on every rank; each rank
+    pulled its own view, without the pushes of a peer still in its step (0.014 apart at 2 ranks)."""
+    import time
+
+    model = make_model(comm.rank)
+    ss = SyncSwitch(bsp=AllReduce(cap_mb=0.0003), policy=SchedulePolicy([(0, "bsp"), (1, "asp")]))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, strategy=ss, comm=comm)
+    for step in range(4):
+        x, y = batch(step + 17 * comm.rank, comm.size)
+        opt.zero_grad()
+        loss_fn(model, x[:LOCAL], y[:LOCAL]).backward()
+        if step == 3 and comm.rank == comm.size - 1:
+            time.sleep(0.3)                 # the last rank's last step lands after the others flush
+        opt.step()
+    assert ss.phase == "asp"
+    opt.flush()
+    same_on_all_ranks(comm, model)
+    ss.close()
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("bsp", ["allreduce", "dear"])
 def test_adams_state_that_parted_in_asp_agrees_again_at_bsp(comm, bsp):
     """AdamW through BSP -> ASP -> BSP where a branch runs on rank 0 alone during ASP: there rank 0

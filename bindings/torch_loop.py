@@ -142,6 +142,9 @@ class TrainingLoop:
             >>> torch.jit.script(model).save("model.pt")
         """
         if not self._retired_by:
+            # a labeled call first: a close on some ranks only fails on every rank naming it (DeAR's
+            # all-gathers below read as a gather of .grad's values there)
+            self.comm.allgather_object(None, label="DistributedOptimizer.close()")
             self._retire("closed by close(); wrap the model in a new one to train on")
             remove_inert_twins(self._copies)      # copies made meanwhile (an EMA) are plain too
             for p in self._params:     # read as a plain model's: the whole average, in a plain tensor

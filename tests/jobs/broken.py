@@ -429,6 +429,14 @@ def values_on_rank0() -> None:
                     "rank 0 is in a read of DeAR's sharded .grad's values")
 
 
+def close_on_rank0() -> None:
+    """``opt.close()`` on rank 0 alone under DeAR (``if rank == 0``: close, then script the model
+    and save it): every rank fails at once naming the close, which rank 0's message and its peers'
+    read as a read of DeAR's sharded .grad's values (the close gathers them)."""
+    _alone_on_rank0(lambda opt: opt.close(), "DistributedOptimizer.close()",
+                    "rank 0 is in DistributedOptimizer.close()")
+
+
 def call_while_ops_in_flight() -> None:
     """Rank 0 enters a call every rank must make (``allgather_object``) alone while its
     nonblocking operation is still in flight; that operation completes during the call (its
@@ -591,7 +599,7 @@ CASES = {f.__name__: f for f in (interrupted_in_a_wait, injector_with_a_batch_fe
                                   synchronize_with_a_peer_gone, synchronize_times_out,
                                   closed_with_an_operation_in_flight,
                                   state_on_rank0, state_on_rank0_with_syncbn, state_on_rank0_at_the_end,
-                                  norm_on_rank0, values_on_rank0, call_while_ops_in_flight,
+                                  norm_on_rank0, values_on_rank0, close_on_rank0, call_while_ops_in_flight,
                                   syncswitch_load_on_rank0, syncswitch_load_on_rank0_unbroadcast,
                                   horovod_exit_before_a_peers_call, split_alone,
                                   allgatherv_counts_on_some_ranks, side_and_parent_crossed)}

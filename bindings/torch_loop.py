@@ -251,6 +251,7 @@ class TrainingLoop:
         self._bucket_need = [len(b.slots) for b in self.buckets]
         self._signaled = [False] * len(self.buckets)
         self._passes = 0
+        self._reopened = False
         self._callback_queued = False
         self._synced = self._gathered = False
         self._join_weights()
@@ -330,6 +331,7 @@ class TrainingLoop:
         self._bucket_need = [len(b.slots) for b in self.buckets]
         self._signaled = [False] * len(self.buckets)
         self._passes = k - 1
+        self._reopened = True
         self._synced = self._gathered = False
 
     @torch.compiler.disable     # autograd's final callback, inside a compiled train step too
@@ -350,6 +352,13 @@ class TrainingLoop:
         self._passes += 1
         if self._passes >= self.backward_passes_per_step:
             self._reduce()
+
+    def _pass_kind(self) -> list[int]:
+        """What this rank's reduction follows, one-hot (rides on the step's agreement): a step's
+        backward passes, none (``step()`` again without a backward: its ``.grad`` as it stands), or
+        a pass added after the average (a second ``backward()`` before ``step()``)."""
+        kind = 2 if self._reopened else 1 if self._passes == 0 else 0
+        return [int(kind == k) for k in range(3)]
 
     def _end_interrupted_pass(self) -> None:
         """A backward that raised on this rank (the exception caught, the loop going on) left its

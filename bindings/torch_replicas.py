@@ -28,6 +28,9 @@ from commlib.errors import ValidationError
 __all__ = ["ReplicaLoads"]
 
 _MODEL, _OPTIMIZER = 0, 1
+#: what a reduction follows, on some ranks (see ``_pass_kind``)
+_KINDS = ("some ranks reduced this step's backward()", "some called step() again without a backward()",
+          "some ran backward() again before step()")
 
 
 class ReplicaLoads:
@@ -69,8 +72,8 @@ class ReplicaLoads:
     def _load_flags(self) -> list[int]:
         """What rides on the step's agreement (a max over ranks): per kind, whether this rank loaded;
         whether it updated, and whether it skipped an update, since the last agreement; whether a
-        backward raised on it mid-pass (its rank + 1)."""
-        return [*self._loads, *self._updates, self._interrupted]
+        backward raised on it mid-pass (its rank + 1); what its reduction follows (``_pass_kind``)."""
+        return [*self._loads, *self._updates, self._interrupted, *self._pass_kind()]
 
     def _agree_loads(self, agreed: np.ndarray | None) -> None:
         """The max over ranks of :meth:`_load_flags` (``None``: a local step agreed nothing).  Not
@@ -87,6 +90,13 @@ class ReplicaLoads:
                                "partly sent, so no rank updates with this step's average. Skip a batch on "
                                "every rank alike (decided on a value every rank agrees on), or let the "
                                "exception end the job")
+        kinds = [what for what, v in zip(_KINDS, agreed[5:8]) if v]
+        if len(kinds) > 1:
+            self._loads = [0, 0]
+            raise RuntimeError("DistributedOptimizer: the ranks are at different points of their steps: "
+                               + " and ".join(kinds) + ", so this reduction paired gradients of different "
+                               "steps; make the same backward() and step() calls on every rank (uneven "
+                               "data: opt.join())")
         if updated and skipped and not self.strategy.updates_parameters:
             self._loads = [0, 0]
             raise RuntimeError("DistributedOptimizer: at the last step some ranks updated and others "

@@ -63,6 +63,20 @@ def _train(n: int, r: int, make_opt, passes: int = 1) -> torch.nn.Module:
     return model
 
 
+def _steps(model, opt, r: int, n: int, steps: range, dist: bool, sched=None) -> None:
+    """``steps`` of training on the whole batch, or with ``dist`` on rank ``r`` of ``n``'s part of it;
+    ``sched`` stepped after each step where given."""
+    for step in steps:
+        x, y = _batch(step, n)
+        if dist:
+            x, y = x[r * LOCAL:(r + 1) * LOCAL], y[r * LOCAL:(r + 1) * LOCAL]
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("variant", ["horovod", "predivide", "passes", "fp16", "strategy", "strategy-passes"])
 def test_distributed_optimizer_matches_one_process(variant):
@@ -104,22 +118,13 @@ def test_horovods_resume_with_weight_decay_trains_as_one_process(kind):
             return torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
 
-    def steps(model, opt, first, last, dist):
-        for step in range(first, last):
-            x, y = _batch(step, n)
-            if dist:
-                x, y = x[r * LOCAL:(r + 1) * LOCAL], y[r * LOCAL:(r + 1) * LOCAL]
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-
     ref = _net()
-    steps(ref, make(ref), 0, STEPS, False)
+    _steps(ref, make(ref), r, n, range(STEPS), False)
     model = _net(seed=0 if r == 0 else 1 + r)
     opt = hvd.DistributedOptimizer(make(model), named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
-    steps(model, opt, 0, STEPS // 2, True)
+    _steps(model, opt, r, n, range(STEPS // 2), True)
     saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
     model = _net(seed=7 + r)                            # a fresh job: rank 0 alone reads the checkpoint
     opt = hvd.DistributedOptimizer(make(model), named_parameters=model.named_parameters())
@@ -128,7 +133,7 @@ def test_horovods_resume_with_weight_decay_trains_as_one_process(kind):
         opt.load_state_dict(saved["opt"])
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
-    steps(model, opt, STEPS // 2, STEPS, True)
+    _steps(model, opt, r, n, range(STEPS // 2, STEPS), True)
     for k, q in ref.state_dict().items():
         torch.testing.assert_close(model.state_dict()[k], q, rtol=1e-12, atol=1e-14)
 
@@ -278,22 +283,13 @@ def test_a_scheduler_made_before_wrapping_trains_as_one_process(variant):
     hvd.init()
     r, n = hvd.rank(), hvd.size()
 
-    def run(model, opt, sched, dist):
-        for step in range(STEPS):
-            x, y = _batch(step, n)
-            if dist:
-                x, y = x[r * LOCAL:(r + 1) * LOCAL], y[r * LOCAL:(r + 1) * LOCAL]
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-            sched.step()
-
     def make(model):
         opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
         return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 
     ref = _net()
-    run(ref, *make(ref), False)
+    opt, sched = make(ref)
+    _steps(ref, opt, r, n, range(STEPS), False, sched)
     model = _net(seed=0 if r == 0 else 1 + r)
     sgd, sched = make(model)
     if variant == "horovod":
@@ -304,7 +300,7 @@ def test_a_scheduler_made_before_wrapping_trains_as_one_process(variant):
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*lr_scheduler.step.*")
-        run(model, opt, sched, True)
+        _steps(model, opt, r, n, range(STEPS), True, sched)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.2 * 0.5 ** STEPS)
     for k, q in ref.state_dict().items():
         torch.testing.assert_close(model.state_dict()[k], q, rtol=1e-10, atol=1e-12)

@@ -56,8 +56,11 @@ class Plan:
         self.error = error
         self.agreed = False
         text = repr((str(treedef), self.shapes, self.dtypes)).encode()
-        h = np.frombuffer(hashlib.sha256(text).digest()[:16], np.int64)
+        sha = hashlib.sha256(text)
+        h = np.frombuffer(sha.digest()[:16], np.int64)
         self.digest = (int(h[0]), int(h[1]))
+        #: the tree's name for a strategy that keeps state per tree (the same on every rank and run)
+        self.key = f"{len(self.shapes)} leaves, {sum(self.numels)} elements #{sha.hexdigest()[:12]}"
         self.buckets: list[Bucket] = []
         if error is None:
             # gradients become ready in reverse leaf order during backward
@@ -66,8 +69,6 @@ class Plan:
             self.buckets = plan_buckets(specs, world_size, cap_bytes, first_cap_bytes)
         self.buffers: list[np.ndarray] = []
         self.shards: list[np.ndarray] = []
-        #: a sparse strategy's state (``state_dict()``) for this tree while it averages another one
-        self.strategy_state: dict[str, Any] | None = None
         self._shard_fns: dict[int, Any] = {}    # rank -> compiled shards_of
 
     def allocate(self, sharded: bool) -> None:

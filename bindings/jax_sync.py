@@ -53,7 +53,8 @@ class GradientSync:
     tree), except a sparse one: its error feedback belongs to the tree it averages, so a second
     ``GradientSync`` using it raises ``ValueError`` on every rank before it communicates (give
     each its own).  A sparse strategy's state (residuals, selectors) is kept per tree structure
-    when one ``GradientSync`` averages several (one optax transformation for two models).
+    when one ``GradientSync`` averages several (one optax transformation for two models), and its
+    ``state_dict()`` holds every tree's (each goes back to its own tree after a load).
 
     Example:
         >>> sync = GradientSync(strategy=DeAR(cap_mb=4))
@@ -208,15 +209,10 @@ class GradientSync:
         self._last = plan
         try:
             if self._active is not plan or self._active_comm is not comm or holder is not self:
-                before, self._active = (self._active if holder is self else None), None
-                if s.sparse and before is not None:     # its residuals and selectors, for its next call
-                    before.strategy_state = s.state_dict()
+                self._active = None      # a sparse strategy keeps each tree's state by its key
                 s.setup(comm, plan.buckets, plan.buffers, plan.buffers,
-                        plan.shards if s.sharded else None, broadcast=False)
+                        plan.shards if s.sharded else None, broadcast=False, tree=plan.key)
                 _SET_UP_BY[s] = weakref.ref(self)
-                if s.sparse and plan.strategy_state is not None:
-                    state, plan.strategy_state = plan.strategy_state, None
-                    s.load_state_dict(state)
                 self._active, self._active_comm = plan, comm
             for b in range(len(plan.buckets)):
                 plan.pack(b, leaves)

@@ -202,16 +202,16 @@ class SelSync(Strategy):
     # ------------------------------------------------------------------ lifecycle
     def setup(self, comm: Communicator, buckets: Sequence[Bucket], params: Sequence[Any],
               grads: Sequence[Any], shard_grads: Sequence[Any] | None = None,
-              broadcast: bool = True) -> None:
+              broadcast: bool = True, tree: str | None = None) -> None:
         self._wait_average()
-        super().setup(comm, buckets, params, grads, None, broadcast)
+        super().setup(comm, buckets, params, grads, None, broadcast, tree)
         if self.inner.sharded:
             self._inner_shards = []
             for b, g in zip(self.buckets, self.grads):
                 v = as_view(g, "selsync: gradient buffer")
                 self._inner_shards.append(v.wrap(v.empty(b.shard_numel), (b.shard_numel,)))
         self.inner.setup(comm, buckets, params, grads,
-                         self._inner_shards if self.inner.sharded else None, broadcast=False)
+                         self._inner_shards if self.inner.sharded else None, broadcast=False, tree=tree)
         self._check_loaded_rank()
         self._avg_works = [[] for _ in self.buckets]
         v = as_view(self.grads[0], "selsync: gradient buffer") if self.grads else None

@@ -197,6 +197,9 @@ class Strategy:
         self.params: list[Any] = []
         self.grads: list[Any] = []
         self.shard_grads: list[Any] = []
+        #: the name of the tree the buckets hold, where one binding averages several trees through
+        #: this strategy (JAX's ``average_gradients`` over two models); ``None``: one tree
+        self.tree: str | None = None
         self.steps = 0
         self.stats: dict[str, float] = {"wait_s": 0.0, "bytes": 0.0}
         self._ready: list[bool] = []
@@ -206,15 +209,19 @@ class Strategy:
     # ------------------------------------------------------------------ lifecycle
     def setup(self, comm: Communicator, buckets: Sequence[Bucket], params: Sequence[Any],
               grads: Sequence[Any], shard_grads: Sequence[Any] | None = None,
-              broadcast: bool = True) -> None:
+              broadcast: bool = True, tree: str | None = None) -> None:
         """Take the buckets and their buffers; with ``broadcast``, make every
-        rank start from rank 0's parameters.  Called again after a re-plan."""
+        rank start from rank 0's parameters.  Called again after a re-plan.  ``tree``: the name of
+        the tree the buckets hold where a binding averages several (the same name on every rank
+        and across restarts): a strategy with state per element (the sparse ones' residuals)
+        keeps one per tree, and its :meth:`state_dict` holds them all."""
         if len(params) != len(buckets) or len(grads) != len(buckets):
             raise ValueError(f"{len(buckets)} buckets but {len(params)} parameter and "
                              f"{len(grads)} gradient buffers")
         if self.needs_shard_grads and (shard_grads is None or len(shard_grads) != len(buckets)):
             raise ValueError(f"{self.name} updates shards: it needs one shard gradient buffer per bucket")
         self.comm = comm
+        self.tree = tree
         if self.tune and self.tuner is None:
             self.tuner = CapTuner(comm, self.cap_bytes, **(self.tune if isinstance(self.tune, dict) else {}))
         self.buckets = list(buckets)

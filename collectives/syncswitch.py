@@ -191,7 +191,7 @@ class SyncSwitch(Strategy):
     # ------------------------------------------------------------------ lifecycle
     def setup(self, comm: Communicator, buckets: Sequence[Bucket], params: Sequence[Any],
               grads: Sequence[Any], shard_grads: Sequence[Any] | None = None,
-              broadcast: bool = True) -> None:
+              broadcast: bool = True, tree: str | None = None) -> None:
         held = sorted({b.dtype for b in buckets} - set(STORE_DTYPES))
         if held:    # refused now, on every rank, not at the first switch out of BSP
             raise ValidationError(
@@ -200,8 +200,8 @@ class SyncSwitch(Strategy):
                 "parameters in float32 (torch.autocast computes in 16 bits) or use AllReduce / DeAR")
         self.close_stores()
         shards = shard_grads if self.bsp.sharded else None
-        super().setup(comm, buckets, params, grads, shards, broadcast)
-        self.bsp.setup(comm, buckets, params, grads, shards, broadcast=False)
+        super().setup(comm, buckets, params, grads, shards, broadcast, tree)
+        self.bsp.setup(comm, buckets, params, grads, shards, broadcast=False, tree=tree)
         self._np_params = [np.asarray(p).reshape(-1) for p in self.params]
         self._np_grads = [np.asarray(g).reshape(-1) for g in self.grads]
         self._before = [np.empty_like(p) for p in self._np_params]

@@ -85,12 +85,14 @@ class SparseAllReduce(Strategy):
         self._pending: dict[str, Any] | None = None
         #: the last plan's residuals and selectors, until a re-plan's replanned() carries them over
         self._before: tuple[list[ErrorFeedback], list[Selector]] | None = None
+        #: per named tree other than the one set up now: its buckets' state (``state_dict()['buckets']``)
+        self._trees: dict[str, list[dict[str, Any]]] = {}
         self.stats["nonfinite_steps"] = 0      # buckets averaged densely: a rank's gradient overflowed
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, comm: Communicator, buckets: Sequence[Any], params: Sequence[Any],
               grads: Sequence[Any], shard_grads: Sequence[Any] | None = None,
-              broadcast: bool = True) -> None:
+              broadcast: bool = True, tree: str | None = None) -> None:
         views, layout = [], []
         for b, g in enumerate(grads):
             data, dtype, xp = flat_view(g, f"{self.name}: grads[{b}]")
@@ -102,8 +104,12 @@ class SparseAllReduce(Strategy):
             views.append((data, dtype, xp))
             layout.append((int(data.size), dtype, xp.__name__))
         new_plan = len(buckets) != len(self.buckets) or any(a is not b for a, b in zip(buckets, self.buckets))
-        super().setup(comm, buckets, params, grads, shard_grads, broadcast)
-        if new_plan or layout != self._layout or any(s.comm is not comm for s in self.selectors):
+        fresh = (new_plan or tree != self.tree or layout != self._layout
+                 or any(s.comm is not comm for s in self.selectors))
+        if fresh and self.tree is not None and self.selectors:   # a named tree's state waits for its setup
+            self._trees[self.tree] = self._tree_record()
+        super().setup(comm, buckets, params, grads, shard_grads, broadcast, tree)
+        if fresh:
             # a new plan (or communicator), even of the same sizes (another tree, parameters that
             # moved): fresh selectors and residuals; a re-plan's binding carries the old ones' over
             # where its parameters moved (replanned())
@@ -118,6 +124,8 @@ class SparseAllReduce(Strategy):
         if self._pending is not None:
             state, self._pending = self._pending, None
             self._load_buckets(state)
+        elif tree is not None and tree in self._trees:
+            self._load_buckets(self._trees.pop(tree))
 
     def replanned(self, moves: Sequence[Move]) -> None:
         """Each parameter's residual moves with it to its place in the new plan; a new bucket's
@@ -186,12 +194,23 @@ class SparseAllReduce(Strategy):
             "selector": repr(self.selector),
             "rank": None if self.comm is None else self.comm.rank,
             "world_size": None if self.comm is None else self.comm.size,
-            "buckets": [{"numel": n, "elements": b.numel, "dtype": dt, "selector": s.state_dict(),
-                         "feedback": f.state_dict()}
-                        for (n, dt, _), b, s, f in zip(self._layout, self.buckets, self.selectors,
-                                                       self.feedback)],
+            "buckets": self._buckets_state(),
+            # where one binding averages several named trees: the one set up now, and the others'
+            # (each as _tree_record(): saved by which rank, at which world size, its buckets)
+            "tree": self.tree, "trees": dict(self._trees),
         })
         return state
+
+    def _buckets_state(self) -> list[dict[str, Any]]:
+        return [{"numel": n, "elements": b.numel, "dtype": dt, "selector": s.state_dict(),
+                 "feedback": f.state_dict()}
+                for (n, dt, _), b, s, f in zip(self._layout, self.buckets, self.selectors, self.feedback)]
+
+    def _tree_record(self) -> dict[str, Any]:
+        """The state of the tree set up now, as its entry in ``state_dict()['trees']`` while another
+        tree is set up (loaded by :meth:`_load_buckets` at its next setup)."""
+        return {"selector": repr(self.selector), "rank": self.comm.rank, "world_size": self.comm.size,
+                "buckets": self._buckets_state()}
 
     def check_state(self, state: dict[str, Any]) -> None:
         """As :meth:`Strategy.check_state`, and once set up, every bucket's selector and residual
@@ -208,9 +227,25 @@ class SparseAllReduce(Strategy):
         else:
             self._load_buckets(state)
 
+    def _tree_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What ``state`` holds for the tree set up now: itself where it was saved with that tree
+        set up, or holds one tree, else that tree's entry among its ``trees``."""
+        if "tree" not in state or state["tree"] == self.tree:
+            return state
+        trees = state.get("trees") or {}
+        if not trees:       # one tree saved: its buckets are checked against these as they stand
+            return state
+        if self.tree not in trees:
+            names = [n for n in (state["tree"], *trees) if n is not None]
+            raise ValueError(f"{self.name}: a state of the trees {names} given to the tree {self.tree!r}"
+                             " (a checkpoint of another model, or of a strategy that averaged other trees)")
+        return trees[self.tree]
+
     def _saved_buckets(self, state: dict[str, Any]) -> tuple[list[dict[str, Any]], bool, str]:
-        """``state``'s buckets, whether it was saved at this world size and, where it is another
-        rank's, whose (:func:`saved_elsewhere`); raises unless each fits its bucket here."""
+        """``state``'s buckets for the tree set up now (:meth:`_tree_state`), whether it was saved
+        at this world size and, where it is another rank's, whose (:func:`saved_elsewhere`); raises
+        unless each fits its bucket here."""
+        state = self._tree_state(state)
         saved = state.get("buckets", [])
         same_world = state.get("world_size") == self.comm.size
         elsewhere = saved_elsewhere(state.get("rank"), state.get("world_size"), self.comm)
@@ -232,6 +267,11 @@ class SparseAllReduce(Strategy):
 
     def _load_buckets(self, state: dict[str, Any]) -> None:
         saved, same_world, elsewhere = self._saved_buckets(state)
+        if "tree" in state:     # the other trees' state waits for their setup (loaded as this one is)
+            top = {k: state[k] for k in ("selector", "rank", "world_size", "buckets") if k in state}
+            others = {state["tree"]: top, **(state.get("trees") or {})}
+            self._trees = {k: v for k, v in others.items() if k is not None and k != self.tree}
+            state = self._tree_state(state)
         if not saved:
             return
         saved_as = state.get("selector")

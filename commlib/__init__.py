@@ -129,18 +129,21 @@ def _nccl_plan(mpi_comm: Any, backend: str, requested: int | None, gpus: int | N
 _SHARED_SETTINGS = {"backend": "COMMLIB_BACKEND", "check": "COMMLIB_CHECK"}
 
 
-def _agree_on_settings(base: Any, cfg: Config | None, mistake: Exception | None) -> None:
+def _agree_on_settings(base: Any, cfg: Config | None, mistake: Exception | None,
+                       over: Communicator | None = None) -> None:
     """Raise on every rank (one all-gather, before any other collective) where a rank's settings
     were refused (``mistake``), its timeline cannot be written, or the shared settings differ: a
     setting wrong on one node alone would leave its peers waiting in ``init()`` or in the first
-    operation."""
+    operation.  ``over``: the open communicator of the same ranks (a new world while one is open),
+    whose labeled all-gather shows this rank in ``commlib.init()``: a peer in another operation
+    raises at once, naming it, where mpi4py's all-gather waited with no timeout."""
     rank = base.rank
     if cfg is None:
         mine = (f"{type(mistake).__name__}: {mistake}", None, None)
     else:
         from mpi4py import MPI
         mine = (timeline_problem(cfg.timeline_path(MPI.COMM_WORLD.rank)), cfg.backend, cfg.check)
-    every = base.allgather(mine)
+    every = base.allgather(mine) if over is None else over.allgather_object(mine, label="commlib.init()")
     refused = [f"rank {r}: {p}" for r, (p, b, _) in enumerate(every) if p and b is None]
     if refused:
         if mistake is not None:
@@ -203,7 +206,8 @@ def init(backend: str | None = None, comm: Any = None, **settings: Any) -> Commu
             "Let commlib or mpi4py initialize MPI (mpi4py.rc.thread_level = 'multiple', the "
             "default), or call MPI_Init_thread with MPI_THREAD_MULTIPLE")
     base = MPI.COMM_WORLD if comm is None else comm
-    _agree_on_settings(base, cfg, mistake)
+    _agree_on_settings(base, cfg, mistake, _world if comm is None and _world is not None
+                       and not _world.closed else None)
     name, device = _nccl_plan(base, cfg.backend, cfg.device)
     if name == "nccl":
         import cupy

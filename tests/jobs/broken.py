@@ -315,6 +315,22 @@ def split_alone() -> None:
     report_and_end()
 
 
+def init_alone() -> None:
+    """Rank 0 calls ``commlib.init(timeout=60)`` alone (a new world, with settings) while its peers
+    all-reduce on the first: rank 0 waited in mpi4py's all-gather without limit, and its peers until
+    their timeout, told that rank 0 had called nothing.  The peers fail at once, naming the init;
+    rank 0's init fails on their abort."""
+    c = commlib.init(timeout=60)
+    t0 = time.monotonic()
+    if c.rank == 0:
+        expect(commlib.CommAbortedError, lambda: commlib.init(timeout=60), "aborted the communicator")
+    else:
+        expect(commlib.MismatchError, lambda: c.allreduce(np.ones(2)),
+               "waits for ranks that will not call it: rank 0 is in commlib.init()")
+    assert time.monotonic() - t0 < 30, "must not wait for the timeout"
+    report_and_end()
+
+
 def horovod_exit_before_a_peers_call() -> None:
     """A Horovod script whose ranks end unevenly: rank 1's program ends (it leaves the engine's
     communicator, its every operation complete); rank 0's extra all-reduce fails at once, naming
@@ -601,7 +617,7 @@ CASES = {f.__name__: f for f in (interrupted_in_a_wait, injector_with_a_batch_fe
                                   state_on_rank0, state_on_rank0_with_syncbn, state_on_rank0_at_the_end,
                                   norm_on_rank0, values_on_rank0, close_on_rank0, call_while_ops_in_flight,
                                   syncswitch_load_on_rank0, syncswitch_load_on_rank0_unbroadcast,
-                                  horovod_exit_before_a_peers_call, split_alone,
+                                  horovod_exit_before_a_peers_call, split_alone, init_alone,
                                   allgatherv_counts_on_some_ranks, side_and_parent_crossed)}
 
 if __name__ == "__main__":

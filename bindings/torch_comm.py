@@ -192,6 +192,13 @@ class _Completer:
 _completer: _Completer | None = None
 
 
+def _result(fut: torch.futures.Future) -> torch.Tensor:
+    """``fut``'s tensor, or its error raised: DDP's reducer reads a Python future's result in C++,
+    where one given by ``set_exception`` is not raised but cast ("Unable to cast <the error> to
+    Tensor"); raised in a ``then`` callback, it fails the future DDP waits on."""
+    return fut.value()
+
+
 def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel,
                        comm: commlib.Communicator | None = None) -> None:
     """Route a DDP model's gradient buckets through commlib's all-reduce (averaged).
@@ -225,6 +232,7 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel,
         t = bucket.buffer()
         fut: torch.futures.Future = torch.futures.Future()
         _completer.q.put((state.iallreduce(t, "avg", out=t, tag=f"ddp{bucket.index()}"), fut, t))
-        return fut
+        return fut.then(_result)
+
 
     ddp_model.register_comm_hook(comm, hook)

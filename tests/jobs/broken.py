@@ -331,6 +331,30 @@ def init_alone() -> None:
     report_and_end()
 
 
+def ddp_hook_timed_out() -> None:
+    """DDP with ``register_comm_hook``; rank 1 is late to its backward, past the timeout: rank 0's
+    backward raised torch's "Unable to cast <commlib's error> to Tensor" (the reducer casts a Python
+    future's result in C++, where ``set_exception`` leaves the error). It now names the error."""
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from benchmarks._common import init_gloo
+    from commlib.bindings.torch import register_comm_hook
+
+    c = fresh(timeout=1)
+    dist, why = init_gloo(MPI.COMM_WORLD, True)
+    assert dist is not None, why
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    register_comm_hook(ddp, c)
+    if c.rank == 0:
+        err = expect(RuntimeError, lambda: ddp(torch.ones(3, 4)).sum().backward(), "CommTimeoutError")
+        assert "timed out after 1 s" in str(err) and "Unable to cast" not in str(err), err
+    else:
+        time.sleep(3)
+    report_and_end()
+
+
 def horovod_exit_before_a_peers_call() -> None:
     """A Horovod script whose ranks end unevenly: rank 1's program ends (it leaves the engine's
     communicator, its every operation complete); rank 0's extra all-reduce fails at once, naming
@@ -618,6 +642,7 @@ CASES = {f.__name__: f for f in (interrupted_in_a_wait, injector_with_a_batch_fe
                                   norm_on_rank0, values_on_rank0, close_on_rank0, call_while_ops_in_flight,
                                   syncswitch_load_on_rank0, syncswitch_load_on_rank0_unbroadcast,
                                   horovod_exit_before_a_peers_call, split_alone, init_alone,
+                                  ddp_hook_timed_out,
                                   allgatherv_counts_on_some_ranks, side_and_parent_crossed)}
 
 if __name__ == "__main__":

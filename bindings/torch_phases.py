@@ -32,6 +32,10 @@ from .torch_amp import LossScale
 __all__ = ["PhaseSwitches", "momentum_problem"]
 
 
+#: a momentum coefficient that is not 0 to torch's optimizers but rounds away in every product
+_ROUNDS_AWAY = 1e-300
+
+
 def _scalable(value: Any) -> bool:
     """A hyperparameter a phase may scale: a real number (not a bool) or a tensor."""
     return isinstance(value, torch.Tensor) or (
@@ -78,7 +82,10 @@ class PhaseSwitches:
             if _scalable(g.get("lr")):
                 g["lr"] = g["lr"] * lr_s
             if _scalable(g.get("momentum")):
-                g["momentum"] = g["momentum"] * mom_s
+                if mom_s == 0.0 and bool(g["momentum"] != 0):
+                    self._restart_momentum(g)
+                else:
+                    g["momentum"] = g["momentum"] * mom_s
         try:
             yield
         finally:
@@ -87,6 +94,17 @@ class PhaseSwitches:
                     g["lr"] = lr
                 if mom is not None:
                     g["momentum"] = mom
+
+    def _restart_momentum(self, group: dict[str, Any]) -> None:
+        """A coefficient of 0 for this update (a ramp's first step): the buffer becomes
+        ``0 * buf + grad``.  torch's SGD and RMSprop skip their buffer at 0 (it came back whole at
+        the next step), so the buffers are zeroed and the coefficient is one that rounds away
+        (``1e-300``: 0 in float32, and ``1 + 1e-300 == 1`` in float64)."""
+        for p in group["params"]:
+            buf = self._inner.state.get(p, {}).get("momentum_buffer")
+            if buf is not None:
+                buf.zero_()
+        group["momentum"] = _ROUNDS_AWAY
 
     def _on_switch(self, old: str, new: str, changes: dict[str, Any]) -> None:
         """Sync-Switch's callback, on every rank: the state whole while it is reset or averaged, and

@@ -617,3 +617,44 @@ def test_a_momentum_reset_without_a_momentum_hyperparameter_is_refused(comm):
     assert ss.phase == "asp"
     assert not opt.state[model.fc1.weight]["momentum_buffer"].any()
     opt.close()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["sgd", "sgd-nesterov", "sgd-foreach", "rmsprop"])
+def test_a_momentum_ramp_from_zero_restarts_the_buffer(comm, kind):
+    """``OfflinePolicy(momentum="ramp")``: the coefficient is 0 at the switch step, and torch's SGD
+    and RMSprop skip their momentum buffer at 0, so the BSP buffer came back at the next step
+    (``0.45 * buf_BSP + g`` where ``buf = mu_t * buf + g`` gives ``0.45 * g + g``; the parameters
+    22.1 off).  Each step's buffer is checked against the recurrence in float64 (a linear loss:
+    the gradients, and so the buffers, do not depend on the parameters the ASP store moves)."""
+    from commlib.collectives import OfflinePolicy
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        w = torch.nn.Parameter(torch.zeros(3))
+        make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1),
+                "sgd-nesterov": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+                "sgd-foreach": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=True),
+                "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.9)}[kind]
+        opt = DistributedOptimizer(make([w]), torch.nn.ParameterList([w]), strategy=SyncSwitch(
+            policy=OfflinePolicy(0.5, 6, momentum="ramp", ramp_steps=2)), comm=comm)
+        every = [np.array([1.0, -2.0, 0.5]) * (1 + r) for r in range(comm.size)]
+        damp = 0.1 if kind == "sgd" else 0.0
+        buf, sq = None, np.zeros(3)
+        for step in range(6):        # steps 0-2 BSP (the average), 3-5 ASP: mu 0, 0.45, 0.9
+            g = np.mean(every, axis=0) if step < 3 else every[comm.rank]
+            mu = 0.9 * (1.0 if step < 3 else min(1.0, (step - 3) / 2))
+            if kind == "rmsprop":
+                sq = 0.99 * sq + 0.01 * g * g
+                d = g / (np.sqrt(sq) + 1e-8)
+                buf = mu * (0 if buf is None else buf) + d
+            else:
+                buf = g.copy() if buf is None else mu * buf + (1 - damp) * g
+            opt.zero_grad()
+            (w * torch.tensor(every[comm.rank])).sum().backward()
+            opt.step()
+            got = opt.state_dict()["state"][0]["momentum_buffer"].numpy()
+            np.testing.assert_allclose(got, buf, rtol=1e-12, atol=1e-14, err_msg=f"step {step}")
+        opt.close()
+    finally:
+        torch.set_default_dtype(torch.float32)

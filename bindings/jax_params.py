@@ -489,8 +489,9 @@ class DistributedOptimizer:
                  if hasattr(x, "dtype") and np.dtype(x.dtype).name in INEXACT_DTYPES and np.size(x)]
         if comm.size == 1 or not which:
             return state
-        if self._state_sync is None:
-            self._state_sync = GradientSync(comm, AllReduce(self.strategy.cap_bytes / MiB))
+        if self._state_sync is None:    # traced in any phase, also where the ranks trace apart (ASP):
+            # over the optimizer's own communicator, which its ordered host calls alone use
+            self._state_sync = GradientSync(comm, AllReduce(self.strategy.cap_bytes / MiB), jit_comm=comm)
         for i, x in zip(which, self._state_sync([leaves[i] for i in which])):
             leaves[i] = x
         return jax.tree_util.tree_unflatten(treedef, leaves)

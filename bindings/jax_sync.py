@@ -41,7 +41,10 @@ class GradientSync:
     all-reduce: reduce-scatter (``avg``) of each bucket, then all-gather of
     the averaged shards.  ``check``: ``"first"`` compares a digest of the tree
     over the ranks on every call (a few words) and the whole tree when a structure is
-    first seen or differs, ``"always"`` the whole tree on every call.
+    first seen or differs, ``"always"`` the whole tree on every call.  ``jit_comm``: the
+    communicator of the jitted path (default ``comm.split(0)``, made when a call is first traced:
+    on every rank, so not where the ranks trace apart, as in Sync-Switch's ASP); a driver whose
+    communicator carries nothing but its own ordered host calls passes ``comm`` itself.
 
     Calls reuse the bucket plan and the host buffers of the tree structure
     (the last ``16`` structures are kept).  Works on concrete arrays and,
@@ -63,7 +66,8 @@ class GradientSync:
     """
 
     def __init__(self, comm: commlib.Communicator | None = None, strategy: Strategy | None = None,
-                 cap_mb: float | None = None, first_cap_mb: float | None = None, check: str = "first"):
+                 cap_mb: float | None = None, first_cap_mb: float | None = None, check: str = "first",
+                 jit_comm: commlib.Communicator | None = None):
         if strategy is not None and (cap_mb is not None or first_cap_mb is not None):
             raise ValueError("give cap_mb / first_cap_mb to the strategy you pass, not to GradientSync")
         if check not in ("first", "always"):
@@ -82,7 +86,7 @@ class GradientSync:
         self._plans: OrderedDict[Any, Plan] = OrderedDict()
         self._active: Plan | None = None
         self._active_comm: commlib.Communicator | None = None
-        self._jit_comm: commlib.Communicator | None = None
+        self._jit_comm: commlib.Communicator | None = jit_comm
         self._last: Plan | None = None
         self._last_call: float | None = None
         self._lock = threading.RLock()

@@ -122,7 +122,7 @@ def allreduce_gradients(grads: Any, comm: commlib.Communicator | None = None) ->
     Example:
         >>> grads = allreduce_gradients(jax.grad(loss)(params, x, y))
     """
-    comm = comm if comm is not None else commlib.world()
+    comm = commlib.as_communicator(comm, "allreduce_gradients")
     sync = _DEFAULT.get(comm)
     if sync is None:
         sync = _DEFAULT[comm] = GradientSync(comm)
@@ -140,7 +140,7 @@ def broadcast_params(params: Any, root: int = 0, comm: commlib.Communicator | No
         >>> params = broadcast_params(init(jax.random.key(rank)))   # rank 0's init everywhere
         >>> opt_state = broadcast_params(opt_state)
     """
-    comm = comm if comm is not None else commlib.world()
+    comm = commlib.as_communicator(comm, "broadcast_params")
     leaves, treedef = jax.tree_util.tree_flatten(params)
     if any(is_tracer(x) for x in leaves):
         raise TypeError("broadcast_params runs outside jax.jit (call it once before training)")

@@ -126,7 +126,7 @@ def _checked(name: str, x: Any, comm: commlib.Communicator | None,
     call would run on (the one of traced calls for a traced ``x``), so that peers whose inputs
     were valid raise too instead of pairing their call with this rank's next (a bad ``op`` on
     one rank; on every rank, each raises it alike, while tracing)."""
-    comm = comm if comm is not None else commlib.world()
+    comm = commlib.as_communicator(comm, name)
     try:
         if not hasattr(x, "dtype") or not hasattr(x, "shape"):
             raise ValidationError(f"{name}: expected a jax or numpy array, got {type(x).__name__}")

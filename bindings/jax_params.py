@@ -154,7 +154,7 @@ class DistributedOptimizer:
                             f"got {type(inner).__name__}")
         self.inner = inner
         self.strategy = strategy
-        self.comm = comm if comm is not None else commlib.world()
+        self.comm = commlib.as_communicator(comm, "DistributedOptimizer")
         self._inner_update = jax.jit(inner.update)
         self._plan: Plan | None = None
         self._params: list[np.ndarray] = []      # the parameter buckets the strategy reads and writes

@@ -80,7 +80,7 @@ class GradientSync:
             raise ValueError(f"{strategy.name} reads and writes the parameters, but GradientSync only "
                              "sees gradients: use AllReduce, DeAR or SparseAllReduce here, or wrap the "
                              "whole optimizer: DistributedOptimizer(inner, strategy=...)")
-        self.comm = comm if comm is not None else commlib.world()
+        self.comm = commlib.as_communicator(comm, "GradientSync")
         self.strategy = strategy
         self.check = check
         self._plans: OrderedDict[Any, Plan] = OrderedDict()

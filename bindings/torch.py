@@ -145,7 +145,7 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
             raise TypeError("optimizer is already a DistributedOptimizer")
         self._checked_passes(backward_passes_per_step)
         self._loss_scale = LossScale(grad_scaler)
-        self.comm = comm or commlib.init()
+        self.comm = commlib.as_communicator(comm, "DistributedOptimizer")
         self.strategy = (AllReduce() if strategy is None
                          else checked_strategy(strategy, "DistributedOptimizer"))
         # replicas that drift between synchronizations (SelSync, Sync-Switch) keep their buffers too:

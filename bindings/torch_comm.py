@@ -109,7 +109,7 @@ def broadcast_parameters(params: Any, root_rank: int = 0, comm: commlib.Communic
     Example:
         >>> broadcast_parameters(model.state_dict(), root_rank=0)
     """
-    comm = comm or commlib.init()
+    comm = commlib.as_communicator(comm, "broadcast_parameters")
     tensors = _tensors(params)
     agree_tensors(comm, "broadcast_parameters", tensors)
     with torch.no_grad():
@@ -141,7 +141,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if isinstance(optimizer, DistributedOptimizer):    # over its own communicator; sharded state too
         optimizer.broadcast_state(root_rank)
         return
-    comm = comm or commlib.init()
+    comm = commlib.as_communicator(comm, "broadcast_optimizer_state")
     sd = optimizer.state_dict()
     sd = comm.mpi_comm.bcast(sd if comm.rank == root_rank else None, root=root_rank)
     optimizer.load_state_dict(sd)
@@ -215,7 +215,7 @@ def register_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel,
         >>> register_comm_hook(ddp, commlib.init())
     """
     global _completer
-    comm = comm or commlib.init()
+    comm = commlib.as_communicator(comm, "register_comm_hook")
     members = torch.distributed.get_process_group_ranks(ddp_model.process_group)
     here = [] if len(members) != comm.size else comm.allgather_object(
         torch.distributed.get_rank(), label="register_comm_hook")

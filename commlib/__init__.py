@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from .communicator import Communicator
 
 __all__ = [
-    "init", "world", "Communicator", "Work", "Config", "split_counts", "DTYPES", "OPS",
+    "init", "world", "as_communicator", "Communicator", "Work", "Config", "split_counts", "DTYPES", "OPS",
     "REDUCE_OPS", "CommlibError", "ValidationError", "MismatchError", "CommTimeoutError",
     "CommAbortedError", "CommStallWarning",
 ]
@@ -223,3 +223,25 @@ def init(backend: str | None = None, comm: Any = None, **settings: Any) -> Commu
 def world() -> Communicator:
     """The communicator made by :func:`init` (calls ``init()`` if needed)."""
     return _world if _world is not None else init()
+
+
+def as_communicator(comm: Any, where: str) -> Communicator:
+    """``comm`` as the :class:`Communicator` an API's ``comm=`` takes: ``None`` is :func:`init`'s;
+    anything else but a ``Communicator`` raises ``TypeError`` naming ``where``, before any rank
+    communicates (an mpi4py communicator, mpi4jax's and Horovod's ``comm=``, was taken for one:
+    its pickle-based ``allreduce`` ran, raising on one rank and waiting without limit on others).
+
+    Example:
+        >>> comm = commlib.as_communicator(None, "my_op")        # the world
+        >>> commlib.as_communicator(MPI.COMM_WORLD, "my_op")     # TypeError: ... commlib.init(comm=...)
+    """
+    if comm is None:
+        return init()
+    from .communicator import Communicator
+
+    if isinstance(comm, Communicator):
+        return comm
+    kind = f"{type(comm).__module__}.{type(comm).__qualname__}"
+    hint = (": make one of it with commlib.init(comm=that_communicator) (collective), once, and pass "
+            "that" if kind.startswith("mpi4py.") else "")
+    raise TypeError(f"{where}: comm= expects a commlib.Communicator, got {kind}{hint}")

@@ -300,3 +300,40 @@ def test_a_tensor_an_operation_writes_is_marked_for_autograd(comm, dtype, mode):
     call("allreduce", c)                            # out of place: c stays as it was
     c.sum().backward()
     torch.testing.assert_close(a.grad, a.detach().exp())
+
+
+@pytest.mark.skipif(not (HAVE_TORCH and HAVE_JAX), reason="needs torch and jax")
+@pytest.mark.mpi(min_size=1)
+def test_an_mpi4py_communicator_as_comm_is_refused_before_anything_runs(comm):
+    """mpi4jax's and Horovod's ``comm=MPI.COMM_WORLD`` given to commlib's calls: its pickle-based
+    ``allreduce`` ran (``'str' object is not callable`` on rank 0, rank 1 waiting without limit),
+    or, inside jit, ``unhashable type: 'mpi4py.MPI.Intracomm'``.  Every API taking ``comm=``
+    refuses it alike on every rank, naming the way to make one, and the communicator goes on."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from mpi4py import MPI
+
+    from commlib.bindings import jax as cj
+    from commlib.bindings import torch as ct
+
+    model = torch.nn.Linear(2, 1)
+    calls = {
+        "allreduce": lambda c: cj.allreduce(jnp.ones(2), "sum", comm=c),
+        "allgather": lambda c: jax.jit(lambda x: cj.allgather(x, comm=c))(jnp.ones(2)),
+        "broadcast_params": lambda c: cj.broadcast_params({"a": jnp.ones(2)}, comm=c),
+        "GradientSync": lambda c: cj.average_gradients(comm=c),
+        "DistributedOptimizer": lambda c: cj.DistributedOptimizer(__import__("optax").sgd(0.1), comm=c),
+        "broadcast_parameters": lambda c: ct.broadcast_parameters(model.state_dict(), comm=c),
+        "DistributedOptimizer ": lambda c: ct.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, comm=c),
+    }
+    before = comm.seq
+    for where, call in calls.items():
+        for bad in (MPI.COMM_WORLD, "world"):
+            with pytest.raises(TypeError, match=f"{where.strip()}: comm= expects a commlib.Communicator, got "
+                               + ("mpi4py.MPI.Intracomm: make one of it with commlib.init"
+                                  if bad is MPI.COMM_WORLD else "builtins.str")):
+                call(bad)
+    assert comm.seq == before
+    np.testing.assert_array_equal(np.asarray(comm.allreduce(np.ones(2))), np.full(2, comm.size))

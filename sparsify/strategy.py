@@ -85,8 +85,8 @@ class SparseAllReduce(Strategy):
         self._pending: dict[str, Any] | None = None
         #: the last plan's residuals and selectors, until a re-plan's replanned() carries them over
         self._before: tuple[list[ErrorFeedback], list[Selector]] | None = None
-        #: per named tree other than the one set up now: its buckets' state (``state_dict()['buckets']``)
-        self._trees: dict[str, list[dict[str, Any]]] = {}
+        #: per named tree other than the one set up now: its state (:meth:`_tree_record`)
+        self._trees: dict[str, dict[str, Any]] = {}
         self.stats["nonfinite_steps"] = 0      # buckets averaged densely: a rank's gradient overflowed
 
     # ------------------------------------------------------------------ lifecycle
@@ -229,17 +229,11 @@ class SparseAllReduce(Strategy):
 
     def _tree_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """What ``state`` holds for the tree set up now: itself where it was saved with that tree
-        set up, or holds one tree, else that tree's entry among its ``trees``."""
+        set up, else that tree's entry among its ``trees``, else no buckets (a tree not averaged
+        yet when it was saved)."""
         if "tree" not in state or state["tree"] == self.tree:
             return state
-        trees = state.get("trees") or {}
-        if not trees:       # one tree saved: its buckets are checked against these as they stand
-            return state
-        if self.tree not in trees:
-            names = [n for n in (state["tree"], *trees) if n is not None]
-            raise ValueError(f"{self.name}: a state of the trees {names} given to the tree {self.tree!r}"
-                             " (a checkpoint of another model, or of a strategy that averaged other trees)")
-        return trees[self.tree]
+        return (state.get("trees") or {}).get(self.tree) or {**state, "buckets": []}
 
     def _saved_buckets(self, state: dict[str, Any]) -> tuple[list[dict[str, Any]], bool, str]:
         """``state``'s buckets for the tree set up now (:meth:`_tree_state`), whether it was saved
@@ -270,6 +264,11 @@ class SparseAllReduce(Strategy):
         if "tree" in state:     # the other trees' state waits for their setup (loaded as this one is)
             top = {k: state[k] for k in ("selector", "rank", "world_size", "buckets") if k in state}
             others = {state["tree"]: top, **(state.get("trees") or {})}
+            if self.tree not in others:
+                warnings.warn(f"{self.name}: the state holds none of the tree {self.tree!r} (only of "
+                              f"{[k for k in others if k is not None]}: a tree not averaged yet when it "
+                              "was saved, or another model's): its residuals and thresholds start afresh",
+                              stacklevel=3)
             self._trees = {k: v for k, v in others.items() if k is not None and k != self.tree}
             state = self._tree_state(state)
         if not saved:

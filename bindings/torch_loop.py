@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from commlib.errors import ValidationError
+
 from .torch_amp import LossScale
 from .torch_comm import average_loss
 from .torch_grads import ShardedGrad, ShardNorms
@@ -266,11 +268,12 @@ class TrainingLoop:
                 self._close_skipped_step()      # GradScaler skipped the last step(), then model.zero_grad()
             elif self.strategy.reopens and not self._sharded:  # sharded: reopened before accumulating
                 self._reopen()
-            else:
-                raise RuntimeError(f"DistributedOptimizer: backward() ran again after this step's gradients "
-                                   f"were averaged, before step() or zero_grad(), and {self.strategy.name} "
-                                   "cannot add another pass to them (AllReduce, DeAR and SyncSwitch can); "
-                                   "accumulate with opt.no_sync() or backward_passes_per_step")
+            else:   # refused as this rank's next operation: a peer's next one raises it too, at once
+                self.comm.refuse("DistributedOptimizer.backward", ValidationError(
+                    f"DistributedOptimizer: backward() ran again after this step's gradients were "
+                    f"averaged, before step() or zero_grad(), and {self.strategy.name} cannot add "
+                    "another pass to them (AllReduce, DeAR and SyncSwitch can); accumulate with "
+                    "opt.no_sync() or backward_passes_per_step"))
         self._got[i] = True
         if not self.repeating:      # a repeated batch (join) tells nothing of which parameters are used
             self._reached[i] = True

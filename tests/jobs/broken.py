@@ -355,6 +355,38 @@ def ddp_hook_timed_out() -> None:
     report_and_end()
 
 
+def pass_after_the_average_on_one_rank() -> None:
+    """The last rank alone runs ``backward()`` twice before ``step()`` under a strategy that cannot
+    add a pass (SelSync, the sparse ones): it raised there alone, and its peers learnt of it only
+    when its program ended ("rank 1 closed the communicator").  It is that rank's refusal of its
+    next operation now: its peers' next operation raises the same reason at once."""
+    import torch
+
+    from commlib.bindings.torch import DistributedOptimizer
+    from commlib.sparsify import ExDyna, SparseAllReduce
+
+    c = fresh(timeout=60)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                               strategy=SparseAllReduce(selector=ExDyna(0.5)), comm=c)
+    odd, x = c.rank == c.size - 1, torch.ones(4, 5)
+    t0 = time.monotonic()
+
+    def steps() -> None:
+        for step in range(3):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            if odd and step == 1:
+                model(x).square().mean().backward()
+            opt.step()
+
+    err = expect(commlib.ValidationError, steps, "sparse cannot add another pass to them")
+    assert odd or f"rank {c.size - 1} rejected its input" in str(err), err
+    assert time.monotonic() - t0 < 30, "must not wait for the timeout"
+    report_and_end()
+
+
 def horovod_exit_before_a_peers_call() -> None:
     """A Horovod script whose ranks end unevenly: rank 1's program ends (it leaves the engine's
     communicator, its every operation complete); rank 0's extra all-reduce fails at once, naming
@@ -642,7 +674,7 @@ CASES = {f.__name__: f for f in (interrupted_in_a_wait, injector_with_a_batch_fe
                                   norm_on_rank0, values_on_rank0, close_on_rank0, call_while_ops_in_flight,
                                   syncswitch_load_on_rank0, syncswitch_load_on_rank0_unbroadcast,
                                   horovod_exit_before_a_peers_call, split_alone, init_alone,
-                                  ddp_hook_timed_out,
+                                  ddp_hook_timed_out, pass_after_the_average_on_one_rank,
                                   allgatherv_counts_on_some_ranks, side_and_parent_crossed)}
 
 if __name__ == "__main__":

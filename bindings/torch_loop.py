@@ -390,7 +390,18 @@ class TrainingLoop:
         # it was zeroed, the update dropped it.  Not where the last step's were the ranks' own
         # (SelSync's local steps, Sync-Switch's ASP) or a batch repeats (join): zeros there.
         keeps = self._join is None and self._last_averaged
-        if keeps and self._partial and any(
+        # step() again without a backward under a sharded strategy: .grad's shard positions still
+        # hold this rank's shard of the last average, which the update reads.  The buckets are
+        # reduced as they stand all the same (the shards kept aside and put back after), so that
+        # the step's collectives are any step's: where a rank alone steps again, its reductions
+        # pair with its peers' next step's, and the step's agreement raises on every rank (an
+        # all-gather of the shards first met the peers' reduce-scatter)
+        again = (keeps and self._sharded and self._partial and self._passes == 0 and not self._reopened
+                 and not any(self._got)
+                 and all(p.grad is v for p, v in zip(self._params, self._grad_views)))
+        rank = self.comm.rank
+        kept = [g[b.shard(rank)].clone() for b, g in zip(self.buckets, self._flat_grads)] if again else None
+        if not again and keeps and self._partial and any(
                 not got and self._params[i].grad is self._grad_views[i] for i, got in enumerate(self._got)):
             self._gather_shards()
         for i, got in enumerate(self._got):
@@ -409,6 +420,8 @@ class TrainingLoop:
             if not self._signaled[b]:
                 self._signal(b)
         self.strategy.before_update()
+        for sg, shard in zip(self._shard_grads, kept or ()):
+            sg.copy_(shard)
         factor = self._join_factor()
         if factor != 1.0:           # the average over the ranks that had a batch (join)
             torch._foreach_mul_(self._shard_grads if self._sharded else self._flat_grads, factor)

@@ -197,13 +197,15 @@ def test_a_backward_that_raised_on_one_rank_and_was_caught_raises_on_every_rank(
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("strategy, extra", [("allreduce", "step"), ("allreduce", "backward"),
+                                             ("dear", "step"), ("dear", "backward"),
                                              ("sparse-dense", "step")])
 def test_an_extra_call_on_one_rank_raises_on_every_rank(comm, strategy, extra):
     """The last rank alone calls ``step()`` again without a backward, or runs ``backward()`` twice
     before ``step()``: its extra reduction paired with its peers' next step, and the replicas
     trained apart silently (a metric all-reduce gave 6.02 for 10 at 4 ranks), ``COMMLIB_CHECK=1``
     alike.  The step's agreement carries what each rank's reduction follows: every rank raises
-    the same error at the peers' next step, before the extra step's update."""
+    the same error at the peers' next step, before the extra step's update.  (DeAR's extra
+    ``step()`` all-gathered its shards first, which met the peers' reduce-scatter.)"""
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 3).double()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,

@@ -89,7 +89,9 @@ def count(call: str, calls: int, valgrind: str) -> int:
     cmd = [valgrind, "--tool=callgrind", "--collect-atstart=no", f"--toggle-collect={_TOGGLE}",
            "--callgrind-out-file=/dev/null", sys.executable, "-m", "benchmarks.instructions",
            "--child", call, "--calls", str(calls)]
-    env = dict(os.environ, PYTHONHASHSEED="0")
+    # not the launcher's (under mpiexec: the child would join its PMI job, and fail at MPI_Init)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_"))}
+    env["PYTHONHASHSEED"] = "0"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False,
                           cwd=_REPO)      # where ``-m benchmarks.instructions`` is found
     found = _COLLECTED.findall(proc.stderr)

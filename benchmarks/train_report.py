@@ -85,7 +85,8 @@ def report(doc: dict[str, Any]) -> str:
              f"Batch {args['batch']} per rank, SGD momentum 0.9, bucket cap {args['cap_mb']:g} MiB "
              f"(DDP too), one torch thread per rank; step = median of {args['rounds']} rounds of "
              f"{args['steps']} steps (slowest rank); pieces: median of {args['piece_reps']}, alone, "
-             "same link, same run. Cells: step seconds (step / own overlap bound).", "",
+             "same link, same run. Cells: step seconds (step / own overlap bound); `DeAR/AllReduce` and "
+             "`DeAR/DDP`: DeAR's speedup, the other's step over DeAR's (> 1: DeAR is faster).", "",
              "Bounds: WFBP (AllReduce, DDP with gloo's allreduce) `t_fwd + max(t_bwd, t_allreduce) + "
              "t_update`; DeAR `max(t_fwd, t_allgather) + max(t_bwd, t_reduce_scatter) + t_update_shard` "
              "(its ZeRO-1 update of 1/n of the parameters); local `t_fwd + t_bwd + t_update`, with "

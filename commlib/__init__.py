@@ -170,8 +170,8 @@ def init(backend: str | None = None, comm: Any = None, **settings: Any) -> Commu
     arrays on an NCCL communicator travel over MPI.  ``comm``: an mpi4py
     communicator to build on (default ``MPI.COMM_WORLD``; it is duplicated,
     never used directly).  ``settings``: keywords of :class:`Config`
-    (``timeout``, ``check``, ``timeline``, ``nvtx``, ``cuda_aware``,
-    ``device``), each overriding its ``COMMLIB_*`` variable.  Calling ``init()`` again without
+    (``timeout``, ``stall_warning``, ``check``, ``timeline``, ``nvtx``, ``cuda_aware``,
+    ``poll_spin``, ``device``), each overriding its ``COMMLIB_*`` variable.  Calling ``init()`` again without
     arguments returns the same communicator (a new one once it is closed).
 
     Example:

@@ -132,30 +132,34 @@ class Config:
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
             raise TypeError(f"unknown commlib setting(s): {sorted(unknown)}")
-        values = {}
+        values, given = {}, {}
         for name, (var, parse) in _SETTINGS.items():
             raw, what = overrides.get(name), name
             if raw is None:
                 raw, what = os.environ.get(var), var
                 if raw is None or raw == "":
                     continue
-            values[name] = parse(raw, what)
+            values[name], given[name] = parse(raw, what), what
         cfg = cls(**values)
-        cfg.validate()
+        cfg.validate(given)
         return cfg
 
-    def validate(self) -> None:
-        """Raise :class:`ValidationError` on a setting out of range."""
+    def validate(self, given: dict[str, str] | None = None) -> None:
+        """Raise :class:`ValidationError` on a setting out of range, named as ``given`` names it
+        (its keyword, or the variable it came from: ``{"timeout": "COMMLIB_TIMEOUT"}``)."""
+        def bad(name: str, expected: str) -> ValidationError:
+            where = (given or {}).get(name, name)
+            return ValidationError(f"{where}={getattr(self, name)!r}: expected {expected}")
+
         if self.backend not in _BACKENDS:
-            raise ValidationError(f"backend {self.backend!r}: expected one of {_BACKENDS}")
-        if not self.timeout >= 0:
-            raise ValidationError(f"timeout {self.timeout!r}: expected seconds >= 0")
-        if not self.stall_warning >= 0:
-            raise ValidationError(f"stall_warning {self.stall_warning!r}: expected seconds >= 0")
+            raise bad("backend", f"one of {_BACKENDS}")
+        for name in ("timeout", "stall_warning"):
+            if not getattr(self, name) >= 0:
+                raise bad(name, "seconds >= 0")
         if self.device is not None and (not isinstance(self.device, int) or self.device < 0):
-            raise ValidationError(f"device {self.device!r}: expected a GPU index >= 0")
+            raise bad("device", "a GPU index >= 0")
         if not self.poll_spin >= 0:
-            raise ValidationError(f"poll_spin {self.poll_spin!r}: expected seconds >= 0 (inf: never sleep)")
+            raise bad("poll_spin", "seconds >= 0 (inf: never sleep)")
 
     def timeline_path(self, rank: int) -> str | None:
         """The timeline file of ``rank``, or ``None`` when the timeline is off: ``{rank}`` in the

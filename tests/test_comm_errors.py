@@ -360,6 +360,15 @@ def test_config_from_environment(monkeypatch):
         monkeypatch.delenv(var)
         with pytest.raises(commlib.ValidationError, match=key):
             commlib.Config.from_env(**{key: -1})
+    # out of range, from a variable: the variable is named (it said "poll_spin -1.0")
+    for var, key in [("COMMLIB_POLL_SPIN", "poll_spin"), ("COMMLIB_TIMEOUT", "timeout"),
+                     ("COMMLIB_STALL_WARNING", "stall_warning")]:
+        monkeypatch.setenv(var, "-1")
+        with pytest.raises(commlib.ValidationError, match=f"^{var}=-1.0: expected seconds >= 0"):
+            commlib.Config.from_env()
+        with pytest.raises(commlib.ValidationError, match=f"^{key}=-2.0: expected seconds >= 0"):
+            commlib.Config.from_env(**{key: -2})
+        monkeypatch.delenv(var)
 
 
 @pytest.mark.mpi(min_size=1)

@@ -346,7 +346,8 @@ def report(doc: dict[str, Any]) -> str:
                      r["syncs"], r["lssr"], r["bytes"] / 1e6, r.get("bytes_saved", 0.0) / 1e6 or None,
                      r.get("consensus_ms_per_step")])
     lines.append(bc.markdown_table(header, rows))
-    lines.append("")
+    lines += ["", "MB saved: SelSync's own sync (its parameters' all-reduce) times its local steps, "
+              "not against BSP; against BSP, compare MB sent.", ""]
     lines += [f"- {k}: {v}" for k, v in doc["checks"].items()]
     return "\n".join(lines)
 

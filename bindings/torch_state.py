@@ -38,6 +38,18 @@ _SHARDED = ("a sharded strategy (DeAR) keeps the optimizer state in pieces, 1/si
             "process")
 
 
+#: state torch's optimizers keep one of per parameter whatever its shape (a step count, NAdam's
+#: product, ASGD's rates), as torch's ``load_state_dict`` tells ``"step"`` from the rest by its key
+_PER_PARAMETER = frozenset({"step", "mu_product", "eta", "mu"})
+
+
+def _per_element(key: str, value: Any, param: torch.Tensor) -> bool:
+    """Whether state ``value`` holds one value per element of ``param`` (a momentum buffer): a
+    tensor of some dimension, or, for a 0-dim parameter (where both kinds are 0-dim), one under a
+    key other than :data:`_PER_PARAMETER`'s."""
+    return torch.is_tensor(value) and (value.dim() > 0 or (param.dim() == 0 and key not in _PER_PARAMETER))
+
+
 def _unhooked(step: Callable[..., Any]) -> Callable[..., Any]:
     """An optimizer class's ``step`` without the wrapper torch's ``Optimizer`` puts around it (the
     global and the instance's step hooks), for a caller that runs the hooks it wants itself."""
@@ -340,7 +352,7 @@ class ConsolidatedState:
                 p = self._params[i]        # torch's Optimizer.load_state_dict (a moved model)
                 self._inner.state[p] = {
                     k: (v.to(p.device, p.dtype if v.is_floating_point() else None)
-                        if torch.is_tensor(v) and v.dim() > 0 else v)
+                        if _per_element(k, v, p) else v)
                     for k, v in d.items()}
             return
         self._shard_opt.state.clear()
@@ -357,9 +369,10 @@ class ConsolidatedState:
             if not d:
                 self._shard_opt.state.pop(piece, None)
                 continue
+            param = self._params[idx]
             self._shard_opt.state[piece] = {
                 k: (flat_in_layout(v.to(piece.device, piece.dtype), self._layouts[idx])[pslice].clone()
-                    if torch.is_tensor(v) and v.dim() > 0
+                    if _per_element(k, v, param)
                     else v.clone() if torch.is_tensor(v) else v)
                 for k, v in d.items()}
 

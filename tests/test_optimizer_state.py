@@ -522,3 +522,39 @@ def test_an_empty_parameter_and_per_group_state_keys_are_as_in_one_process(comm,
     with opt2.flush():
         assert_close(model2, ref)
         assert_state_equal(opt2.state_dict(), ref_opt.state_dict())
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["allreduce", "dear"])
+@pytest.mark.parametrize("kind", ["sgd", "adamw", "nadam"])
+def test_a_0dim_parameters_state_survives_a_replan_and_a_load(comm, name, kind):
+    """A 0-dim parameter (a learnable temperature) with a state of its own shape, ``()`` like its
+    step count: a re-plan (``tune=``'s, ``replan()``) or a load cut it as a step count, whole, into
+    a piece of shape ``[1]``, and DeAR's next step raised "output with shape [] doesn't match the
+    broadcast shape [1]".  The run with both trains as one process on the concatenated batch."""
+    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+            "adamw": lambda p: torch.optim.AdamW(p, lr=0.05),
+            "nadam": lambda p: torch.optim.NAdam(p, lr=0.05)}
+
+    def run(dist: bool) -> list[float]:
+        model = torch.nn.Module()
+        model.t = torch.nn.Parameter(torch.tensor(0.5, dtype=torch.float64))
+        model.w = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+        opt = make[kind](list(model.parameters()))
+        if dist:
+            opt = DistributedOptimizer(opt, model, strategy=AllReduce() if name == "allreduce" else DeAR(),
+                                       comm=comm)
+        ranks = [comm.rank] if dist else list(range(comm.size))
+        for step in range(4):
+            opt.zero_grad()
+            loss = sum((model.t * (r + 1) + model.w.sum() * model.t ** 2 * (step + 1)) for r in ranks)
+            (loss / len(ranks)).backward()
+            opt.step()
+            if dist and step == 1:
+                opt.replan(2 << 20)
+            if dist and step == 2:
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        return [model.t.item(), *model.w.tolist()]
+
+    # (torch's own load casts NAdam's float32 mu_product to the parameter's float64: 5e-11 off)
+    np.testing.assert_allclose(run(True), run(False), rtol=1e-9 if kind == "nadam" else 1e-12, atol=1e-14)

@@ -521,6 +521,15 @@ class TrainingLoop:
         self._after_update()
         self._end_step()
 
+    def _end_skipped_step(self) -> None:
+        """Before a checkpoint: a step that the scaler given as ``grad_scaler`` skipped (its scale
+        backed off) ends now, as the next ``zero_grad()`` or forward would end it, so that the state
+        saved holds it (a SelSync gate's step and meter, a Sync-Switch policy's step: a checkpoint
+        taken between ``scaler.update()`` and ``zero_grad()`` resumed a step behind).  A step whose
+        ``step()`` has not come yet (a checkpoint between ``backward()`` and ``step()``) stays open."""
+        if self._synced and self._loss_scale.backed_off():
+            self._close_skipped_step()
+
     # ------------------------------------------------------------------ the Horovod and DDP names
     @torch.compiler.disable
     def synchronize(self) -> None:

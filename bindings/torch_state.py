@@ -381,6 +381,7 @@ class ConsolidatedState:
 
         A collective for sharded strategies: call it on every rank.
         """
+        self._end_skipped_step()
         self._complete()
         full = self._full_state()
         saved, whole = dict(self._inner.state), self._whole_states()

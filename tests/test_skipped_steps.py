@@ -231,3 +231,64 @@ def test_an_extra_call_on_one_rank_raises_on_every_rank(comm, strategy, extra):
     same = np.array_equal(comm.allgatherv(mine).reshape(comm.size, -1)[0], mine)
     assert same or extra == "backward"      # (the peers had stepped before the extra backward came)
     assert float(comm.allreduce(np.ones(1))[0]) == comm.size
+
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("gate", ["selsync", "syncswitch-asp"])
+def test_a_checkpoint_right_after_a_skipped_step_resumes_as_the_run_went_on(comm, gate):
+    """``scaler.step(opt); scaler.update()`` skipped a step (an inf on the last rank), then every
+    rank saved model, optimizer and scaler, before the next ``zero_grad()``: the skipped step ended
+    only there, so the checkpoint was a step behind.  SelSync resumed 3e-4 off the run that went
+    on (its gate's step and meter one behind); Sync-Switch, saved in ASP, parted the ranks' phases
+    at the switch back to BSP (a MismatchError).  Saving ends the skipped step first."""
+    import copy
+
+    from commlib.collectives import AllReduce, SchedulePolicy, SelSync, SyncSwitch
+
+    def setup():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10**6)
+        strategy = (SelSync(delta=0.3, mode="grads", window=3, warmup=2) if gate == "selsync" else
+                    SyncSwitch(AllReduce(), policy=SchedulePolicy([(0, "bsp"), (3, "asp"), (5, "bsp")])))
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                                   strategy=strategy, grad_scaler=scaler, comm=comm)
+        return model, opt, scaler
+
+    def step(model, opt, scaler, s):
+        g = torch.Generator().manual_seed(100 * s + comm.rank)
+        x, y = torch.randn(LOCAL, 6, generator=g), torch.randn(LOCAL, 3, generator=g)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if s == 3 and comm.rank == comm.size - 1:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    def rest(model, opt, scaler):
+        for s in range(4, 8):
+            step(model, opt, scaler, s)
+            phases = comm.allgather_object(opt.strategy.phase if gate != "selsync" else "-", label="phase")
+            assert len(set(phases)) == 1, f"step {s}: phases {phases}"
+        opt.close()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+
+    model, opt, scaler = setup()
+    for s in range(4):
+        step(model, opt, scaler, s)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(),
+                           "scaler": scaler.state_dict()})
+    comm.barrier()
+    went_on = rest(model, opt, scaler)
+    model, opt, scaler = setup()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    scaler.load_state_dict(saved["scaler"])
+    resumed = rest(model, opt, scaler)
+    if gate == "selsync":
+        np.testing.assert_array_equal(resumed, went_on)
+    else:       # (ASP's pulls see the peers' pushes as they come: not one run's values; replicas equal)
+        table = np.asarray(comm.allgather(resumed)).reshape(comm.size, -1)
+        assert (table == table[0]).all()

@@ -146,7 +146,7 @@ class DistributedOptimizer:
         if strategy.changes_momentum:
             raise ValueError(f"DistributedOptimizer: {strategy!r} resets or ramps momentum at a switch, "
                              "which an optax optimizer cannot be told: use momentum='keep' in the policy")
-        if strategy.tune:
+        if strategy.tuned:
             raise ValueError("DistributedOptimizer: tuning the cap re-plans the buckets, which this "
                              "transformation does not do; give the strategy a fixed cap_mb")
         if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):

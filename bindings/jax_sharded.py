@@ -87,7 +87,7 @@ def sharded_optimizer(inner: Any, comm: commlib.Communicator | None = None,
     strategy = checked_strategy(strategy, "sharded_optimizer") if strategy is not None else DeAR()
     if not strategy.sharded:
         raise ValueError(f"sharded_optimizer needs a sharded strategy (DeAR), got {strategy!r}")
-    if strategy.tune:
+    if strategy.tuned:
         raise ValueError("sharded_optimizer: tuning the cap re-plans the buckets, which would re-shard "
                          "the optimizer state; give the strategy a fixed cap_mb")
     sync = GradientSync(comm, strategy)

@@ -94,6 +94,9 @@ from commlib import Communicator, Work
 from .buckets import DEFAULT_CAP, DEFAULT_FIRST_CAP, Bucket, MiB, Move
 from .tuning import CapTuner
 
+#: the settings a ``tune`` dict may give (:class:`CapTuner`'s keywords)
+_TUNER_SETTINGS = frozenset({"low_mb", "high_mb", "trials", "window", "skip", "seed"})
+
 
 def checked_strategy(strategy: Any, where: str) -> "Strategy":
     """``strategy`` itself if it is a :class:`Strategy`, else ``TypeError`` saying what is expected
@@ -132,7 +135,7 @@ def checked_inner(strategy: Any, where: str) -> "Strategy":
         >>> self.inner = checked_inner(inner, "SelSync(inner=...)")
     """
     inner = checked_strategy(strategy, where)
-    if inner.tune:
+    if inner.tuned:
         raise ValueError(f"{where.replace('...', inner.name + '(tune=...)')}: the cap of a wrapped strategy "
                          "is not tuned (the tuner would never be fed); give it a fixed cap_mb")
     return inner
@@ -174,6 +177,12 @@ class Strategy:
     measures_gradients = False
 
     @property
+    def tuned(self) -> bool:
+        """Whether the bucket cap is searched online (``tune=True``, or a dict of settings: ``{}``
+        is the defaults)."""
+        return self.tune is not False
+
+    @property
     def needs_shard_grads(self) -> bool:
         """Whether :meth:`setup` takes ``shard_grads``: the update runs on shards (``sharded``) at
         some step, if not at every one (Sync-Switch over DeAR: its BSP phases only)."""
@@ -190,8 +199,16 @@ class Strategy:
         if not last_cap_mb >= 0:
             raise ValueError(f"last_cap_mb {last_cap_mb!r}: expected >= 0")
         self.last_cap_bytes = int(last_cap_mb * MiB) or None
+        if not isinstance(tune, (bool, dict)):
+            raise TypeError(f"tune={tune!r}: expected True, False or a dict of CapTuner's settings")
+        if isinstance(tune, dict):
+            unknown = sorted(set(tune) - _TUNER_SETTINGS)
+            if unknown:
+                raise TypeError(f"tune: unknown setting(s) {unknown} (CapTuner takes "
+                                f"{', '.join(sorted(_TUNER_SETTINGS))})")
         self.tune = tune
         self.tuner: CapTuner | None = None
+        self._tuner_state: dict[str, Any] | None = None   # a load's, until setup() makes the tuner
         self.comm: Communicator | None = None
         self.buckets: list[Bucket] = []
         self.params: list[Any] = []
@@ -222,8 +239,11 @@ class Strategy:
             raise ValueError(f"{self.name} updates shards: it needs one shard gradient buffer per bucket")
         self.comm = comm
         self.tree = tree
-        if self.tune and self.tuner is None:
+        if self.tuned and self.tuner is None:
             self.tuner = CapTuner(comm, self.cap_bytes, **(self.tune if isinstance(self.tune, dict) else {}))
+            if self._tuner_state is not None:                # loaded before the first setup
+                self.tuner.load_state_dict(self._tuner_state)
+                self._tuner_state = None
         self.buckets = list(buckets)
         self.params, self.grads = list(params), list(grads)
         self.shard_grads = list(shard_grads or [])
@@ -401,7 +421,7 @@ class Strategy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
         caps = (int(state["cap_bytes"]), state["first_cap_bytes"])
-        if not self.tune and caps != (self.cap_bytes, self.first_cap_bytes):
+        if not self.tuned and caps != (self.cap_bytes, self.first_cap_bytes):
             warnings.warn(f"{self.name}: the checkpoint's bucket caps (cap_mb={caps[0] / MiB!r}, "
                           f"first_cap_mb={(caps[1] or 0) / MiB!r}) replace this strategy's ({self._caps()}), "
                           "as torch's load_state_dict replaces the learning rate", stacklevel=3)
@@ -410,13 +430,15 @@ class Strategy:
         self.first_cap_bytes = state["first_cap_bytes"]
         if state.get("tuner") is not None and self.tuner is not None:
             self.tuner.load_state_dict(state["tuner"])
+        elif state.get("tuner") is not None and self.tuned:
+            self._tuner_state = state["tuner"]      # the tuner is made at the first setup()
 
     def _caps(self) -> str:
         """The bucket caps (and tuning) as the repr shows them: bindings compare reprs over the ranks
         when they wrap, and buckets planned with other caps meet other collectives."""
         return (f"cap_mb={self.cap_bytes / MiB!r}, first_cap_mb={(self.first_cap_bytes or 0) / MiB!r}, "
                 f"last_cap_mb={(self.last_cap_bytes or 0) / MiB!r}"
-                + (f", tune={self.tune!r}" if self.tune else ""))
+                + (f", tune={self.tune!r}" if self.tuned else ""))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._caps()})"

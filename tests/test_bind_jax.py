@@ -270,6 +270,34 @@ def test_tuned_cap_replans_on_every_rank(comm):
     assert (table == table[0]).all()                              # the same caps on every rank
 
 
+def test_a_tuners_state_loaded_before_the_first_call_resumes_its_search(comm):
+    """README's resume: ``strategy.load_state_dict(saved)`` before the first update.  The tuner is
+    made at the first setup, so the load dropped its state (history, trials done) and the search
+    started over (6 more re-plans after one that had ended).  ``tune={}`` (the defaults) left tuning
+    off; a setting CapTuner does not take failed only at the first setup."""
+    def make():
+        return AllReduce(cap_mb=64 / 2**20, first_cap_mb=0,
+                         tune={"trials": 2, "window": 1, "skip": 0, "low_mb": 2**-14, "high_mb": 2**-8})
+
+    tree = mixed_tree(comm.rank)
+    first = make()
+    sync = GradientSync(comm, first)
+    for _ in range(3):
+        sync(tree)
+    assert first.tuner.done
+    saved = first.state_dict()
+    again = make()
+    again.load_state_dict(saved)
+    GradientSync(comm, again)(tree)
+    assert again.tuner.done and again.tuner.history == first.tuner.history
+    assert again.cap_bytes == first.cap_bytes
+    assert AllReduce(tune={}).tuned and not AllReduce(tune=False).tuned
+    with pytest.raises(TypeError, match=r"tune: unknown setting\(s\) \['bogus'\]"):
+        AllReduce(tune={"bogus": 1})
+    with pytest.raises(TypeError, match="tune='yes': expected True, False or a dict"):
+        AllReduce(tune="yes")
+
+
 def test_broadcast_params_makes_ranks_equal(comm):
     root = comm.size - 1
     tree = {"w": jnp.full((3, 4), float(comm.rank)), "bf": jnp.arange(5, dtype=jnp.bfloat16) + comm.rank,

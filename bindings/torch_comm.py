@@ -27,7 +27,10 @@ def dtype_name(t: torch.Tensor) -> str:
 
 def is_dense(t: torch.Tensor) -> bool:
     """Every element of ``t`` has its own place in one block of ``numel`` elements (contiguous,
-    channels_last, any permutation of the dimensions): ``t`` can live in a bucket as it is laid out."""
+    channels_last, any permutation of the dimensions): ``t`` can live in a bucket as it is laid out.
+    One of no element is (``nn.Linear(0, 3)``'s weight: shape ``(3, 0)``, strides ``(1, 1)``)."""
+    if t.numel() == 0:
+        return True
     expected = 1
     for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
         if stride != expected:

@@ -411,3 +411,28 @@ def test_a_grad_assigned_after_backward_is_what_the_update_reads(comm, name, ass
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
 
     trains_as_one_process(comm, run)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["allreduce", "dear"])
+def test_a_parameter_of_no_element_and_two_dimensions_trains(comm, name):
+    """``nn.Linear(0, 3)``'s weight, shape ``(3, 0)``: contiguous, yet refused as having "gaps or
+    overlaps" (its strides ``(1, 1)`` read as such), with ``.contiguous()`` for advice.  Wrapped, the
+    model trains as one process on the concatenated batch."""
+    def run(dist: bool) -> np.ndarray:
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"empty": torch.nn.Linear(0, 3), "fc": torch.nn.Linear(4, 3)}).double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if dist:
+            opt = DistributedOptimizer(opt, model, strategy=STRATEGIES[name](), comm=comm)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(2 * comm.size, 4, generator=g, dtype=torch.float64)
+            mine = x[2 * comm.rank:2 * comm.rank + 2] if dist else x
+            opt.zero_grad()
+            out = model["fc"](mine) + model["empty"](mine[:, :0])
+            out.square().mean().backward()
+            opt.step()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+
+    np.testing.assert_allclose(run(True), run(False), rtol=1e-12, atol=1e-14)

@@ -305,12 +305,18 @@ def split_alone() -> None:
     waited without limit and the peers until their timeout, told that rank 0 had called nothing.
     The peers fail at once, naming the split; rank 0's split fails on their abort."""
     c = fresh(timeout=60)
+    _called_on_rank0_alone(c, lambda: c.split(0), "split")
+
+
+def _called_on_rank0_alone(c: commlib.Communicator, call, name: str) -> None:
+    """Rank 0 makes ``call`` (a collective) alone while its peers all-reduce on ``c``: the peers
+    fail at once naming ``name``, rank 0's call on their abort, none after the timeout."""
     t0 = time.monotonic()
     if c.rank == 0:
-        expect(commlib.CommAbortedError, lambda: c.split(0), "aborted the communicator")
+        expect(commlib.CommAbortedError, call, "aborted the communicator")
     else:
         expect(commlib.MismatchError, lambda: c.allreduce(np.ones(2)),
-               "waits for ranks that will not call it: rank 0 is in split")
+               f"waits for ranks that will not call it: rank 0 is in {name}")
     assert time.monotonic() - t0 < 30, "must not wait for the timeout"
     report_and_end()
 
@@ -320,15 +326,7 @@ def init_alone() -> None:
     all-reduce on the first: rank 0 waited in mpi4py's all-gather without limit, and its peers until
     their timeout, told that rank 0 had called nothing.  The peers fail at once, naming the init;
     rank 0's init fails on their abort."""
-    c = commlib.init(timeout=60)
-    t0 = time.monotonic()
-    if c.rank == 0:
-        expect(commlib.CommAbortedError, lambda: commlib.init(timeout=60), "aborted the communicator")
-    else:
-        expect(commlib.MismatchError, lambda: c.allreduce(np.ones(2)),
-               "waits for ranks that will not call it: rank 0 is in commlib.init()")
-    assert time.monotonic() - t0 < 30, "must not wait for the timeout"
-    report_and_end()
+    _called_on_rank0_alone(commlib.init(timeout=60), lambda: commlib.init(timeout=60), "commlib.init()")
 
 
 def ddp_hook_timed_out() -> None:

@@ -153,12 +153,17 @@ class TrainingLoop:
                 if isinstance(p.grad, ShardedGrad):
                     p.grad = p.grad.clone()
 
-    def _end_skipped_step(self) -> None:
+    def _end_skipped_step(self, zero: bool = True) -> None:
         """GradScaler skipped the last step and the loop zeroes with ``model.zero_grad()`` (or not
         yet): the step ends here, at the next training forward or ``add_param_group``, its
-        gradients zeroed as ``opt.zero_grad()`` would have."""
+        gradients zeroed as ``opt.zero_grad()`` would have.  ``zero=False`` (a checkpoint taken
+        before that: it was a step behind, so SelSync resumed off the run that went on and
+        Sync-Switch parted the ranks' phases) leaves the gradients as they are."""
         if self._synced and self._loss_scale.backed_off():
-            self.zero_grad()
+            if zero:
+                self.zero_grad()
+            else:
+                self._close_skipped_step()
 
     def _retire(self, by: str) -> None:
         """A newer optimizer wraps these parameters, or :meth:`close`: end the strategy (Sync-Switch
@@ -520,15 +525,6 @@ class TrainingLoop:
         self._updates[1] = 1
         self._after_update()
         self._end_step()
-
-    def _end_skipped_step(self) -> None:
-        """Before a checkpoint: a step that the scaler given as ``grad_scaler`` skipped (its scale
-        backed off) ends now, as the next ``zero_grad()`` or forward would end it, so that the state
-        saved holds it (a SelSync gate's step and meter, a Sync-Switch policy's step: a checkpoint
-        taken between ``scaler.update()`` and ``zero_grad()`` resumed a step behind).  A step whose
-        ``step()`` has not come yet (a checkpoint between ``backward()`` and ``step()``) stays open."""
-        if self._synced and self._loss_scale.backed_off():
-            self._close_skipped_step()
 
     # ------------------------------------------------------------------ the Horovod and DDP names
     @torch.compiler.disable

@@ -381,7 +381,7 @@ class ConsolidatedState:
 
         A collective for sharded strategies: call it on every rank.
         """
-        self._end_skipped_step()
+        self._end_skipped_step(zero=False)      # a step the grad_scaler skipped, in the state saved
         self._complete()
         full = self._full_state()
         saved, whole = dict(self._inner.state), self._whole_states()

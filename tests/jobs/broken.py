@@ -305,18 +305,20 @@ def split_alone() -> None:
     waited without limit and the peers until their timeout, told that rank 0 had called nothing.
     The peers fail at once, naming the split; rank 0's split fails on their abort."""
     c = fresh(timeout=60)
-    _called_on_rank0_alone(c, lambda: c.split(0), "split")
+    _called_on_rank0_alone(c, lambda: c.split(0), lambda: c.allreduce(np.ones(2)),
+                           "aborted the communicator",
+                           "waits for ranks that will not call it: rank 0 is in split")
 
 
-def _called_on_rank0_alone(c: commlib.Communicator, call, name: str) -> None:
-    """Rank 0 makes ``call`` (a collective) alone while its peers all-reduce on ``c``: the peers
-    fail at once naming ``name``, rank 0's call on their abort, none after the timeout."""
+def _called_on_rank0_alone(c: commlib.Communicator, call, others, rank0_says: str, others_say: str) -> None:
+    """Rank 0 makes ``call``, a call every rank must make, alone while its peers make ``others``:
+    the peers fail at once (``MismatchError``) naming it, rank 0's call on their abort
+    (``CommAbortedError``), none after the timeout."""
     t0 = time.monotonic()
     if c.rank == 0:
-        expect(commlib.CommAbortedError, call, "aborted the communicator")
+        expect(commlib.CommAbortedError, call, rank0_says)
     else:
-        expect(commlib.MismatchError, lambda: c.allreduce(np.ones(2)),
-               f"waits for ranks that will not call it: rank 0 is in {name}")
+        expect(commlib.MismatchError, others, others_say)
     assert time.monotonic() - t0 < 30, "must not wait for the timeout"
     report_and_end()
 
@@ -326,7 +328,10 @@ def init_alone() -> None:
     all-reduce on the first: rank 0 waited in mpi4py's all-gather without limit, and its peers until
     their timeout, told that rank 0 had called nothing.  The peers fail at once, naming the init;
     rank 0's init fails on their abort."""
-    _called_on_rank0_alone(commlib.init(timeout=60), lambda: commlib.init(timeout=60), "commlib.init()")
+    c = commlib.init(timeout=60)
+    _called_on_rank0_alone(c, lambda: commlib.init(timeout=60), lambda: c.allreduce(np.ones(2)),
+                           "aborted the communicator",
+                           "waits for ranks that will not call it: rank 0 is in commlib.init()")
 
 
 def ddp_hook_timed_out() -> None:
@@ -435,13 +440,7 @@ def _alone_on_rank0(call, rank0_says: str, others_say: str, syncbn: bool = False
     c = fresh(timeout=60)
     opt, step = _dear(c, syncbn=syncbn)
     step()
-    t0 = time.monotonic()
-    if c.rank == 0:
-        expect(commlib.CommAbortedError, lambda: call(opt), rank0_says)
-    else:
-        expect(commlib.MismatchError, lambda: [step() for _ in range(3)], others_say)
-    assert time.monotonic() - t0 < 30, "must not wait for the timeout"
-    report_and_end()
+    _called_on_rank0_alone(c, lambda: call(opt), lambda: [step() for _ in range(3)], rank0_says, others_say)
 
 
 def _state_on_rank0(syncbn: bool, rank0_says: str) -> None:

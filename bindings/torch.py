@@ -256,8 +256,9 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
                 problems.append(f"{self.strategy.name} updates flat shards of the buckets: {problem}; use "
                                 "AllReduce, or an elementwise optimizer")
         agree_tensors(self.comm, "DistributedOptimizer", params,
-                      f"groups {group_of}|{self.strategy!r}|{self.backward_passes_per_step}|"
-                      f"{self.find_unused_parameters}|{self._running_stats.which}",
+                      f"groups {group_of}|strategy {self.strategy!r}|backward_passes_per_step="
+                      f"{self.backward_passes_per_step}|find_unused_parameters={self.find_unused_parameters}|"
+                      f"broadcast_buffers={self._running_stats.which}",
                       "; ".join(problems) or None, strides=True)
         self._params, self._group_of = params, group_of
         self._outside = OutsideParameters(self.comm, self.model,      # their gradients averaged too, as DDP's

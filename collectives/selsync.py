@@ -330,7 +330,8 @@ class SelSync(Strategy):
         update the EWMA and return the significance.  Call once per step, before any
         communication touches the gradients.  A non-finite norm (an overflowed
         mixed-precision step, which a GradScaler skips) votes to sync and leaves
-        the EWMA as it was."""
+        the EWMA as it was; the other ranks' EWMAs take their own finite norms
+        (each rank's meter follows its own gradient, skipped step or not)."""
         if self._want is not None:
             raise RuntimeError("observe() called twice in one step; finish the step with end_step()")
         t0 = time.perf_counter()

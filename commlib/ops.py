@@ -187,6 +187,28 @@ def agree(comm: Any, what: str, desc: str, *, noun: str = "input", summary: str 
     differ = [r for r in range(comm.size) if tuple(table[r, 1:3]) != tuple(table[0, 1:3])]
     if differ:
         ranks = ", ".join(f"rank {r}: {_text(table[r, 3:3 + _AGREE_TEXT])}" for r in [0, *differ])
-        raise MismatchError(f"{what}: the {differs or noun} differs across ranks ({ranks}); "
+        # on the way to the error every rank knows it: the descriptions themselves name the difference
+        descs = comm.allgather_object(desc, label=f"{what}-agree: the differing ranks' {noun}")
+        first = "; ".join(first_difference(descs[0], descs[r], r) for r in differ)
+        raise MismatchError(f"{what}: the {differs or noun} differs across ranks ({ranks}); {first}; "
                             f"rank {comm.rank} has {desc[:300]}{' ...' if len(desc) > 300 else ''}",
                             "allgather", comm.seq, differ)
+
+
+def first_difference(ref: str, other: str, rank: int) -> str:
+    """Where rank ``rank``'s description first differs from rank 0's, field by field (fields part at
+    ``|``, ``;`` and ``,``): the two fields.
+
+    Example:
+        >>> first_difference("a|cap_mb=2.0, x=1", "a|cap_mb=1.0, x=1", 1)
+        "rank 0 has 'cap_mb=2.0' where rank 1 has 'cap_mb=1.0'"
+    """
+    import re
+
+    mine, theirs = re.split(r"[|;,]", ref), re.split(r"[|;,]", other)
+    for a, b in zip(mine, theirs):
+        if a != b:
+            return f"rank 0 has {a.strip()[:120]!r} where rank {rank} has {b.strip()[:120]!r}"
+    longer, count = (0, len(mine)) if len(mine) > len(theirs) else (rank, len(theirs))
+    return (f"rank 0 has {len(mine)} fields, rank {rank} {len(theirs)}: rank {longer}'s last is "
+            f"{(mine if longer == 0 else theirs)[count - 1].strip()[:120]!r}")

@@ -51,7 +51,7 @@ def test_different_settings_are_named_as_such(comm):
     """Only the strategy differs (a DeAR cap on the last rank): the message said "the tensor list
     differs (rank 0: 2 tensors, 144 elements, rank 1: 2 tensors, 144 elements)", the settings past
     its 300 characters.  The summaries now say which part differs and the rank's text starts with
-    its settings."""
+    its settings, and the message names the first setting that differs."""
     model = torch.nn.Linear(8, 16)
     cap = 1.0 if comm.rank == comm.size - 1 else 2.0
     with pytest.raises(ValidationError) as err:
@@ -62,7 +62,10 @@ def test_different_settings_are_named_as_such(comm):
     tensors = set(re.findall(r"2 tensors, 144 elements \(#(\w+)\)", msg))
     settings = re.findall(r"settings #(\w+)", msg)
     assert len(tensors) == 1 and len(set(settings)) == 2, msg
-    assert f"rank {comm.rank} has settings groups [0, 0]|DeAR(cap_mb={cap!r}" in msg, msg
+    assert f"rank {comm.rank} has settings groups [0, 0]|strategy DeAR(cap_mb={cap!r}" in msg, msg
+    # every rank names the setting that differs (it used to show digests, and its own settings only)
+    assert (f"rank 0 has 'strategy DeAR(cap_mb=2.0' where rank {comm.size - 1} has "
+            f"'strategy DeAR(cap_mb=1.0'") in msg, msg
 
 
 @pytest.mark.mpi(min_size=2)

@@ -258,8 +258,8 @@ class GradientSync:
         """``strategy.tune``: feed the tuner call-to-call times; a new cap re-plans the next call."""
         now = time.perf_counter()
         tuner = self.strategy.tuner
-        if tuner is not None and not tuner.done and self._last_call is not None:
-            new_cap = tuner.observe(now - self._last_call)    # a broadcast: the same step on every rank
+        if tuner is not None and not tuner.done:      # a broadcast: the same step on every rank
+            new_cap = tuner.observe(None if self._last_call is None else now - self._last_call)
             if new_cap is not None:
                 self.strategy.cap_bytes = int(new_cap)       # part of the plan key
                 now = time.perf_counter()

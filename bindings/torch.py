@@ -477,8 +477,8 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
         self._end_step()
         now = time.perf_counter()
         tuner = self.strategy.tuner
-        if tuner is not None and not tuner.done and self._last_step is not None:
-            new_cap = tuner.observe(now - self._last_step)     # whole iterations, step to step
+        if tuner is not None and not tuner.done:      # whole iterations, step to step
+            new_cap = tuner.observe(None if self._last_step is None else now - self._last_step)
             if new_cap is not None:
                 self.replan(new_cap)
                 now = time.perf_counter()

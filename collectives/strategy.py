@@ -240,7 +240,7 @@ class Strategy:
         self.comm = comm
         self.tree = tree
         if self.tuned and self.tuner is None:
-            self.tuner = CapTuner(comm, self.cap_bytes, **(self.tune if isinstance(self.tune, dict) else {}))
+            self.tuner = self._new_tuner(comm)
             if self._tuner_state is not None:                # loaded before the first setup
                 self.tuner.load_state_dict(self._tuner_state)
                 self._tuner_state = None
@@ -432,6 +432,16 @@ class Strategy:
             self.tuner.load_state_dict(state["tuner"])
         elif state.get("tuner") is not None and self.tuned:
             self._tuner_state = state["tuner"]      # the tuner is made at the first setup()
+        elif self.tuned:       # saved untuned: the search starts afresh, from the checkpoint's cap
+            warnings.warn(f"{self.name}: the checkpoint was saved without tune=, so the cap search starts "
+                          f"afresh from its cap_mb={self.cap_bytes / MiB!r}", stacklevel=3)
+            self._tuner_state = None
+            if self.tuner is not None:
+                self.tuner = self._new_tuner(self.tuner.comm)
+
+    def _new_tuner(self, comm: Communicator) -> CapTuner:
+        """A cap search starting at the strategy's cap, with the ``tune`` dict's settings."""
+        return CapTuner(comm, self.cap_bytes, **(self.tune if isinstance(self.tune, dict) else {}))
 
     def _caps(self) -> str:
         """The bucket caps (and tuning) as the repr shows them: bindings compare reprs over the ranks

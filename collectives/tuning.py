@@ -55,8 +55,9 @@ class CapTuner:
         self.cap = int(first_cap_bytes)
         self.history: list[tuple[int, float]] = []     # (cap bytes, mean step seconds)
         self.done = False
-        self._times: list[float] = []
+        self._times: list[float | None] = []
         self._seen = 0
+        self._loaded = False     # a load's first step: counted though untimed (the run went on timing it)
         _bayes_opt()     # on every rank, now: not on rank 0 alone, mid-training, with peers waiting
 
     def _optimizer(self) -> Any:
@@ -71,17 +72,23 @@ class CapTuner:
     def _x(self, cap: int) -> float:
         return min(max(math.log2(cap / MiB), self.bounds[0]), self.bounds[1])
 
-    def observe(self, step_s: float) -> int | None:
-        """Record one step's time; at the end of a trial window, agree on the next cap."""
-        if self.done:
+    def observe(self, step_s: float | None) -> int | None:
+        """Record one step's time; at the end of a trial window, agree on the next cap.
+
+        ``None``: a step the binding could not time (the first it sees: no step before it).  Not
+        counted on a fresh start; counted, untimed, as the first step after :meth:`load_state_dict`,
+        so that a resumed run re-plans at the same steps as the run that went on."""
+        if self.done or (step_s is None and not self._loaded):
             return None
+        self._loaded = False
         self._seen += 1
         if self._seen <= self.skip:
             return None
-        self._times.append(float(step_s))
-        if len(self._times) < self.window:
+        self._times.append(None if step_s is None else float(step_s))
+        timed = [t for t in self._times if t is not None]
+        if len(self._times) < self.window or not timed:
             return None
-        mean = float(np.mean(self._times))
+        mean = float(np.mean(timed))
         self._times, self._seen = [], 0
         nxt = np.zeros(3, np.float64)            # (next cap bytes, done, rank 0's mean)
         if self.comm.rank == 0:
@@ -114,3 +121,4 @@ class CapTuner:
         self.cap, self.done = int(state["cap"]), bool(state["done"])
         self.history = [(int(c), float(t)) for c, t in state["history"]]
         self._times, self._seen = list(state["times"]), int(state["seen"])
+        self._loaded = True

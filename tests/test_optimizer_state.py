@@ -558,3 +558,59 @@ def test_a_0dim_parameters_state_survives_a_replan_and_a_load(comm, name, kind):
 
     # (torch's own load casts NAdam's float32 mu_product to the parameter's float64: 5e-11 off)
     np.testing.assert_allclose(run(True), run(False), rtol=1e-9 if kind == "nadam" else 1e-12, atol=1e-14)
+
+
+def _tuned(comm, cap_mb: float, tune: dict | bool):
+    model = make_model(comm.rank)
+    opt = DistributedOptimizer(make_optimizer("sgd", model), model, comm=comm, find_unused_parameters=True,
+                               strategy=DeAR(cap_mb=cap_mb, first_cap_mb=0.0001, tune=tune))
+    return model, opt
+
+
+def _trials_after_each_step(comm, model, opt, steps: range) -> list[int]:
+    trials = []
+    for step in steps:
+        train_steps(comm, model, opt, range(step, step + 1), mine=True)
+        trials.append(len(opt.strategy.tuner.history))
+    return trials
+
+
+@pytest.mark.mpi
+def test_a_resumed_tuned_run_ends_its_trials_at_the_steps_of_the_run_that_went_on(comm):
+    """The first step after a resume has no step before it to be timed from: it was not counted, so
+    each trial after it ended (and the buckets re-planned) a step later than in the run that went on.
+    It counts now, untimed; a fresh run still leaves its first step out."""
+    steps, cut = 9, 4          # the cut falls inside a trial window of 2 steps
+    tune = {"trials": 4, "window": 2, "skip": 0, "low_mb": 0.0001, "high_mb": 0.002}
+    model, opt = _tuned(comm, 0.0003, tune)
+    went_on = _trials_after_each_step(comm, model, opt, range(steps))
+    assert went_on == [0, 0, 1, 1, 2, 2, 3, 3, 4], went_on
+
+    model, opt = _tuned(comm, 0.0003, tune)
+    before = _trials_after_each_step(comm, model, opt, range(cut))
+    msd, osd = copy.deepcopy(model.state_dict()), opt.state_dict()
+    model2, opt2 = _tuned(comm, 0.0003, tune)
+    model2.load_state_dict(msd)
+    opt2.load_state_dict(osd)
+    assert before + _trials_after_each_step(comm, model2, opt2, range(cut, steps)) == went_on
+
+
+@pytest.mark.mpi
+def test_an_untuned_checkpoint_starts_a_tuned_strategys_search_at_its_cap(comm):
+    """An untuned checkpoint's cap replaced the strategy's, but its tuner kept its own: the first trial
+    was recorded under a cap the buckets never had, without a word.  It warns now, and the search
+    starts afresh at the checkpoint's cap."""
+    tune = {"trials": 2, "window": 1, "skip": 0, "low_mb": 0.0001, "high_mb": 0.002}
+    model, opt = _tuned(comm, 0.0005, False)
+    train_steps(comm, model, opt, range(2), mine=True)
+    saved_cap = opt.strategy.cap_bytes
+    msd, osd = copy.deepcopy(model.state_dict()), opt.state_dict()
+    model2, opt2 = _tuned(comm, 0.0003, tune)
+    train_steps(comm, model2, opt2, range(1), mine=True)       # its tuner exists: made at setup
+    model2.load_state_dict(msd)
+    with pytest.warns(UserWarning, match="saved without tune=, so the cap search starts afresh"):
+        opt2.load_state_dict(osd)
+    tuner = opt2.strategy.tuner
+    assert tuner.cap == saved_cap == opt2.strategy.cap_bytes and tuner.history == []
+    train_steps(comm, model2, opt2, range(2, 4), mine=True)
+    assert tuner.history[0][0] == saved_cap, tuner.history

@@ -276,9 +276,14 @@ class GradientSync:
         shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
         jit_comm = self.comm_for_jit()
         n = len(leaves)
+        strategy = self.strategy
+        traced_caps = (strategy.cap_bytes, strategy.first_cap_bytes)
 
         def host(*arrays: np.ndarray) -> None:       # the leaves, then XLA's buffers of the results
-            self.run(plan, arrays[:n], comm=jit_comm, into=arrays[n:])
+            now = plan
+            if (strategy.cap_bytes, strategy.first_cap_bytes) != traced_caps:   # tuned since traced:
+                now, _ = self.plan(jax.tree_util.tree_unflatten(plan.treedef, list(arrays[:n])))  # its plan
+            self.run(now, arrays[:n], comm=jit_comm, into=arrays[n:])
 
         out = host_call(host, shapes, *leaves, into=True)
         return jax.tree_util.tree_unflatten(plan.treedef, out)

@@ -252,14 +252,18 @@ def test_mixed_dtypes_are_averaged(comm, name):
     np.testing.assert_array_equal(np.asarray(got["g"]), np.full(5, (comm.size - 1) / 2, np.float32))
 
 
-def test_tuned_cap_replans_on_every_rank(comm):
+@pytest.mark.parametrize("jit", [False, True])
+def test_tuned_cap_replans_on_every_rank(comm, jit):
+    """Eager and inside ``jax.jit``, where the plan stayed the one traced: the cap moved and the
+    buckets never did."""
     strategy = AllReduce(cap_mb=64 / 2**20, first_cap_mb=0,
                          tune={"trials": 3, "window": 1, "skip": 0, "low_mb": 2**-14, "high_mb": 2**-8})
     sync = GradientSync(comm, strategy)
+    call = jax.jit(sync) if jit else sync
     trees = [mixed_tree(r) for r in range(comm.size)]
     caps = []
     for _ in range(5):
-        got = sync(trees[comm.rank])
+        got = call(trees[comm.rank])
         caps.append(strategy.cap_bytes)
         for i, p in enumerate(jax.tree_util.tree_leaves(got)):
             stack = np.stack([np.asarray(jax.tree_util.tree_leaves(t)[i], np.float64) for t in trees])

@@ -101,8 +101,9 @@ def test_allreduce_ops_against_numpy(dtype):
     all_in = stacked(n, shape, dtype)
     cases = [(hvd.Sum, all_in.sum(0)), (hvd.Min, all_in.min(0)), (hvd.Max, all_in.max(0)),
              (hvd.Product, all_in.prod(0))]
-    floor_avg = np.floor(all_in.sum(0) / n) if dtype.startswith("int") else all_in.sum(0) / n
-    cases.append((hvd.Average, floor_avg))
+    # Horovod's integer average: the sum times 1/size in float64, truncated toward zero (-3/2: -1)
+    trunc_avg = np.trunc(all_in.sum(0) * (1.0 / n)) if dtype.startswith("int") else all_in.sum(0) / n
+    cases.append((hvd.Average, trunc_avg))
     for op, want in cases:
         got = hvd.allreduce(rank_tensor(r, shape, dtype), op=op)
         assert got.dtype == getattr(torch, dtype) and got.shape == shape
@@ -121,6 +122,11 @@ def test_allreduce_ops_against_numpy(dtype):
                             postscale_factor=3.0)
         pre = np.trunc(all_in * 0.5) if dtype == "int32" else all_in * 0.5
         want = pre.sum(0) * 3.0
+        np.testing.assert_allclose(got.double().numpy(), np.trunc(want) if dtype == "int32" else want)
+        # Average and a postscale: one scale by postscale / size, as Horovod's (it floor-divided, then
+        # scaled: floor(3 / 2) * 3 = 3 where Horovod gives trunc(3 * 3 / 2) = 4)
+        got = hvd.allreduce(rank_tensor(r, shape, dtype), op=hvd.Average, postscale_factor=3.0)
+        want = all_in.sum(0) * (3.0 / n)
         np.testing.assert_allclose(got.double().numpy(), np.trunc(want) if dtype == "int32" else want)
 
 
@@ -421,3 +427,24 @@ def test_sync_batch_norm_reduces_over_the_ranks_horovod_was_given():
 
 
 # ---------------------------------------------------------------------- DistributedOptimizer
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_strided_column_a_bad_root_and_differing_parameters_leave_the_engine_running():
+    """An in-place all-reduce of a matrix's column (a strided 1-D view) stopped the engine on every
+    rank ("array is not contiguous"), and every later call said "Horovod has been shut down; call
+    hvd.init() first", which did nothing.  A root out of range, and ``broadcast_parameters`` over
+    tensors that differ across ranks, raised ``ValidationError``, which ``except
+    hvd.HorovodInternalError`` missed."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    w = torch.arange(6, dtype=torch.float64).reshape(3, 2) + r
+    col = w[:, 0]
+    assert hvd.allreduce_(col, op=hvd.Sum) is col
+    np.testing.assert_array_equal(w[:, 0].numpy(), sum(np.arange(0, 6, 2) + k for k in range(n)))
+    np.testing.assert_array_equal(w[:, 1].numpy(), np.arange(1, 6, 2) + r)     # the other column untouched
+    with pytest.raises(hvd.HorovodInternalError, match=f"root rank {n + 3} is not a rank of 0..{n - 1}"):
+        hvd.broadcast(torch.ones(3), root_rank=n + 3)
+    with pytest.raises(hvd.HorovodInternalError, match="differs across ranks"):
+        hvd.broadcast_parameters({"w": torch.ones(2 + r)}, root_rank=0)
+    np.testing.assert_array_equal(hvd.allreduce(torch.ones(2), op=hvd.Sum).numpy(), [n, n])

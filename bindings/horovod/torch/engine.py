@@ -147,13 +147,15 @@ def _describe(row: np.ndarray) -> str:
     return f"{KINDS[int(row[0])]} {dt}{shape}"
 
 
-def check_position(rows: dict[int, np.ndarray], joined: list[int]) -> str | None:
+def check_position(rows: dict[int, np.ndarray], joined: list[int], size: int) -> str | None:
     """Why the ranks' requests at one position cannot run together (``None``: they can)."""
     ranks = sorted(rows)
     r0 = rows[ranks[0]]
     bad = [r for r in ranks if rows[r][8] == 0]
     if bad:
         return f"ranks {bad} rejected their input"
+    if KINDS[int(r0[0])] == "broadcast" and not 0 <= int(r0[3]) < size:
+        return f"broadcast root rank {int(r0[3])} is not a rank of 0..{size - 1}"
     for r in ranks[1:]:
         row = rows[r]
         if row[0] != r0[0]:
@@ -197,12 +199,16 @@ class Engine:
         self._queue: deque[Request] = deque()
         self._cv = threading.Condition()
         self._closed = False
+        self._stopped_by: HorovodInternalError | None = None      # the error that stopped the loop
         self._joined_before: set[int] = set()
         self._thread = threading.Thread(target=self._loop, name=f"commlib-horovod-r{self.rank}", daemon=True)
         self._thread.start()
 
     def submit(self, req: Request) -> Request:
         with self._cv:
+            if self._stopped_by is not None:       # as Horovod: the job broke, this process cannot go on
+                raise HorovodInternalError(f"commlib.horovod: no operation can run after the engine "
+                                           f"stopped ({self._stopped_by})")
             if self._closed:
                 raise ValueError("Horovod has been shut down; call hvd.init() first")
             self._queue.append(req)
@@ -241,6 +247,7 @@ class Engine:
                     self._closed = True
                 err = exc if isinstance(exc, HorovodInternalError) else HorovodInternalError(
                     f"commlib.horovod: the engine stopped: {type(exc).__name__}: {exc}")
+                self._stopped_by = err
                 for req in pending:
                     req.finish(error=err)
                 return
@@ -269,7 +276,7 @@ class Engine:
         for j in range(m):
             sl = slice(_HEADER + j * _FIELDS, _HEADER + (j + 1) * _FIELDS)
             rows = {r: table[r, sl] for r in active}
-            positions.append((rows[active[0]], check_position(rows, joined), rows))
+            positions.append((rows[active[0]], check_position(rows, joined, self.size), rows))
         mine = batch[:m] if not joining else [None] * m
         self._execute(mine, positions, table, joined)
         if not joining:
@@ -334,7 +341,9 @@ class Engine:
 
     # ------------------------------------------------------------------ operations
     def _flat(self, req: Request, prescale: float = 1.0) -> torch.Tensor:
-        t = scale(req.tensor, prescale).reshape(-1)
+        """``req``'s tensor times ``prescale``, 1-D and dense (a strided 1-D view, a matrix's column,
+        is copied: ``reshape`` leaves it strided), in the dtype it travels in."""
+        t = scale(req.tensor, prescale).reshape(-1).contiguous()
         return t.to(carrier(t.dtype))
 
     def _allreduce(self, reqs: list[Request | None], rows: list[np.ndarray]) -> None:
@@ -368,13 +377,9 @@ class Engine:
             offset += n
 
     def _finish_reduce(self, t: torch.Tensor, op: str, post: float) -> torch.Tensor:
-        """Average (floating: times ``post / size``; integers: floor division by ``size``, as
-        torch's ``//``, then ``post``) or just ``post`` for the other ops."""
-        if op != "average":
-            return scale(t, post)
-        if t.dtype in _FLOAT:
-            return scale(t, post / self.size)
-        return scale(torch.div(t, self.size, rounding_mode="floor"), post)
+        """Average: times ``post / size`` (one scale, as Horovod's; integers in float64, truncated
+        toward zero); the other ops: times ``post``."""
+        return scale(t, post / self.size if op == "average" else post)
 
     def _product(self, req: Request | None, row: np.ndarray) -> None:
         if req is None:

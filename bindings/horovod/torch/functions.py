@@ -20,8 +20,10 @@ except ImportError:  # pragma: no cover - the horovod extra installs it
     _pickler = pickle
 
 from commlib.bindings import torch_comm
+from commlib.errors import ValidationError
 
 from . import basics
+from .engine import HorovodInternalError
 from .mpi_ops import allgather, broadcast_, global_process_set
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
@@ -43,7 +45,10 @@ def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
         params = [p if isinstance(p, tuple) else (None, p) for p in params]
     else:
         raise ValueError(f"invalid params of type: {type(params)}")
-    torch_comm.broadcast_parameters([t for _, t in params], root_rank, basics.world())
+    try:
+        torch_comm.broadcast_parameters([t for _, t in params], root_rank, basics.world())
+    except ValidationError as exc:    # raised on every rank (the tensors are compared first): Horovod's
+        raise HorovodInternalError(f"broadcast_parameters: {exc}") from exc
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 
 from .backends.base import Pending
 from .board import IN_OP
-from .errors import MismatchError, ValidationError
+from .errors import CommlibError, MismatchError, ValidationError
 from .ops import OPS, check_agreement
 from .runner import Runner
 from .tracing import Tracer
@@ -117,7 +117,15 @@ class Control:
         def test() -> bool:
             board.keep_call_shown()
             return req.Test()
-        self._run.wait(Pending(test, None, req), name, seq, rejections)
+        p = Pending(test, None, req)
+        try:
+            self._run.wait(p, name, seq, rejections)
+        except CommlibError:
+            raise
+        except BaseException as exc:      # Ctrl-C: aborted, as in an operation (shown after seq)
+            if self._run.aborted is None:
+                self._run.interrupted(p, exc, name, seq, shown=seq)
+            raise
 
     def free(self) -> None:
         self.ctl.Free()

@@ -221,17 +221,21 @@ class Runner(WaitVerdicts):
         self.mark_aborted(err, name, seq)
         raise err
 
-    def interrupted(self, p: Pending, exc: BaseException, name: str, seq: int) -> None:
+    def interrupted(self, p: Pending | None, exc: BaseException, name: str, seq: int,
+                    shown: int | None = None) -> None:
         """Operation ``seq`` was left running by ``exc`` raised in its wait (Ctrl-C's
         ``KeyboardInterrupt``, a signal handler's exception): MPI still reads and writes its
         buffers, which ``p`` keeps alive (a result buffer back in the pool would be handed to
-        the next operation while MPI writes it), and peers may wait in it for this rank: the
-        communicator is aborted, so that peers fail at once and the exit ends the job."""
-        self.dangling.append((f"{name} #{seq}", p.test))
-        # shown aborted before it: peers in it do not wait for this rank as for a fellow waiter
+        the next operation while MPI writes it; ``None``: the engine's thread runs it, and keeps
+        them), and peers may wait in it for this rank: the communicator is aborted, so that peers
+        fail at once and the exit ends the job.  ``shown``: the operation the board shows the
+        abort after (default ``seq - 1``: peers in ``seq`` do not wait for this rank as for a
+        fellow waiter; a call outside the order, ``allgather_object``, is after ``seq``)."""
+        if p is not None:
+            self.dangling.append((f"{name} #{seq}", p.test))
         self.mark_aborted(CommAbortedError(f"{name} #{seq}: rank {self.rank} was interrupted while "
                                            f"it ran ({type(exc).__name__}); the communicator is "
-                                           "aborted"), "?", seq - 1)
+                                           "aborted"), "?", seq - 1 if shown is None else shown)
 
     def left(self, reason: str, seq: int | None = None) -> None:
         """This rank gives the communicator up without freeing it after its operation ``seq`` (the
@@ -413,5 +417,12 @@ class Runner(WaitVerdicts):
                     self.dangling.append((str(stuck), done))
                     self.fail(err, stuck.name, stuck.seq)
                 work.sleep(min(CHECK_EVERY_S, until - now))
+        except (CommlibError, TimeoutError):      # given up (aborted), or this wait's own timeout
+            raise
+        except BaseException as exc:     # Ctrl-C while the engine's thread runs it: as in a blocking call
+            if self.aborted is None:
+                stuck = self.running or op
+                self.interrupted(None, exc, stuck.name, stuck.seq)
+            raise
         finally:
             tr.end(token)

@@ -45,7 +45,8 @@ def run_job(case: str, ranks: int, timeout: float, tmp_path, job: str = "broken.
     ("syncswitch_load_on_rank0", 2, 60), ("syncswitch_load_on_rank0_unbroadcast", 2, 60),
     ("horovod_exit_before_a_peers_call", 2, 60), ("split_alone", 2, 60), ("init_alone", 2, 60),
     ("ddp_hook_timed_out", 2, 20), ("pass_after_the_average_on_one_rank", 2, 60),
-    ("interrupted_in_a_wait", 2, 60),
+    ("interrupted_in_a_wait", 2, 60), ("interrupted_in_a_work_wait", 2, 60),
+    ("interrupted_in_allgather_object", 2, 60),
     ("injector_with_a_batch_fewer", 2, 60), ("allgatherv_counts_on_some_ranks", 3, 1),
     ("side_and_parent_crossed", 2, 2),
 ])

@@ -641,6 +641,53 @@ def interrupted_in_a_wait() -> None:
     report_and_end()
 
 
+def interrupted_in_a_work_wait() -> None:
+    """Ctrl-C lands on rank 0 in ``Work.wait()`` while the engine's thread runs the all-reduce (its
+    peer late): the wait raised ``KeyboardInterrupt`` and the operation went on behind it, so the
+    communicator was not aborted and the next call ran (whether it was depended on the timing)."""
+    import signal
+    import threading
+
+    c = fresh(timeout=60)
+    n = 1 << 20            # 8 MiB: the engine's thread takes it at once
+    c.barrier()
+    if c.rank == 0:
+        work = c.iallreduce(np.full(n, 1.0))
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        time.sleep(0.2)
+        expect(KeyboardInterrupt, work.wait)
+        expect(commlib.CommAbortedError, lambda: c.allreduce(np.ones(4)),
+               "allreduce #2: rank 0 was interrupted while it ran (KeyboardInterrupt)")
+    else:
+        time.sleep(2.0)
+        t0 = time.monotonic()
+        expect(commlib.CommAbortedError, lambda: (c.allreduce(np.full(n, 1.0)), c.allreduce(np.ones(4))),
+               "rank 0 was interrupted")
+        assert time.monotonic() - t0 < 30, "must not wait for the timeout"
+    report_and_end()
+
+
+def interrupted_in_allgather_object() -> None:
+    """Ctrl-C lands on rank 0 in ``allgather_object`` (its peer late): the communicator went on,
+    rank 0's next call waited its whole timeout, and so did its peer."""
+    import signal
+    import threading
+
+    c = fresh(timeout=60)
+    c.barrier()
+    if c.rank == 0:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        expect(KeyboardInterrupt, lambda: c.allgather_object(0, label="config"))
+        expect(commlib.CommAbortedError, lambda: c.allreduce(np.ones(4)),
+               "config #1: rank 0 was interrupted while it ran (KeyboardInterrupt)")
+    else:
+        time.sleep(2.0)
+        t0 = time.monotonic()
+        expect(commlib.CommlibError, lambda: c.allgather_object(1, label="config"), "rank 0")
+        assert time.monotonic() - t0 < 30, "must not wait for the timeout"
+    report_and_end()
+
+
 def injector_with_a_batch_fewer() -> None:
     """DataInjector's exchange where rank 1 has one batch fewer and goes on to its next collective:
     its peers waited in raw MPI ``Probe`` for good, past any timeout; now they fail at once, naming
@@ -659,7 +706,9 @@ def injector_with_a_batch_fewer() -> None:
     report_and_end()
 
 
-CASES = {f.__name__: f for f in (interrupted_in_a_wait, injector_with_a_batch_fewer, refused_at_post,
+CASES = {f.__name__: f for f in (interrupted_in_a_wait, interrupted_in_a_work_wait,
+                                  interrupted_in_allgather_object, injector_with_a_batch_fewer,
+                                  refused_at_post,
                                   rejected,
                                   rejected_broadcast_left_by_its_root,
                                   jax_op_refused_on_one_rank, jax_optimizer_tree_on_one_rank,

@@ -5,7 +5,7 @@ rank 0; these helpers keep their options, timing method and output alike.
 
 Example:
     >>> from benchmarks._common import base_parser, markdown_table, size_label, stats
-    >>> args = base_parser("demo").parse_args(["--json", "out.json", "--quick"])
+    >>> args = base_parser("demo", plot=True).parse_args(["--json", "out.json", "--quick"])
     >>> args.json, args.quick, args.plot
     ('out.json', True, None)
     >>> stats([3.0, 1.0, 2.0])["median"], size_label(4096), size_label(3 << 20)
@@ -35,13 +35,33 @@ from typing import Any
 _ENV_PREFIXES = ("COMMLIB_", "MPIR_CVAR_", "MPICH_", "FI_", "UCX_", "OMP_", "GLOO_")
 
 
-def base_parser(description: str) -> argparse.ArgumentParser:
-    """An argument parser with the options every benchmark has: ``--json``, ``--plot``, ``--quick``."""
+def base_parser(description: str, plot: bool = False) -> argparse.ArgumentParser:
+    """An argument parser with the options every benchmark has: ``--json``, ``--quick``, and
+    ``--plot`` for those that draw one (``plot``: a benchmark without a plot does not offer it)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--json", metavar="PATH", help="write every figure and the environment here")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG plot here (matplotlib, Agg)")
+    if plot:
+        p.add_argument("--plot", metavar="PATH", help="write a PNG plot here (matplotlib, Agg)")
     p.add_argument("--quick", action="store_true", help="a short run (tests, CI, smoke runs)")
     return p
+
+
+def command_line(name: str | None = None, argv: Sequence[str] | None = None) -> str:
+    """The command that ran benchmark ``name`` (default: the script run), as it runs again from the
+    repository root: ``python -m benchmarks.<name> <argv>`` (``argv`` default ``sys.argv[1:]``).
+
+    Example:
+        >>> command_line("train", ["--quick", "--json", "out.json"])
+        'python -m benchmarks.train --quick --json out.json'
+    """
+    import shlex
+
+    if name is None:
+        script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+        if os.path.dirname(script) == os.path.dirname(os.path.abspath(__file__)):
+            name = os.path.splitext(os.path.basename(script))[0]
+    head = f"python -m benchmarks.{name}" if name else shlex.join(sys.argv[:1])
+    return " ".join([head, shlex.join(sys.argv[1:] if argv is None else list(argv))]).strip()
 
 
 def positive_int(text: str) -> int:
@@ -242,9 +262,11 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def write_json(path: str | None, doc: dict[str, Any]) -> None:
-    """Write ``doc`` to ``path`` (creating its folder); nothing when ``path`` is empty."""
+    """Write ``doc`` to ``path`` (creating its folder), with the ``command`` that ran it where ``doc``
+    names none; nothing when ``path`` is empty."""
     if not path:
         return
+    doc.setdefault("command", command_line(doc.get("benchmark")))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)

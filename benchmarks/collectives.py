@@ -296,7 +296,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     comm0.close()
     env["loadavg_end"] = list(os.getloadavg())
     argv = sys.argv[1:] if args.argv is None else args.argv
-    return {"benchmark": "collectives", "command": " ".join(["python -m benchmarks.collectives", *argv]),
+    return {"benchmark": "collectives", "command": bc.command_line("collectives", argv),
             "env": env, "args": vars(args), "results": rows, "checks": checks(rows),
             "engine": engine, "engine_checks": engine_checks(engine)}
 
@@ -458,7 +458,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Options (see the module docs); ``--quick`` is a sweep of seconds for tests."""
-    p = bc.base_parser(__doc__.splitlines()[0])
+    p = bc.base_parser(__doc__.splitlines()[0], plot=True)
     p.add_argument("--min-bytes", type=int, default=8)
     p.add_argument("--max-bytes", type=int, default=64 << 20)
     p.add_argument("--step", type=int, default=4, help="size ratio of the sweep (2, 4, ...)")

@@ -286,7 +286,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
     doc: dict[str, Any] = {
         "benchmark": "gpu", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": " ".join(["python -m benchmarks.gpu", *sys.argv[1:]]),
+        "command": bc.command_line("gpu"),
         "environment": {**bc.environment(MPI.COMM_SELF), "gpu": props["name"].decode(),
                         "cupy": cupy.__version__, "nccl": cupy.cuda.nccl.get_version()},
     }

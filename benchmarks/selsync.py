@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -55,7 +54,7 @@ from commlib.collectives.selsync import SelSync
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = bc.base_parser(__doc__.splitlines()[0])
+    p = bc.base_parser(__doc__.splitlines()[0], plot=True)
     p.add_argument("--steps", type=bc.positive_int, default=400,
                    help="training steps per contender (400)")
     p.add_argument("--batch", type=bc.positive_int, default=32,
@@ -322,7 +321,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         checks["noniid_lost_points"] = round(lost, 2)
         checks["injection_recovered_points"] = round(recovered, 2)
     env = bc.environment(comm.mpi_comm)
-    return {"benchmark": "selsync", "command": " ".join(sys.argv),
+    return {"benchmark": "selsync", "command": bc.command_line("selsync"),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "args": vars(args), "params": nparams, "train_samples": n, "test_samples": len(data[3]),
             "target_acc": target, "runs": runs, "checks": checks, "env": env}

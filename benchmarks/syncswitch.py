@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import time
 from typing import Any
 
@@ -48,14 +49,14 @@ def _parser():
     p.add_argument("--batch", type=positive_int, default=32, help="samples per rank per step")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum-coef", type=float, default=0.9)
-    p.add_argument("--staleness", type=int, default=2)
+    p.add_argument("--staleness", type=_non_negative_int, default=2)
     p.add_argument("--bsp-fraction", type=float, default=0.25)
-    p.add_argument("--asp-lr-scale", type=float, default=0.5)
+    p.add_argument("--asp-lr-scale", type=_positive_float, default=0.5)
     p.add_argument("--momentum", default="reset", choices=("keep", "reset", "ramp"))
     p.add_argument("--theta", type=float, default=1.5)
     p.add_argument("--window", type=positive_int, default=5)
     p.add_argument("--m-windows", type=positive_int, default=2)
-    p.add_argument("--straggler", metavar="RANK:FACTOR:FROM:TO")
+    p.add_argument("--straggler", metavar="RANK:FACTOR:FROM:TO", type=_straggler)
     p.add_argument("--straggler-mode", choices=("step", "compute"), default="step")
     p.add_argument("--target-acc", type=float, default=0.95)
     p.add_argument("--eval-every", type=positive_int, default=10)
@@ -69,15 +70,39 @@ def parse_args(argv: list[str] | None = None) -> Any:
     return parse_quick(_parser(), argv, steps=40, eval_every=5)
 
 
-def _straggler(spec: str | None) -> tuple[int, float, float, float] | None:
-    if not spec:
-        return None
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, not {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, not {value}")
+    return value
+
+
+def _straggler(spec: str) -> tuple[int, float, float, float]:
+    """``RANK:FACTOR:FROM:TO`` (an argparse ``type``: a bad one is a usage error)."""
     parts = spec.split(":")
-    if len(parts) != 4:
-        raise SystemExit(f"--straggler {spec!r}: expected RANK:FACTOR:FROM:TO")
-    r, f, a, b = int(parts[0]), float(parts[1]), float(parts[2]), float(parts[3])
-    if f < 1 or not 0 <= a <= b <= 1:
-        raise SystemExit(f"--straggler {spec!r}: FACTOR >= 1 and 0 <= FROM <= TO <= 1")
+    try:
+        r, f, a, b = int(parts[0]), float(parts[1]), float(parts[2]), float(parts[3])
+        if len(parts) != 4:
+            raise ValueError
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected RANK:FACTOR:FROM:TO (integer RANK, "
+                                         "numbers FACTOR, FROM, TO)") from None
+    if r < 0 or f < 1 or not 0 <= a <= b <= 1:
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected RANK >= 0, FACTOR >= 1 and "
+                                         "0 <= FROM <= TO <= 1")
     return r, f, a, b
 
 
@@ -147,7 +172,9 @@ def run_one(comm: Any, name: str, args: Any, data: tuple, init: np.ndarray) -> d
 
     ss.on_switch(on_switch)
     ss.setup(comm, buckets, [flat_p.numpy()], [flat_g.numpy()])
-    strag = _straggler(args.straggler)
+    strag = args.straggler
+    if strag is not None and strag[0] >= comm.size:
+        raise SystemExit(f"--straggler: rank {strag[0]} is not a rank of 0..{comm.size - 1}")
     rng = np.random.default_rng([args.seed, comm.rank])
     mine = np.arange(comm.rank, len(ytr), comm.size)
     xte_t, yte_t = torch.from_numpy(xte), torch.from_numpy(yte)
@@ -189,8 +216,8 @@ def run_one(comm: Any, name: str, args: Any, data: tuple, init: np.ndarray) -> d
             normal.append(now - t_step)
         t_step = now
         local += 1
-        if comm.rank == 0 and local % args.eval_every == 0:
-            curve.append((time.perf_counter() - t0, progress, accuracy()))
+        if comm.rank == 0 and local % args.eval_every == 0:     # the progress this step made
+            curve.append((time.perf_counter() - t0, ss.progress(), accuracy()))
     ss.close()                                  # back to BSP: identical replicas
     wall = comm.allreduce(np.array([time.perf_counter() - t0]), "max")[0]
     acc = accuracy()
@@ -199,10 +226,15 @@ def run_one(comm: Any, name: str, args: Any, data: tuple, init: np.ndarray) -> d
                              "avg")[0]
     nbytes = comm.allreduce(np.array([stats["bytes"] + ss.bsp.stats["bytes"]]), "avg")[0]
     tta = next((t for t, _, a in curve if a >= args.target_acc), None)
-    return {"contender": name, "seconds": float(wall), "samples": args.steps * args.batch * comm.size,
-            "samples_per_s": args.steps * args.batch * comm.size / wall, "final_acc": acc,
+    # the samples trained: asynchronous ranks test the progress before a step, so together they
+    # may make up to size - 1 steps more than --steps BSP steps
+    steps_per_rank = [int(v) for v in np.asarray(comm.allgather(np.array([local], np.int64))).reshape(-1)]
+    samples = sum(steps_per_rank) * args.batch
+    return {"contender": name, "seconds": float(wall), "samples": samples,
+            "samples_per_s": samples / wall, "final_acc": acc,
             "time_to_acc": tta, "bytes_per_rank": float(nbytes), "blocked_s": float(blocked),
-            "local_steps": local, "straggler_sleep_s": slept, "switches": ss.switches,
+            "local_steps": local, "steps_per_rank": steps_per_rank, "straggler_sleep_s": slept,
+            "switches": ss.switches,
             "decisions": ss.policy.log, "curve": curve, "stats": stats, "params": numel}
 
 
@@ -257,8 +289,9 @@ def main(argv: list[str] | None = None) -> None:
         rows = [[r["contender"], r["seconds"], r["samples_per_s"],
                  base["seconds"] / r["seconds"] if base else None, r["time_to_acc"], r["final_acc"],
                  r["bytes_per_rank"] / 2**20, r["blocked_s"], len(r["switches"])] for r in results]
-        print(f"{numel} parameters, {comm.size} ranks, {args.steps} steps x {args.batch} per rank"
-              + (f", straggler {args.straggler}" if args.straggler else ""))
+        strag = (", straggler rank {} x{} in progress [{}, {})".format(*args.straggler)
+                 if args.straggler else "")
+        print(f"{numel} parameters, {comm.size} ranks, {args.steps} steps x {args.batch} per rank{strag}")
         print(markdown_table(["contender", "s", "samples/s", "speedup vs BSP", f"s to {args.target_acc}",
                               "final acc", "MiB/rank", "blocked s", "switches"], rows))
     write_json(args.json if comm.rank == 0 else None, doc)

@@ -39,6 +39,7 @@ Example (a quick local smoke run, no link shaping):
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
@@ -236,6 +237,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     env = bc.environment(world)
     shaped = env["cluster_shaped"]
     rates: list[float | None] = list(args.rate_bps) if shaped and args.rate_bps else [None]
+    if args.rate_bps and not shaped and world.rank == 0:
+        print("benchmarks.train: --rates needs the emulated cluster (python -m benchmarks.cluster ...); "
+              "measuring at the launcher's link only", file=sys.stderr, flush=True)
     points, plans, models = [], {}, {}
     for model_name in args.models:
         trainers = {c: Trainer(c, model_name, args, world, comm) for c in contenders}
@@ -270,7 +274,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from benchmarks.cluster import parse_rate
 
-    p = bc.base_parser(__doc__.splitlines()[0])
+    p = bc.base_parser(__doc__.splitlines()[0], plot=True)
     p.add_argument("--models", nargs="+", default=["resnet"], choices=["resnet", "transformer", "mlp"])
     p.add_argument("--contenders", nargs="+", default=[c for c in CONTENDERS if c not in NAMED_ONLY],
                    choices=CONTENDERS,
@@ -281,17 +285,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=32, help="resnet: first stage width")
     p.add_argument("--image", type=int, default=32, help="resnet: image side")
     p.add_argument("--density", type=float, default=0.01, help="density of the sparse contenders")
-    p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
-    p.add_argument("--steps", type=int, default=4, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch", type=bc.positive_int, default=32, help="samples per rank per step")
+    p.add_argument("--steps", type=bc.positive_int, default=4, help="timed steps per round")
+    p.add_argument("--rounds", type=bc.positive_int, default=3)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--piece-reps", type=int, default=3, help="repetitions of each measured piece")
+    p.add_argument("--piece-reps", type=bc.positive_int, default=3, help="repetitions of each measured piece")
     p.add_argument("--cap-mb", type=float, default=4.0, help="bucket cap of every contender (DDP too)")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--timeout", type=float, default=600.0)
     # --quick sets the defaults only: an option given on the command line wins
     args = bc.parse_quick(p, argv, models=["mlp"], steps=2, rounds=1, warmup=1, batch=4, piece_reps=1)
-    args.rate_bps = sorted(parse_rate(r) for r in args.rates)
+    try:
+        args.rate_bps = sorted(parse_rate(r) for r in args.rates)
+    except ValueError as exc:
+        p.error(f"--rates: {exc}")
     return args
 
 

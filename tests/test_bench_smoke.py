@@ -172,6 +172,7 @@ def test_instructions_quick_keeps_given_ops_and_calls(monkeypatch):
     ("selsync", "--steps"), ("selsync", "--batch"), ("selsync", "--evals"),
     ("syncswitch", "--steps"), ("syncswitch", "--batch"), ("syncswitch", "--eval-every"),
     ("sparsify", "--steps"), ("sparsify", "--batch"), ("sparsify", "--size"),
+    ("train", "--steps"), ("train", "--rounds"), ("train", "--batch"), ("train", "--piece-reps"),
 ])
 @pytest.mark.parametrize("value", ["0", "-4"])
 def test_positive_int_options_are_usage_errors(name, option, value, capsys):
@@ -180,6 +181,33 @@ def test_positive_int_options_are_usage_errors(name, option, value, capsys):
             _parse(name, [*quick, option, value])
         assert exc.value.code == 2
         assert "must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, argv, says", [
+    ("syncswitch", ["--straggler", "a:b:c:d"], "expected RANK:FACTOR:FROM:TO"),
+    ("syncswitch", ["--straggler", "1:0.5:0:1"], "FACTOR >= 1"),
+    ("syncswitch", ["--staleness", "-1"], "must be at least 0"),
+    ("syncswitch", ["--asp-lr-scale", "-1"], "must be > 0"),
+    ("train", ["--rates", "foo"], "--rates: rate 'foo'"),
+    ("sparsify", ["--plot", "x.png"], "unrecognized arguments: --plot"),
+])
+def test_bad_options_are_usage_errors(name, argv, says, capsys):
+    """They raised tracebacks (some only after the data and model were set up), or, ``--plot`` on a
+    benchmark that draws none, were accepted and drew nothing."""
+    with pytest.raises(SystemExit) as exc:
+        _parse(name, ["--quick", *argv])
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_the_command_recorded_runs_the_benchmark_again(tmp_path):
+    """Only collectives, gpu and selsync recorded one (selsync's as a script path)."""
+    from benchmarks import _common as bc
+
+    assert bc.command_line("train", ["--quick", "--json", "a b.json"]) == \
+        "python -m benchmarks.train --quick --json 'a b.json'"
+    bc.write_json(str(tmp_path / "d.json"), {"benchmark": "syncbn"})
+    assert json.load(open(tmp_path / "d.json"))["command"].startswith("python -m benchmarks.syncbn")
 
 
 def test_gpu_without_cupy_says_so_and_skips(monkeypatch, capsys):

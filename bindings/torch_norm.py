@@ -135,8 +135,7 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                 bn_training, factor, self.eps)
         return _sync_batch_norm(input, self.weight, self.bias, running_mean, running_var, self.eps,
-                                factor, side_comm(comm, "syncbn"), self._problem(input), self.num_features,
-                                repeating(comm))
+                                factor, comm, self._problem(input), self.num_features)
 
     @classmethod
     def convert_sync_batchnorm(cls, module: torch.nn.Module,
@@ -169,8 +168,13 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
 
 
 @torch.compiler.disable     # communicates: run eagerly, never traced by torch.compile
-def _sync_batch_norm(*args: Any) -> torch.Tensor:
-    return _SyncBatchNorm.apply(*args)
+def _sync_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                     running_mean: torch.Tensor | None, running_var: torch.Tensor | None, eps: float,
+                     factor: float, comm: commlib.Communicator, problem: str, c: int) -> torch.Tensor:
+    """The statistics over ``comm``'s side communicator (split at the first call, a collective:
+    never traced either, so that the first forward of a compiled model splits it eagerly)."""
+    return _SyncBatchNorm.apply(x, weight, bias, running_mean, running_var, eps, factor,
+                                side_comm(comm, "syncbn"), problem, c, repeating(comm))
 
 
 class _SyncBatchNorm(torch.autograd.Function):

@@ -14,6 +14,7 @@ Per step each selector reports a :class:`StepStats`.
 from __future__ import annotations
 
 import copy
+import numbers
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -27,13 +28,10 @@ from .exchange import Traffic, exchange_records
 
 
 def check_density(density: Any) -> float:
-    """``density`` as a float in (0, 1], else ``ValueError``."""
-    if isinstance(density, (bool, np.bool_)):
+    """``density`` as a float in (0, 1], else ``ValueError`` (a string, a bool: not a number)."""
+    if not isinstance(density, numbers.Real) or isinstance(density, (bool, np.bool_)):
         raise ValueError(f"density {density!r}: expected a number in (0, 1]")
-    try:
-        d = float(density)
-    except (TypeError, ValueError):
-        raise ValueError(f"density {density!r}: expected a number in (0, 1]") from None
+    d = float(density)
     if not 0.0 < d <= 1.0:
         raise ValueError(f"density {density!r}: expected a number in (0, 1]")
     return d

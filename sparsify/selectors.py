@@ -18,10 +18,13 @@ Every index-based selector averages each rank's own ``acc`` at the union
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 import numpy as np
+
+from commlib.collectives.checks import check_int, check_real
 
 from .base import Reduced, Selector
 from .exchange import Traffic, average_at, exchange_records, gather_indices
@@ -63,7 +66,7 @@ class RandomK(Selector):
 
     def __init__(self, density: float = 0.01, seed: int = 0):
         super().__init__(density)
-        self.seed = int(seed)
+        self.seed = check_int("RandomK", "seed", seed, 0)
 
     def config(self) -> dict[str, Any]:
         return {**super().config(), "seed": self.seed}
@@ -95,8 +98,8 @@ class HardThreshold(Selector):
 
     def __init__(self, density: float = 0.01, threshold: float | None = None):
         super().__init__(density)
-        self.fixed = None if threshold is None else float(threshold)
-        FixedThreshold(self.fixed)                  # validate now, on every rank
+        self.fixed = None if threshold is None else check_real(
+            "HardThreshold", "threshold", threshold, "a finite number > 0", lambda v: 0 < v < math.inf)
 
     def config(self) -> dict[str, Any]:
         return {**super().config(), "threshold": self.fixed}
@@ -181,6 +184,9 @@ class Dense(Selector):
 
     def __init__(self, density: float = 1.0):
         super().__init__(density)
+        if self.density != 1.0:         # it sends everything: its stats would report another target
+            raise ValueError(f"Dense(density={density!r}): Dense sends every element (density 1.0); "
+                             "for a density below 1 use a sparse selector (ExDyna, TopK, ...)")
 
     def _reduce(self, acc: Any, problem: str | None, traffic: Traffic) -> Reduced:
         return self._reduce_dense(acc, problem, traffic)

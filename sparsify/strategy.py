@@ -40,6 +40,7 @@ import numpy as np
 
 from commlib import Communicator, ValidationError
 from commlib.collectives.buckets import Move
+from commlib.collectives.checks import check_bool
 from commlib.collectives.strategy import Strategy, saved_elsewhere
 
 from ._arrays import GRAD_DTYPES, acc_dtype_for, all_finite, flat_view, read_as, write_as
@@ -78,7 +79,7 @@ class SparseAllReduce(Strategy):
         self.selectors: list[Selector] = []
         self.feedback: list[ErrorFeedback] = []
         self.last_stats: list[StepStats | None] = []
-        self.keep_history = bool(history)
+        self.keep_history = check_bool("SparseAllReduce", "history", history)
         self.history: list[list[StepStats]] = []
         self._views: list[tuple[Any, str, Any]] = []
         self._layout: list[tuple[int, str, str]] = []

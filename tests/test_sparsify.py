@@ -247,6 +247,23 @@ def test_setup_errors_are_local_and_symmetric(comm):
         SparseAllReduce(selector=TopK(density=2.0))
 
 
+@pytest.mark.parametrize("make, error, says", [
+    (lambda: sparsify.ExDyna(density="0.01"), ValueError, r"density '0.01': expected a number"),
+    (lambda: sparsify.TopK(density="1"), ValueError, r"density '1': expected a number"),
+    (lambda: sparsify.Dense(density=0.5), ValueError, r"Dense sends every element"),
+    (lambda: sparsify.RandomK(seed=1.7), TypeError, r"RandomK\(seed=1.7\): expected an integer >= 0"),
+    (lambda: sparsify.RandomK(seed="a"), TypeError, r"RandomK\(seed='a'\)"),
+    (lambda: sparsify.HardThreshold(threshold="x"), TypeError, r"HardThreshold\(threshold='x'\)"),
+    (lambda: SparseAllReduce(history="no"), TypeError, r"SparseAllReduce\(history='no'\)"),
+])
+def test_settings_of_the_wrong_type_are_refused_naming_them(make, error, says):
+    """A string density passed (float() took it), Dense took a density it ignores (its stats then
+    reported another target), RandomK truncated a float seed, HardThreshold's and RandomK's bad
+    strings raised float()'s and int()'s own errors, and ``history='no'`` kept the history."""
+    with pytest.raises(error, match=says):
+        make()
+
+
 # ---------------------------------------------------------------------- GPU (cupy)
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)

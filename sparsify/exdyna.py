@@ -104,7 +104,7 @@ class PartitionedThreshold(Selector):
         self.partitions = self._make_partitions()
         spec = self._threshold_spec           # a fresh policy per setup, never a shared one
         self.policy = copy.deepcopy(spec) if isinstance(spec, ThresholdPolicy) else make_policy(spec)
-        self.policy.start(self.k)
+        self.policy.start(self.k, period=self.comm.size)     # the partitions rotate over the ranks
 
     @property
     def threshold(self) -> float | None:

@@ -20,7 +20,12 @@ counts exchange the step makes anyway:
   boundary bin.  The union is exactly k whenever the window holds the
   solution; the threshold is the same on every rank up to the width of that
   one bin (1/32 octave), inside which the ranks' quotas differ.
-* The next window is centred on this step's boundary.  When the solution
+* The next window is centred on the boundary of the step one rotation before
+  it (the partitions rotate: every ``size`` steps each rank selects from the
+  same partition, so where the ranks' gradients differ in scale, non-IID
+  data, the count curve comes back with the rotation), moved by how much the
+  boundary moved over the last rotation; before a rotation was seen, and at
+  one rank, on this step's boundary.  When the solution
   lies outside the window (a sudden change of scale) the step takes what the
   window allows, and the window re-centres (extrapolating with the curve's
   measured slope, at most ``max_step`` per step) and widens up to ``max_width``.
@@ -98,8 +103,10 @@ class ThresholdPolicy:
         """True until a first threshold is known (then the selector runs the sampling exchange)."""
         return self.threshold is None
 
-    def start(self, k: int) -> None:
-        """Called at setup with the target count (rules that start from k alone)."""
+    def start(self, k: int, period: int = 1) -> None:
+        """Called at setup with the target count (rules that start from k alone) and the period
+        of the selection's layout (the rotating partitions': every ``period`` steps each rank
+        selects from the same partition again)."""
 
     def window(self) -> tuple[float, float]:
         """``(floor, threshold)``: candidates are ``>= floor``; plain rules select ``>= threshold``."""
@@ -183,7 +190,7 @@ class ReferenceThreshold(ThresholdPolicy):
 
     name = "reference"
 
-    def start(self, k: int) -> None:
+    def start(self, k: int, period: int = 1) -> None:
         if self.threshold is None:
             self.threshold = 1.0 / (2.0 * math.sqrt(max(k, 1)))
 
@@ -236,6 +243,14 @@ class CountCurveThreshold(ThresholdPolicy):
         self.half = self.base_half
         self.record_len = 2 * self.max_half + 1
         self._config = (resolution, width, max_width, max_step)
+        self.period = 1
+        #: the last ``period + 1`` steps' boundaries (natural log of the threshold), oldest first
+        self._recent: list[float] = []
+        self._spread = 0.0      # the boundary's distance from the prediction, in bins (running mean)
+
+    def start(self, k: int, period: int = 1) -> None:
+        self.period = max(1, int(period))
+        self._recent, self._spread = [], 0.0
 
     def describe(self) -> str:
         r, w, mw, ms = self._config
@@ -320,7 +335,22 @@ class CountCurveThreshold(ThresholdPolicy):
         else:
             nxt = log_t
             self.half = max(self.base_half, (self.half * 3) // 4)
+        # how far the boundary fell from the prediction, in bins (a running mean): the window is kept
+        # three times as wide, so that a noisy curve (a small vector's) stays inside it
+        missed = abs(nxt - math.log(self.threshold)) / step
+        self._spread = 0.9 * self._spread + 0.1 * missed
+        self.half = max(self.half, min(self.max_half, math.ceil(3 * self._spread)))
+        recent = self._recent = [*self._recent, nxt][-(self.period + 1):]
+        if self.period > 1 and len(recent) == self.period + 1:
+            # the next step's layout was this one's a rotation ago (recent[1]); the drift of this
+            # step's layout over the rotation (recent[-1] - recent[0]) moves it on
+            nxt = recent[1] + (recent[-1] - recent[0])
         self.threshold = quantize(math.exp(nxt))
+
+    def rescale(self, factor: float) -> None:
+        super().rescale(factor)
+        if factor > 0:
+            self._recent = [v + math.log(factor) for v in self._recent]
 
     @staticmethod
     def _slope(cum: np.ndarray, start: int, step: float) -> float:
@@ -336,7 +366,8 @@ class CountCurveThreshold(ThresholdPolicy):
         return min(max(s, 0.5), 30.0)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "half": self.half, "config": list(self._config)}
+        return {**super().state_dict(), "half": self.half, "config": list(self._config),
+                "period": self.period, "recent": list(self._recent), "spread": self._spread}
 
     def check_state(self, state: dict[str, Any]) -> None:
         super().check_state(state)
@@ -347,6 +378,9 @@ class CountCurveThreshold(ThresholdPolicy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.half = int(state["half"])
+        same = int(state.get("period", 0)) == self.period       # another world: another rotation
+        self._recent = [float(v) for v in state.get("recent", [])] if same else []
+        self._spread = float(state.get("spread", 0.0))
 
 
 def make_policy(spec: str | ThresholdPolicy | float | None) -> ThresholdPolicy:

@@ -127,6 +127,45 @@ def test_exdyna_selects_exactly_k_and_beats_the_reference_rule(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("ratio", [4.0, 16.0])
+def test_exdyna_holds_k_where_the_ranks_gradients_differ_in_scale(comm, ratio):
+    """Non-IID data: rank r's gradient is ``ratio**r`` times rank 0's, and a quarter of the vector
+    10x the rest.  The partitions rotate, so the count curve changes from step to step and comes
+    back every ``size`` steps; the window, centred on the last step's boundary, missed every other
+    step (at ratio 4, 2 ranks: 90 of 180 steps under k, the union down to 364 of 1000; at 16, none
+    sent on half of them).  It is centred on the boundary of a rotation ago now: k every step."""
+    numel, density = 100_000, 0.01
+    sel = ExDyna(density).setup(comm, numel)
+    fb = ErrorFeedback(numel, np.float64)
+    rng = np.random.default_rng(comm.rank)
+    scale = np.ones(numel)
+    scale[:numel // 4] = 10.0
+    unions = []
+    for _ in range(20 + 10 * comm.size):
+        out = sel.reduce(fb.accumulate(rng.standard_normal(numel) * scale * ratio ** comm.rank))
+        fb.settle(out)
+        unions.append(out.stats.union)
+    assert unions[2 * comm.size + 1:] == [sel.k] * (len(unions) - 2 * comm.size - 1), unions
+
+
+@pytest.mark.mpi(min_size=1)
+def test_exdyna_on_a_tiny_vector_rarely_sends_nothing(comm):
+    """7 elements at density 0.2 (k = 1): the boundary is noisy there, and the window, half an
+    octave, missed it: nothing sent on 21 of 280 steps at 2 ranks.  The window follows how far the
+    boundary falls from its prediction now (8 of 280)."""
+    numel = 7
+    sel = ExDyna(0.2).setup(comm, numel)
+    fb = ErrorFeedback(numel, np.float64)
+    rng = np.random.default_rng(comm.rank)
+    unions = []
+    for _ in range(300):
+        out = sel.reduce(fb.accumulate(rng.standard_normal(numel)))
+        fb.settle(out)
+        unions.append(out.stats.union)
+    assert sum(u == 0 for u in unions[20:]) <= 14, unions
+
+
+@pytest.mark.mpi(min_size=2)
 def test_topk_builds_up_and_exdyna_does_not(comm):
     numel = 50_000
     res = {}

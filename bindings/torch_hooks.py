@@ -56,10 +56,11 @@ class ModelHook:
         self.fn, self.before_copy, self.copies = fn, before_copy, copies
         self.home: tuple[Any, int] | None = None
 
-    def register_on(self, module: torch.nn.Module) -> Any:
-        """Register as ``module``'s forward pre-hook (its handle): a deep copy of the module then
-        notes in ``copies`` where its inert twin sits, for :func:`remove_inert_twins`."""
-        handle = module.register_forward_pre_hook(self)
+    def register_on(self, module: torch.nn.Module, after: bool = False) -> Any:
+        """Register as ``module``'s forward pre-hook (``after``: its forward hook; its handle): a deep
+        copy of the module then notes in ``copies`` where its inert twin sits, for
+        :func:`remove_inert_twins`."""
+        handle = module.register_forward_hook(self) if after else module.register_forward_pre_hook(self)
         self.home = (handle.hooks_dict_ref, handle.id)
         return handle
 

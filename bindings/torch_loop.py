@@ -60,6 +60,13 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _DATA_PTR = torch.Tensor.data_ptr
 
 
+
+def _accumulates(p: torch.Tensor) -> bool:
+    """Whether the backward running now accumulates into ``p.grad`` (its AccumulateGrad node runs;
+    ``torch.func.grad``'s parameters have none here)."""
+    node = p.view_as(p).grad_fn
+    return node is not None and torch._C._will_engine_execute_node(node.next_functions[0][0])
+
 class TrainingLoop:
     """Mixin of :class:`bindings.torch.DistributedOptimizer` (uses its buckets, views and strategy)."""
 
@@ -104,6 +111,7 @@ class TrainingLoop:
         self._loop_hooks = [h for m in model.modules() for h in (m.register_state_dict_pre_hook(complete),
                                                                   m.register_load_state_dict_pre_hook(loading))]
         self._loop_hooks.append(self._hook(self._before_forward).register_on(model))
+        self._loop_hooks.append(self._hook(self._after_forward).register_on(model, after=True))
 
     def _retire_older_owners(self) -> None:
         """A new optimizer for parameters that another one trains (a new phase of training: another
@@ -260,6 +268,7 @@ class TrainingLoop:
         self._passes = 0
         self._reopened = False
         self._callback_queued = False
+        self._backward_entered = False      # a backward reached the model's output, no gradient yet
         self._synced = self._gathered = False
         self._join_weights()
 
@@ -282,17 +291,44 @@ class TrainingLoop:
         self._got[i] = True
         if not self.repeating:      # a repeated batch (join) tells nothing of which parameters are used
             self._reached[i] = True
-        if not self._callback_queued:       # a pass begins: .grad is this rank's own until reduced
-            self._partial = False           # gathered before it, or model.zero_grad()'s None
-            self._shards_settled(False)
-            factor = self._loss_scale.agree(self.comm)  # back at BSP: one loss scale on every rank
-            if factor != 1.0:       # this pass's gradients, in this rank's own scale, to the common one
-                self._unscaled = set(range(len(self.buckets)))
-                self._scale_factor = factor
-            self._loss_scale.follow(self.strategy)     # before the step's first launch
-            self._callback_queued = True
+        if not self._callback_queued:
+            self._begin_pass()
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         return self._no_sync_depth == 0
+
+    def _begin_pass(self) -> None:
+        """A pass begins (its first gradient arrived): ``.grad`` is this rank's own until reduced."""
+        self._partial = False           # gathered before it, or model.zero_grad()'s None
+        self._backward_entered = False
+        self._shards_settled(False)
+        factor = self._loss_scale.agree(self.comm)  # back at BSP: one loss scale on every rank
+        if factor != 1.0:       # this pass's gradients, in this rank's own scale, to the common one
+            self._unscaled = set(range(len(self.buckets)))
+            self._scale_factor = factor
+        self._loss_scale.follow(self.strategy)     # before the step's first launch
+        self._callback_queued = True
+
+    @torch.compiler.disable     # registers autograd hooks: never traced (see _before_forward)
+    def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """A training forward's outputs: a backward that reaches them is this rank's pass, even where it
+        raises before any parameter's gradient (see :meth:`_backward_reached`)."""
+        if not torch.is_grad_enabled() or self._callback_queued:
+            return
+        for t in torch.utils._pytree.tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                t.grad_fn.register_prehook(self._backward_reached)
+
+    def _backward_reached(self, grad_outputs: Any) -> None:
+        """A backward reached the model's output and will compute gradients of its parameters (not
+        ``torch.autograd.grad`` of an input, a gradient penalty's): should it raise before the first
+        of them arrives, the pass ends as an interrupted one (:meth:`_end_interrupted_pass`)."""
+        if self._callback_queued or self._backward_entered or self._synced:
+            return
+        with torch.enable_grad():
+            try:
+                self._backward_entered = any(_accumulates(p) for p in self._params if p.requires_grad)
+            except RuntimeError:        # a backward the engine does not run (torch.func's): no pass
+                self._backward_entered = False
 
     def _make_pre_accumulate_hook(self, i: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
@@ -374,7 +410,12 @@ class TrainingLoop:
         had not sent (its next pass's would pair with them, a step apart, silently).  At the next
         ``zero_grad()``, training forward or ``step()`` outside a backward, the pass ends here as it
         stands, and the step's agreement raises on every rank, before any update."""
-        if self._callback_queued and torch._C._current_autograd_node() is None:
+        if torch._C._current_autograd_node() is not None:
+            return
+        if not self._callback_queued and self._backward_entered and not self._synced:
+            self._begin_pass()      # it reached the model and raised before any parameter's gradient
+        self._backward_entered = False
+        if self._callback_queued:
             self._interrupted = self.comm.rank + 1
             self._backward_done()
 

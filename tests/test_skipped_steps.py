@@ -7,6 +7,8 @@ training-loop sweep: ``fp16-scaler`` in test_train_loops.py.)
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -143,12 +145,17 @@ def test_a_step_skipped_on_one_rank_alone_raises_on_every_rank(comm, strategy):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("strategy", ["allreduce", "dear"])
 @pytest.mark.parametrize("passes", [1, 2])
-def test_a_backward_that_raised_on_one_rank_and_was_caught_raises_on_every_rank(comm, strategy, passes):
+@pytest.mark.parametrize("where", ["mid", "out"])
+def test_a_backward_that_raised_on_one_rank_and_was_caught_raises_on_every_rank(comm, strategy, passes,
+                                                                                where):
     """The last rank's backward raises mid-pass (an autograd Function's backward, after some buckets
     were sent), the loop catches it and goes on: that rank's next pass paired with its peers' open
     one, a step apart, and the replicas trained apart silently (a metric all-reduce at the end gave
     3.99 for 10 at 4 ranks).  Every rank raises the same error before any update, and the
-    communicator goes on."""
+    communicator goes on.  ``out``: the model's last operation raises, before any parameter's
+    gradient: no pass had begun, so nothing told the peers (the steps paired a batch apart).  (A
+    backward that raises before it reaches the model, in the loss's own, leaves no trace: that
+    rank skipped the batch; the README says so.)"""
     bad = comm.rank == comm.size - 1
 
     class Boom(torch.autograd.Function):
@@ -164,9 +171,13 @@ def test_a_backward_that_raised_on_one_rank_and_was_caught_raises_on_every_rank(
                 raise ArithmeticError("boom")
             return g
 
+    class Booming(torch.nn.Module):      # the model's last operation (a fused kernel, say) raises
+        def forward(self, x):
+            return Boom.apply(x)
+
     torch.manual_seed(0)
     first, last = torch.nn.Linear(5, 8).double(), torch.nn.Linear(8, 3).double()
-    model = torch.nn.Sequential(first, torch.nn.Tanh(), last)
+    model = torch.nn.Sequential(first, torch.nn.Tanh(), last, Booming())
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
                                strategy=STRATEGIES[strategy](), comm=comm,
                                backward_passes_per_step=passes)
@@ -178,7 +189,7 @@ def test_a_backward_that_raised_on_one_rank_and_was_caught_raises_on_every_rank(
             for p in range(passes):
                 x, y = batch_with_an_inf(comm, 10 * step + p, False, True)
                 Boom.armed = bad and step == 1 and p == passes - 1
-                out = last(Boom.apply(torch.tanh(first(x))))
+                out = last(Boom.apply(torch.tanh(first(x)))) if where == "mid" else model(x)
                 torch.nn.functional.mse_loss(out, y).backward()
             opt.step()
         except ArithmeticError:
@@ -193,6 +204,33 @@ def test_a_backward_that_raised_on_one_rank_and_was_caught_raises_on_every_rank(
         assert np.array_equal(comm.allgatherv(mine).reshape(comm.size, -1)[0], mine)
         assert not torch.equal(p.detach(), q)
     assert float(comm.allreduce(np.ones(1))[0]) == comm.size
+
+
+@pytest.mark.mpi
+def test_a_gradient_of_the_input_alone_is_no_pass(comm):
+    """``torch.autograd.grad`` of a training forward's output with respect to its input (a gradient
+    penalty, a saliency map) reaches the model's output but computes no parameter's gradient: it is
+    no pass, and the steps around it train as one process."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    ref = copy.deepcopy(model)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, comm=comm)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = batch_with_an_inf(comm, step, False, True)
+        xs, ys = batch_with_an_inf(comm, step, False, False)
+        saliency = x.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(model(saliency).sum(), saliency)
+        assert grad.shape == x.shape
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(xs), ys).backward()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=1e-12, atol=1e-14)
+
 
 
 @pytest.mark.mpi(min_size=2)

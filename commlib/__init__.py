@@ -190,6 +190,9 @@ def init(backend: str | None = None, comm: Any = None, **settings: Any) -> Commu
 
     from .communicator import Communicator
 
+    if MPI.Is_finalized():
+        raise CommlibError("commlib.init(): MPI is finalized (MPI.Finalize() ran): no communicator can be "
+                           "made after it")
     if not MPI.Is_initialized():
         raise CommlibError("commlib.init(): MPI is not initialized (mpi4py.rc.initialize is False): "
                            "call MPI.Init_thread(MPI.THREAD_MULTIPLE) first")

@@ -237,6 +237,15 @@ class Runner(WaitVerdicts):
                                            f"it ran ({type(exc).__name__}); the communicator is "
                                            "aborted"), "?", seq - 1 if shown is None else shown)
 
+    def finalized(self) -> None:
+        """``MPI_Finalize`` is running (the program called it with this communicator open): no
+        operation can run from now on; each call raises, naming why."""
+        if self.aborted is None:
+            self.aborted = CommAbortedError("MPI.Finalize() ran with this communicator open: no "
+                                            "operation can run after it (close communicators with "
+                                            "comm.close() before MPI.Finalize(), or leave finalizing "
+                                            "to the exit)")
+
     def left(self, reason: str, seq: int | None = None) -> None:
         """This rank gives the communicator up without freeing it after its operation ``seq`` (the
         last posted), with nothing in flight: later calls raise; peers' waits for what it called

@@ -30,6 +30,9 @@ def _close_all() -> None:
     MPI (collectives cannot be cancelled), and finalizing over it hangs: the
     job is ended with ``MPI_Abort`` instead, so every rank exits (non-zero).
     """
+    if MPI.Is_finalized():       # the program called MPI.Finalize() itself: nothing can be freed now
+        _OPEN.clear()
+        return
     # an operation already given up: a peer may be stuck in it, and the collective frees of
     # the other communicators could wait for that peer forever, so end the job first
     dangling = [label for _, run in _OPEN for label in run.unfinished()]
@@ -86,4 +89,27 @@ def track(comm: Any, run: Runner) -> None:
     Example (what :class:`~commlib.communicator.Communicator` does when it is made):
         >>> track(self, self._run)
     """
+    if not _OPEN:
+        _watch_finalize()
     _OPEN.append((weakref.ref(comm), run))
+
+
+_FINALIZE_KEYVAL: list[int] = []
+
+
+def _watch_finalize() -> None:
+    """Once: an attribute on ``MPI_COMM_SELF``, whose deletion MPI runs first thing in
+    ``MPI_Finalize``: a program that calls ``MPI.Finalize()`` itself with communicators open
+    (legal in mpi4py) gets them refused, each later call raising ``CommAbortedError``, where its
+    next call (or the exit's close) made MPICH end the process ("used after finalizing")."""
+    if _FINALIZE_KEYVAL:
+        return
+
+    def finalizing(*_: Any) -> int:
+        for _ref, run in _OPEN:
+            run.finalized()
+        return MPI.SUCCESS
+
+    keyval = MPI.Comm.Create_keyval(delete_fn=finalizing)
+    MPI.COMM_SELF.Set_attr(keyval, True)
+    _FINALIZE_KEYVAL.append(keyval)

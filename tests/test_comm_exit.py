@@ -82,7 +82,8 @@ def test_a_rank_ending_apart_from_its_peers(case, ranks, code, tmp_path):
 @pytest.mark.parametrize("case,ranks", [("store", 2), ("syncswitch_asp", 2), ("jax_results_held", 2),
                                         ("horovod_ends_with_a_collective", 3),
                                         ("rejected_broadcast_at_the_end", 2), ("forked_child_exits", 2),
-                                        ("dropped_on_one_rank", 2), ("closed_after_alike_rejections", 2)])
+                                        ("dropped_on_one_rank", 2), ("closed_after_alike_rejections", 2),
+                                        ("finalized_by_the_program", 2)])
 def test_what_a_job_leaves_open_is_freed_at_exit(case, ranks, tmp_path):
     """One-sided windows left open (a SyncSwitch job never closes its strategy) are freed
     before MPI_Finalize, and jax results that alias commlib's host memory, held to the end, let

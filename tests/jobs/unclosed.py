@@ -178,15 +178,40 @@ def closed_after_alike_rejections() -> None:
     assert float(world.allreduce(np.ones(1))[0]) == world.size
 
 
+def finalized_by_the_program() -> None:
+    """The program calls ``MPI.Finalize()`` itself with communicators open (legal in mpi4py): its
+    next call, and the exit's close, made MPICH end the process ("Attempting to use an MPI routine
+    ... after finalizing MPICH", exit 1 on every rank).  Each call raises ``CommAbortedError`` naming
+    it now, ``init()`` of a new world refuses, and the job ends with 0."""
+    world = commlib.init()
+    sub = world.split(0)
+    sub.allreduce(np.ones(2))
+    MPI.Finalize()
+    for comm, call in ((world, lambda: world.allreduce(np.ones(2))), (sub, lambda: sub.barrier())):
+        try:
+            call()
+        except commlib.CommAbortedError as exc:
+            assert "MPI.Finalize() ran with this communicator open" in str(exc), exc
+        else:
+            raise AssertionError(f"{comm} ran an operation after MPI.Finalize()")
+    try:
+        commlib.init(timeout=30)
+    except commlib.CommlibError as exc:
+        assert "MPI is finalized" in str(exc), exc
+    else:
+        raise AssertionError("init() made a world after MPI.Finalize()")
+
+
 #: what a case keeps alive until the interpreter exits
 _KEPT: list = []
 
 
 CASES = {f.__name__: f for f in (store, syncswitch_asp, jax_results_held, horovod_ends_with_a_collective,
                                   rejected_broadcast_at_the_end, forked_child_exits, dropped_on_one_rank,
-                                  closed_after_alike_rejections)}
+                                  closed_after_alike_rejections, finalized_by_the_program)}
 
 if __name__ == "__main__":
+    rank = MPI.COMM_WORLD.rank      # (before a case that finalizes MPI)
     CASES[sys.argv[1]]()
-    with open(os.path.join(sys.argv[2], f"ok.{MPI.COMM_WORLD.rank}"), "w") as f:
+    with open(os.path.join(sys.argv[2], f"ok.{rank}"), "w") as f:
         f.write(sys.argv[1])

@@ -60,12 +60,12 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _DATA_PTR = torch.Tensor.data_ptr
 
 
-
 def _accumulates(p: torch.Tensor) -> bool:
     """Whether the backward running now accumulates into ``p.grad`` (its AccumulateGrad node runs;
     ``torch.func.grad``'s parameters have none here)."""
     node = p.view_as(p).grad_fn
     return node is not None and torch._C._will_engine_execute_node(node.next_functions[0][0])
+
 
 class TrainingLoop:
     """Mixin of :class:`bindings.torch.DistributedOptimizer` (uses its buckets, views and strategy)."""

@@ -37,7 +37,16 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._common import base_parser, environment, markdown_table, parse_quick, positive_int, write_json
+from benchmarks._common import (
+    base_parser,
+    environment,
+    markdown_table,
+    non_negative_int,
+    parse_quick,
+    positive_float,
+    positive_int,
+    write_json,
+)
 
 CONTENDERS = ("bsp", "asp", "ssp", "offline", "online")
 
@@ -49,9 +58,9 @@ def _parser():
     p.add_argument("--batch", type=positive_int, default=32, help="samples per rank per step")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum-coef", type=float, default=0.9)
-    p.add_argument("--staleness", type=_non_negative_int, default=2)
+    p.add_argument("--staleness", type=non_negative_int, default=2)
     p.add_argument("--bsp-fraction", type=float, default=0.25)
-    p.add_argument("--asp-lr-scale", type=_positive_float, default=0.5)
+    p.add_argument("--asp-lr-scale", type=positive_float, default=0.5)
     p.add_argument("--momentum", default="reset", choices=("keep", "reset", "ramp"))
     p.add_argument("--theta", type=float, default=1.5)
     p.add_argument("--window", type=positive_int, default=5)
@@ -68,26 +77,6 @@ def _parser():
 def parse_args(argv: list[str] | None = None) -> Any:
     """Options; ``--quick`` sets the defaults only (an option given on the command line wins)."""
     return parse_quick(_parser(), argv, steps=40, eval_every=5)
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, not {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, not {value}")
-    return value
 
 
 def _straggler(spec: str) -> tuple[int, float, float, float]:

@@ -465,6 +465,7 @@ class TrainingLoop:
         for b in range(len(self.buckets)):
             if not self._signaled[b]:
                 self._signal(b)
+        self.strategy.carry(self._load_flags())     # on a local step's own collective, if it makes one
         self.strategy.before_update()
         for sg, shard in zip(self._shard_grads, kept or ()):
             sg.copy_(shard)
@@ -474,9 +475,9 @@ class TrainingLoop:
         local = self.strategy.gradients_are_local()
         self._last_averaged = not local
         self._outside.average(local)
-        self._agree_loads(self._unused.find(self._params, self._reached, local, self.model,
-                                            None if self._sharded else self._grad_views,
-                                            also=self._load_flags()))
+        agreed = self._unused.find(self._params, self._reached, local, self.model,
+                                   None if self._sharded else self._grad_views, also=self._load_flags())
+        self._agree_loads(agreed if agreed is not None else self.strategy.carried())
         for i in gave_none:        # another rank gave one: this rank updates with the average too
             if i not in self._unused.indices:
                 self._params[i].grad = self._grad_views[i]

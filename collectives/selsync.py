@@ -198,6 +198,8 @@ class SelSync(Strategy):
         self._avg_other: list[Work] = []
         self._inner_shards: list[Any] = []
         self._flag: Any = None
+        self._carry: tuple[int, ...] = ()     # the binding's words for this step's flag (see carry)
+        self._carried: Any = None
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, comm: Communicator, buckets: Sequence[Bucket], params: Sequence[Any],
@@ -389,9 +391,15 @@ class SelSync(Strategy):
             sync = forced or bool(want)
             overflow = not self._finite
         else:       # 2: this rank's gradient is not finite (it votes to sync too)
+            words = self._carry if isinstance(self._flag, np.ndarray) else ()   # (a host flag only)
+            if isinstance(self._flag, np.ndarray) and self._flag.size != 1 + len(words):
+                self._flag = np.zeros(1 + len(words), np.int32)
             self._flag[0] = 2 if not self._finite else 1 if want else 0
+            if words:
+                self._flag[1:] = words
             self.comm.allreduce(self._flag, "max", out=self._flag, tag="selsync.flag")
             flag = float(self._flag[0])
+            self._carried = self._flag[1:].copy() if words else None
             sync, overflow = forced or flag > 0, flag > 1
             if forced:
                 self.stats["overflow_checks"] += 1
@@ -434,6 +442,15 @@ class SelSync(Strategy):
         Strategy.after_update(self)
         self._want = self._decided = None
         self._finite, self._overflow = True, False
+        self._carry, self._carried = (), None
+
+    def carry(self, words: Sequence[int]) -> None:
+        """The binding's words ride on this step's flag all-reduce (a host flag; none is made in
+        warm-up, where the step synchronizes and the binding agrees on them itself)."""
+        self._carry = tuple(int(w) for w in words)
+
+    def carried(self) -> Any:
+        return self._carried
 
     # ------------------------------------------------------------------ helpers
     def _count_bytes(self, nbytes: float) -> None:

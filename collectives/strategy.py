@@ -287,6 +287,24 @@ class Strategy:
         """Make the gradients the update needs complete (averaged over ranks)."""
         self.launch_remaining()
 
+    def carry(self, words: Sequence[int]) -> None:
+        """Small integers (>= 0) the binding needs agreed at this step, as their max over the ranks
+        (whether each rank loaded, updated, what its reduction follows).  A strategy whose step makes
+        a small all-reduce anyway where the gradients stay local (SelSync's flag) carries them on
+        it, and :meth:`carried` returns the max; here nothing carries them.  Call before
+        :meth:`before_update`.
+
+        Example:
+            >>> strategy.carry([0, 1, 0])
+            >>> strategy.before_update()
+            >>> strategy.carried()          # None: the binding agrees on them itself
+        """
+
+    def carried(self) -> Any:
+        """The max over the ranks of this step's :meth:`carry` words (an int array), where a
+        collective of the step carried them, else ``None``."""
+        return None
+
     def reopen(self) -> None:
         """Backward runs again after :meth:`before_update`, before the update: launch the buckets
         again as they fill (only where ``reopens``: the gradient buffers then hold this pass added

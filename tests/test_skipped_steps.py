@@ -236,18 +236,25 @@ def test_a_gradient_of_the_input_alone_is_no_pass(comm):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("strategy, extra", [("allreduce", "step"), ("allreduce", "backward"),
                                              ("dear", "step"), ("dear", "backward"),
-                                             ("sparse-dense", "step")])
+                                             ("sparse-dense", "step"), ("selsync-local", "step"),
+                                             ("selsync-local-params", "step")])
 def test_an_extra_call_on_one_rank_raises_on_every_rank(comm, strategy, extra):
     """The last rank alone calls ``step()`` again without a backward, or runs ``backward()`` twice
     before ``step()``: its extra reduction paired with its peers' next step, and the replicas
     trained apart silently (a metric all-reduce gave 6.02 for 10 at 4 ranks), ``COMMLIB_CHECK=1``
     alike.  The step's agreement carries what each rank's reduction follows: every rank raises
     the same error at the peers' next step, before the extra step's update.  (DeAR's extra
-    ``step()`` all-gathered its shards first, which met the peers' reduce-scatter.)"""
+    ``step()`` all-gathered its shards first, which met the peers' reduce-scatter.)  SelSync's
+    local steps make no such agreement: there the words ride on its flag all-reduce (its extra
+    ``step()`` was a silent local update more, its flags paired with the peers' a step apart)."""
+    from commlib.collectives import AllReduce, SelSync
+
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 3).double()
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                               strategy=STRATEGIES[strategy](), comm=comm)
+    local = {"selsync-local": "grads", "selsync-local-params": "params"}
+    make = (lambda: SelSync(inner=AllReduce(), delta=1e9, warmup=0, mode=local[strategy])) \
+        if strategy in local else STRATEGIES[strategy]
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, strategy=make(), comm=comm)
     odd = comm.rank == comm.size - 1
     raised = None
     for step in range(3):
@@ -267,7 +274,8 @@ def test_an_extra_call_on_one_rank_raises_on_every_rank(comm, strategy, extra):
     assert raised[0] == (1 if odd else 2)
     mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
     same = np.array_equal(comm.allgatherv(mine).reshape(comm.size, -1)[0], mine)
-    assert same or extra == "backward"      # (the peers had stepped before the extra backward came)
+    # (the peers had stepped before the extra backward came; SelSync's local steps part the replicas)
+    assert same or extra == "backward" or strategy in local
     assert float(comm.allreduce(np.ones(1))[0]) == comm.size
 
 

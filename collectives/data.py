@@ -46,6 +46,8 @@ import commlib
 from commlib import Communicator, ValidationError, split_counts
 from commlib.side import side_comm
 
+from .checks import check_int, check_real
+
 T = TypeVar("T")
 
 
@@ -293,6 +295,10 @@ def injected_batch_size(batch_size: int, alpha: float, beta: float, size: int) -
         >>> injected_batch_size(64, 0.75, 0.75, 4)
         20
     """
+    batch_size = check_int("injected_batch_size", "batch_size", batch_size, 1)
+    size = check_int("injected_batch_size", "size", size, 1)
+    alpha, beta = (check_real("injected_batch_size", name, v, "a fraction in [0, 1]", lambda f: 0 <= f <= 1)
+                   for name, v in (("alpha", alpha), ("beta", beta)))
     return max(1, int(round(batch_size / (1.0 + alpha * beta * size))))
 
 
@@ -319,8 +325,9 @@ class DataInjector:
     """
 
     def __init__(self, comm: Any, alpha: float, beta: float, seed: int = 0):
-        if not 0.0 <= alpha <= 1.0 or not 0.0 <= beta <= 1.0:
-            raise ValueError(f"alpha {alpha!r}, beta {beta!r}: expected fractions in [0, 1]")
+        alpha, beta = (check_real("DataInjector", name, v, "a fraction in [0, 1]", lambda f: 0 <= f <= 1)
+                       for name, v in (("alpha", alpha), ("beta", beta)))
+        seed = check_int("DataInjector", "seed", seed, -2**63)
         self._own = not isinstance(comm, Communicator)
         if self._own:
             comm = commlib.init(comm=comm)
@@ -346,10 +353,11 @@ class DataInjector:
         small agreement (step, dtypes, sample shapes, counts), then one
         ``allgatherv`` per array of the sharers' samples as bytes.
         """
+        scalar = any(np.ndim(a) == 0 for a in arrays)     # (ascontiguousarray makes a 0-d array 1-d)
         arrays = tuple(np.ascontiguousarray(a) for a in arrays)
-        n = len(arrays[0]) if arrays and arrays[0].ndim else 0
+        n = len(arrays[0]) if arrays and not scalar else 0
         problem = ""
-        if not arrays or any(a.ndim == 0 for a in arrays):
+        if not arrays or scalar:
             problem = "give at least one array of samples"
         elif any(len(a) != n for a in arrays):
             problem = f"arrays differ in length: {[len(a) for a in arrays]}"
@@ -357,12 +365,16 @@ class DataInjector:
             problem = "object arrays cannot be sent"
         m = self.shared_count(n) if self.rank in self.sharers(step) and not problem else 0
         layout = [(a.dtype.str, a.shape[1:]) for a in arrays]
-        table = self.comm.allgather_object((problem, int(step), layout, m), label="DataInjector.exchange")
+        settings = (self.alpha, self.beta, self.seed)     # the sharers' draw: the same on every rank
+        table = self.comm.allgather_object((problem, int(step), layout, m, settings),
+                                           label="DataInjector.exchange")
         problems = [f"rank {r}: {p}" for r, (p, *_) in enumerate(table) if p]
         if not problems:
             first = table[0][1:3]
             problems = [f"rank {r} exchanges step {st} with arrays {lay}, rank 0 step {first[0]} with "
-                        f"{first[1]}" for r, (_, st, lay, _) in enumerate(table) if (st, lay) != first]
+                        f"{first[1]}" for r, (_, st, lay, _, _) in enumerate(table) if (st, lay) != first]
+            problems += [f"rank {r} has (alpha, beta, seed) {s}, rank 0 {table[0][4]}"
+                         for r, (*_, s) in enumerate(table) if s != table[0][4]]
         if problems:        # every rank read the same table: every rank raises alike
             raise ValidationError("DataInjector.exchange: " + "; ".join(problems))
         counts = [row[3] for row in table]

@@ -145,6 +145,35 @@ def test_injection_checks_its_calls_and_never_hangs(comm):
     assert comm.allreduce(np.ones(1))[0] == comm.size      # (a rank that does not come: broken.py)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_injection_refuses_a_scalar_and_settings_that_differ(comm):
+    """A 0-d array on one rank was sent as a one-sample batch (``ascontiguousarray`` makes it 1-d
+    before the check); ranks given other seeds or fractions drew other sharers and exchanged
+    a mix of their private draws, without a word."""
+    last = comm.rank == comm.size - 1
+    inj = DataInjector(comm, 1.0, 1.0, seed=1)
+    with pytest.raises(commlib.ValidationError, match=rf"rank {comm.size - 1}: give at least one array"):
+        inj.exchange(0, np.float32(7.0) if last else np.zeros(4, np.float32))
+    other = DataInjector(comm, 0.5, 1.0, seed=comm.rank if last else 0)
+    with pytest.raises(commlib.ValidationError, match=rf"rank {comm.size - 1} has \(alpha, beta, seed\)"):
+        other.exchange(0, np.zeros(4))
+    assert comm.allreduce(np.ones(1))[0] == comm.size
+
+
+@pytest.mark.parametrize("args, error, says", [
+    ((64, -1, 1, 4), ValueError, r"alpha=-1\): expected a fraction"),
+    ((64, 2.0, 0.5, 4), ValueError, r"alpha=2.0\)"),
+    ((0, 0.5, 0.5, 4), ValueError, r"batch_size=0\): expected an integer >= 1"),
+    ((64, 0.5, 0.5, 0), ValueError, r"size=0\)"),
+    ((64, -0.25, 1.0, 4), ValueError, r"alpha=-0.25\)"),
+    ((64, "0.5", 0.5, 4), TypeError, r"alpha='0.5'\)"),
+])
+def test_injected_batch_size_checks_its_arguments(args, error, says):
+    """It returned 1, 13, 1, 64 and raised ZeroDivisionError for these."""
+    with pytest.raises(error, match=says):
+        injected_batch_size(*args)
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("shortest", [0, 1, 3])
 def test_stop_together_stops_every_rank_at_the_shortest(comm, shortest):

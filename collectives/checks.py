@@ -20,18 +20,18 @@ import numpy as np
 __all__ = ["check_int", "check_real", "check_bool", "check_choice"]
 
 
-def check_int(where: str, name: str, value: Any, minimum: int) -> int:
-    """``value`` as an int: an integer (``numbers.Integral``, not a bool) ``>= minimum``, else a
-    ``TypeError`` / ``ValueError`` naming ``where(name=value)`` and the accepted range.
+def check_int(where: str, name: str, value: Any, minimum: int | None) -> int:
+    """``value`` as an int: an integer (``numbers.Integral``, not a bool) ``>= minimum`` (``None``:
+    any), else a ``TypeError`` / ``ValueError`` naming ``where(name=value)`` and the accepted range.
 
     Example:
         >>> check_int("StragglerPolicy", "window_k", 10, 1)
         10
     """
-    expected = f"an integer >= {minimum}"
+    expected = "an integer" if minimum is None else f"an integer >= {minimum}"
     if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{where}({name}={value!r}): expected {expected}, got {type(value).__name__}")
-    if value < minimum:
+    if minimum is not None and value < minimum:
         raise ValueError(f"{where}({name}={value!r}): expected {expected}")
     return int(value)
 

@@ -93,11 +93,12 @@ class IndexPlan:
             raise ValueError(f"n {n!r}: expected a number of samples (an integer >= 0)")
         _check_rank(rank, size)
         self.n, self.rank, self.size = int(n), int(rank), int(size)
-        self.seed, self.shuffle = int(seed), bool(shuffle)
+        self.seed = check_int(type(self).__name__, "seed", seed, None)     # not a float truncated
+        self.shuffle = bool(shuffle)
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
+        self.epoch = check_int(f"{type(self).__name__}.set_epoch", "epoch", epoch, None)
 
     def order(self, epoch: int) -> np.ndarray:
         """The shared order of all samples in ``epoch`` (the same on every rank)."""
@@ -327,7 +328,7 @@ class DataInjector:
     def __init__(self, comm: Any, alpha: float, beta: float, seed: int = 0):
         alpha, beta = (check_real("DataInjector", name, v, "a fraction in [0, 1]", lambda f: 0 <= f <= 1)
                        for name, v in (("alpha", alpha), ("beta", beta)))
-        seed = check_int("DataInjector", "seed", seed, -2**63)
+        seed = check_int("DataInjector", "seed", seed, None)
         self._own = not isinstance(comm, Communicator)
         if self._own:
             comm = commlib.init(comm=comm)

@@ -174,6 +174,19 @@ def test_injected_batch_size_checks_its_arguments(args, error, says):
         injected_batch_size(*args)
 
 
+def test_a_plans_seed_and_epoch_are_integers():
+    """A float seed or epoch was truncated silently (1.5 and 1.7 gave 1's shuffle)."""
+    from commlib.collectives.data import DefDP
+
+    with pytest.raises(TypeError, match=r"DefDP\(seed=1.5\): expected an integer, got float"):
+        DefDP(10, 0, 2, seed=1.5)
+    plan = DefDP(10, 0, 2, seed=3)
+    with pytest.raises(TypeError, match=r"DefDP.set_epoch\(epoch=1.7\)"):
+        plan.set_epoch(1.7)
+    plan.set_epoch(np.int64(2))
+    assert plan.epoch == 2
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("shortest", [0, 1, 3])
 def test_stop_together_stops_every_rank_at_the_shortest(comm, shortest):

@@ -13,6 +13,7 @@ Ranks on other nodes are not observable: they are reported as unknown.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,7 +37,10 @@ _STATE_NAMES = {IDLE: "idle after", IN_OP: "in", REJECTED: "rejected", TIMED_OUT
 _WITH_TEXT = (REJECTED, ABORTED, IN_CALL, LEFT)
 #: the states a completed operation's idle replaces (not a later call's rejection, an abort, a close)
 _OVERWRITTEN_BY_IDLE = frozenset((IDLE, IN_OP, IN_CALL))
-_INTS = 5            # seq, op code, state, calls made (:meth:`Board.calling`), last rejected (:meth:`reject`)
+#: seq, op code, state, calls made (:meth:`Board.calling`), last rejected (:meth:`reject`), process id
+_INTS = 6
+#: how often a waiting rank asks whether its node-local peers' processes still run (:meth:`Board.ended`)
+ALIVE_EVERY_S = 0.5
 _TEXT = 192          # bytes of reason text per slot
 _SLOT = _INTS * 8 + _TEXT
 
@@ -66,6 +70,23 @@ class PeerState:
         return f"rank {self.rank} {_STATE_NAMES.get(self.state, '?')} {self.op} #{self.seq}"
 
 
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs: it exists (signal 0: nothing is sent) and, where ``/proc`` tells,
+    it is not a zombie (ended, not yet reaped by its launcher)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:     # another user's: it exists
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in (b"Z", b"X")
+
 class Board:
     """Node-local shared-memory slots of a communicator's ranks.
 
@@ -93,11 +114,17 @@ class Board:
         # every slot's state in one strided view: quiet() asks all of them in one numpy call
         self._states = mem.view(np.int64).reshape(self.node.size, _SLOT // 8)[:, 2]
         self._mine[:] = 0
+        self._mine[5] = os.getpid()
         #: calls outside the operations' order this rank has made (:meth:`calling`)
         self.calls = 0
         #: inside a call: (its seq, the operations' state to show after it)
         self._call: tuple[int, tuple[int, int, int]] | None = None
         self.node.Barrier()
+        # the peers' processes can be watched where their ids are this process's to see (one PID
+        # namespace: not so across containers sharing the node's memory)
+        self._pids = [int(self._ints[i][5]) for i in range(self.node.size)]
+        self._watch = all(_running(pid) for pid in self._pids)
+        self._alive_checked = time.monotonic()
 
     def set(self, seq: int, op: str, state: int, reason: str = "") -> None:
         """Publish this rank's current operation (plain stores, no MPI call)."""
@@ -136,7 +163,7 @@ class Board:
         """Every node-local rank's slot (including this rank's)."""
         out = []
         for i, comm_rank in enumerate(self.members):
-            seq, code, state, calls, rejected = (int(v) for v in self._ints[i])
+            seq, code, state, calls, rejected, _pid = (int(v) for v in self._ints[i])
             reason = ""
             if state in _WITH_TEXT:
                 reason = bytes(self._slots[i, _INTS * 8:]).split(b"\0", 1)[0].decode(
@@ -229,6 +256,20 @@ class Board:
                 return False, p
             later = p
         return (None, later) if later is not None else (True, None)
+
+    def ended(self) -> list[tuple[PeerState, int]]:
+        """Node-local peers whose process ended without closing the communicator (killed, crashed,
+        ``os._exit``), with their process ids; asked at most every :data:`ALIVE_EVERY_S` (else
+        none), and only where the peers' process ids were seen running when the board was made."""
+        now = time.monotonic()
+        if not self._watch or now - self._alive_checked < ALIVE_EVERY_S:
+            return []
+        self._alive_checked = now
+        dead = [i for i, pid in enumerate(self._pids) if i != self.node.rank and not _running(pid)]
+        if not dead:
+            return []
+        peers = self.peers()
+        return [(peers[i], self._pids[i]) for i in dead if peers[i].state not in (CLOSING, LEFT)]
 
     def aborted(self) -> list[PeerState]:
         """Peers whose communicator was aborted (they will not call again)."""

@@ -62,6 +62,11 @@ class WaitVerdicts:
             err = self._parent_verdict(parent, seq, name)
             if err is not None:
                 return err
+        ended = self.board.ended()
+        if ended:
+            return CommAbortedError(f"{name} #{seq}: " + "; ".join(
+                f"rank {p.rank}'s process (pid {pid}) ended without closing the communicator (killed, "
+                "crashed or os._exit()); it will not call again" for p, pid in ended))
         related = parent.board if parent is not None else None
         if self.timeout > 0 and waited >= self.timeout:
             return self.board.timeout_error(name, seq, self.timeout, self.rank, self.size, parent=related)

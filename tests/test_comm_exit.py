@@ -21,12 +21,14 @@ MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 
 def run_job(case: str, ranks: int, timeout: float, tmp_path, job: str = "broken.py",
+            launcher: tuple[str, ...] = (),
             **env: str) -> tuple[subprocess.CompletedProcess, float, list[int]]:
-    """Run the case of ``tests/jobs/JOB``; return the job, its seconds, and the ranks whose checks passed."""
+    """Run the case of ``tests/jobs/JOB`` (``launcher``: more options of ``mpiexec``); return the job,
+    its seconds, and the ranks whose checks passed."""
     t0 = time.monotonic()
-    proc = subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable, os.path.join(HERE, "jobs", job),
-                           case, str(tmp_path)], capture_output=True, text=True, timeout=timeout + 60,
-                          env={**os.environ, **env})
+    proc = subprocess.run([MPIEXEC, *launcher, "-n", str(ranks), sys.executable,
+                           os.path.join(HERE, "jobs", job), case, str(tmp_path)],
+                          capture_output=True, text=True, timeout=timeout + 60, env={**os.environ, **env})
     ok = sorted(int(name.split(".")[1]) for name in os.listdir(tmp_path) if name.startswith("ok."))
     return proc, time.monotonic() - t0, ok
 
@@ -56,6 +58,18 @@ def test_broken_job_raises_everywhere_then_exits(case, ranks, timeout, tmp_path)
     assert ok == list(range(ranks)), out
     assert proc.returncode != 0, out
     assert took < timeout + 10 + 5, f"{case}: {took:.1f} s\n{out}"   # + job start-up
+
+
+def test_a_peer_process_that_ends_without_closing_is_named_at_once(tmp_path):
+    """Rank 1's process ends with ``os._exit(1)`` under a launcher that leaves its peers running
+    (hydra's ``-disable-auto-cleanup``, as Slurm's ``srun`` without ``--kill-on-bad-exit``): rank 0
+    waited its whole timeout (60 s here, 30 minutes by default), told that rank 1 was "idle".  It
+    sees the process gone (a zombie, not yet reaped) and fails within a second, naming it."""
+    proc, took, ok = run_job("peer_process_ends", 2, 60, tmp_path, launcher=("-disable-auto-cleanup",))
+    out = proc.stdout + proc.stderr
+    assert ok == [0], out
+    assert proc.returncode != 0, out
+    assert took < 30, f"{took:.1f} s\n{out}"
 
 
 def test_timed_out_job_exits_within_timeout_plus_10s(tmp_path):

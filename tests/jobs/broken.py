@@ -688,6 +688,20 @@ def interrupted_in_allgather_object() -> None:
     report_and_end()
 
 
+def peer_process_ends() -> None:
+    """Rank 1's process ends without closing (``os._exit``) while rank 0 waits for it: rank 0
+    fails at once naming the process (see test_comm_exit.py)."""
+    c = fresh(timeout=60)
+    c.barrier()
+    if c.rank == 1:
+        os._exit(1)
+    t0 = time.monotonic()
+    expect(commlib.CommAbortedError, lambda: c.allreduce(np.ones(4)),
+           "rank 1's process (pid ")
+    assert time.monotonic() - t0 < 10, "must not wait for the timeout"
+    report_and_end()
+
+
 def injector_with_a_batch_fewer() -> None:
     """DataInjector's exchange where rank 1 has one batch fewer and goes on to its next collective:
     its peers waited in raw MPI ``Probe`` for good, past any timeout; now they fail at once, naming
@@ -708,6 +722,7 @@ def injector_with_a_batch_fewer() -> None:
 
 CASES = {f.__name__: f for f in (interrupted_in_a_wait, interrupted_in_a_work_wait,
                                   interrupted_in_allgather_object, injector_with_a_batch_fewer,
+                                  peer_process_ends,
                                   refused_at_post,
                                   rejected,
                                   rejected_broadcast_left_by_its_root,

@@ -284,17 +284,28 @@ class CommunicatorOps:
         Example:
             >>> w = comm.broadcast(np.random.rand(4), root=0)   # same on all ranks
         """
-        if self._host and (out is None or out is x) and isinstance(root, (int, np.integer)) and (
-                0 <= root < self.size):
-            dt = host_pair(x, None)
-            if dt is not None and x.flags.writeable:      # in place, as below
-                return self._run.call_host("broadcast", self._number(), self._host_backend.broadcast,
-                                           (x, dt, int(root)), x, x.nbytes, tag)
-            pair = host_alias(x, None) if type(x) is not np.ndarray else None
-            if pair is not None and pair[0].flags.writeable:        # a CPU tensor: in place, itself
-                mark_written(x)
-                self.broadcast(pair[0], root, tag=tag)
-                return x
+        if self._host and isinstance(root, (int, np.integer)) and 0 <= root < self.size:
+            if out is None or out is x:
+                dt = host_pair(x, None)
+                if dt is not None and x.flags.writeable:      # in place, as below
+                    return self._run.call_host("broadcast", self._number(), self._host_backend.broadcast,
+                                               (x, dt, int(root)), x, x.nbytes, tag)
+                pair = host_alias(x, None) if type(x) is not np.ndarray else None
+                if pair is not None and pair[0].flags.writeable:        # a CPU tensor: in place, itself
+                    mark_written(x)
+                    self.broadcast(pair[0], root, tag=tag)
+                    return x
+            else:       # into out: the root's x copied there first, then out in place (as _broadcast)
+                dt = host_pair(x, out)
+                if dt is not None and out.size == x.size:
+                    if self.rank == root:
+                        out.reshape(-1)[...] = x.reshape(-1)
+                    return self._run.call_host("broadcast", self._number(), self._host_backend.broadcast,
+                                               (out, dt, int(root)), out, out.nbytes, tag)
+                pair = host_alias(x, out) if dt is None else None
+                if pair is not None and pair[1] is not None:      # CPU tensors: their numpy aliases
+                    self.broadcast(pair[0], root, out=pair[1], tag=tag)
+                    return out
         return self._call("broadcast", self._broadcast, (x, root, out, tag), True)
 
     def ibroadcast(self, x: Any, root: int = 0, *, out: Any = None,

@@ -397,6 +397,11 @@ def test_an_out_overlapping_x_receives_the_result(comm, mode, kind, n):
     buf[:n] = every[rank]
     call("allreduce", arr(buf[:n]), out=arr(buf[1:]))                       # shifted by one element
     assert_close(buf[1:], every.sum(0), "float64")
+    for root in range(size):                    # broadcast into an out shifted over x
+        buf = np.zeros(n + 1)
+        buf[:n] = every[rank]
+        assert call("broadcast", arr(buf[:n]), root=root, out=arr(buf[1:])) is not None
+        assert_close(buf[1:], every[root], "float64")
     out = np.zeros(size * k + 1)
     out[1:k + 1] = every[rank, :k]              # inside the output, not at this rank's block
     call("allgather", arr(out[1:k + 1]), out=arr(out[:size * k]))

@@ -34,7 +34,7 @@ CLOSING = 6
 LEFT = 7
 _STATE_NAMES = {IDLE: "idle after", IN_OP: "in", REJECTED: "rejected", TIMED_OUT: "timed out in",
                 ABORTED: "aborted after"}
-_WITH_TEXT = (REJECTED, ABORTED, IN_CALL, LEFT)
+_WITH_TEXT = (REJECTED, ABORTED, IN_CALL, LEFT, CLOSING)
 #: the states a completed operation's idle replaces (not a later call's rejection, an abort, a close)
 _OVERWRITTEN_BY_IDLE = frozenset((IDLE, IN_OP, IN_CALL))
 #: seq, op code, state, calls made (:meth:`Board.calling`), last rejected (:meth:`reject`), process id
@@ -62,7 +62,7 @@ class PeerState:
             return f"rank {self.rank} is in {self.reason} (after #{self.seq}), a call every rank must make"
         if self.state == CLOSING:
             return (f"rank {self.rank} closed the communicator after #{self.seq} "
-                    "(its program ended or called close())")
+                    f"({self.reason or 'its program ended or called close()'})")
         if self.state == LEFT:
             return f"rank {self.rank} left the communicator after #{self.seq}: {self.reason}"
         if self.seq == 0:

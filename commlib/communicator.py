@@ -297,7 +297,7 @@ class Communicator(CommunicatorOps):
             run.close_engine()
         gave_up = ""
         if run.aborted is None:     # peers waiting for an operation this rank never called: fail now
-            self._board.set(self._seq, "?", _board.CLOSING)
+            self._board.set(self._seq, "?", _board.CLOSING, shutdown.ended_by())
             since = time.monotonic()
             gone = self._board.wait_to_free(run.timeout)
             if gone:                # they free nothing: the frees would wait for them for good

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import board as _board
+from . import shutdown
 from .backends.base import Pending
 from .config import Config
 from .errors import CommAbortedError, CommlibError
@@ -263,7 +264,7 @@ class Runner(WaitVerdicts):
         split's close kept it the whole timeout after one rank raised).  Not over a rejection whose
         verdict is pending: its close settles it, and peers read the rejection meanwhile."""
         if self.aborted is None and not self.closed and self.rejection is None:
-            self.board.set(seq, "?", _board.CLOSING)
+            self.board.set(seq, "?", _board.CLOSING, shutdown.ended_by())
 
     def mark_aborted(self, err: CommlibError, name: str, seq: int) -> None:
         """Abort this communicator for ``err`` (raised in operation ``seq``, or in a side

@@ -60,6 +60,33 @@ def _close_all() -> None:
         MPI.COMM_WORLD.Abort(1)
 
 
+#: the exception that ends the program, as :func:`ended_by` tells it (recorded by the excepthook)
+_UNCAUGHT: list[str] = []
+
+
+def _record_uncaught(hook: Callable[..., Any]) -> Callable[..., Any]:
+    def excepthook(kind: type, value: BaseException, tb: Any) -> Any:
+        _UNCAUGHT[:] = [f"{kind.__name__}: {value}"[:150]]
+        return hook(kind, value, tb)
+    return excepthook
+
+
+def ended_by() -> str:
+    """Why this program ends, for the peers that wait for it (the board's closing reason): the
+    uncaught exception that ends it, else its plain end.
+
+    Example:
+        >>> ended_by()          # after an uncaught ZeroDivisionError
+        'its program ended with ZeroDivisionError: division by zero'
+    """
+    if _UNCAUGHT:
+        return f"its program ended with {_UNCAUGHT[0]}"
+    return "its program ended or called close()"
+
+
+sys.excepthook = _record_uncaught(sys.excepthook)
+
+
 def at_exit(fn: Callable[[], Any]) -> None:
     """Run ``fn`` at interpreter exit, in this process only: not in a child that ``os.fork()``
     made of it, whose exit (``sys.exit``, the end of its code) runs the inherited exit hooks

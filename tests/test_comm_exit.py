@@ -40,6 +40,7 @@ def run_job(case: str, ranks: int, timeout: float, tmp_path, job: str = "broken.
     ("deadlock", 3, 1),
     ("synchronize_with_a_peer_gone", 2, 60), ("synchronize_times_out", 2, 1),
     ("closed_with_an_operation_in_flight", 2, 60),
+    ("raised_uncaught", 2, 60),
     ("never_arrives", 2, 0.5), ("unwaited", 2, 1), ("stall_made_an_error", 3, 2.3), ("closed_early", 3, 60),
     ("state_on_rank0", 2, 60), ("state_on_rank0_at_the_end", 2, 60), ("state_on_rank0_with_syncbn", 2, 60),
     ("norm_on_rank0", 2, 60), ("values_on_rank0", 2, 60), ("close_on_rank0", 2, 60),

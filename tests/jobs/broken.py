@@ -221,6 +221,20 @@ def closed_early() -> None:
     report_and_end()
 
 
+def raised_uncaught() -> None:
+    """Rank 1's program ends with an uncaught exception: its peers' next call fails at once, and
+    names the exception (it said only "its program ended or called close()")."""
+    c = fresh(timeout=60)
+    c.allreduce(np.ones(4))
+    if c.rank == 1:
+        with open(os.path.join(sys.argv[2], "ok.1"), "w") as f:
+            f.write(sys.argv[1])
+        raise ZeroDivisionError("a bad batch")
+    expect(commlib.MismatchError, lambda: c.allreduce(np.ones(4)),
+           "rank 1 closed the communicator after #1 (its program ended with ZeroDivisionError: a bad batch)")
+    report_and_end()
+
+
 def allgatherv_counts_on_some_ranks() -> None:
     """Rank 0 gives allgatherv its counts, the others let commlib exchange them: every rank fails
     at once, rank 0 naming the exchange (both sides waited for the timeout, and the exchanging
@@ -722,7 +736,7 @@ def injector_with_a_batch_fewer() -> None:
 
 CASES = {f.__name__: f for f in (interrupted_in_a_wait, interrupted_in_a_work_wait,
                                   interrupted_in_allgather_object, injector_with_a_batch_fewer,
-                                  peer_process_ends,
+                                  peer_process_ends, raised_uncaught,
                                   refused_at_post,
                                   rejected,
                                   rejected_broadcast_left_by_its_root,

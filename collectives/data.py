@@ -289,6 +289,13 @@ def batch_census(batches: Iterable[T],
         yield (None if item is end else item), having
 
 
+def _fractions(where: str, alpha: Any, beta: Any) -> tuple[float, float]:
+    """``alpha`` and ``beta`` as fractions in [0, 1], else an error naming ``where(name=value)``."""
+    a, b = (check_real(where, name, v, "a fraction in [0, 1]", lambda f: 0 <= f <= 1)
+            for name, v in (("alpha", alpha), ("beta", beta)))
+    return a, b
+
+
 def injected_batch_size(batch_size: int, alpha: float, beta: float, size: int) -> int:
     """The local batch ``b' = b / (1 + alpha * beta * N)``, rounded, at least 1.
 
@@ -298,8 +305,7 @@ def injected_batch_size(batch_size: int, alpha: float, beta: float, size: int) -
     """
     batch_size = check_int("injected_batch_size", "batch_size", batch_size, 1)
     size = check_int("injected_batch_size", "size", size, 1)
-    alpha, beta = (check_real("injected_batch_size", name, v, "a fraction in [0, 1]", lambda f: 0 <= f <= 1)
-                   for name, v in (("alpha", alpha), ("beta", beta)))
+    alpha, beta = _fractions("injected_batch_size", alpha, beta)
     return max(1, int(round(batch_size / (1.0 + alpha * beta * size))))
 
 
@@ -326,8 +332,7 @@ class DataInjector:
     """
 
     def __init__(self, comm: Any, alpha: float, beta: float, seed: int = 0):
-        alpha, beta = (check_real("DataInjector", name, v, "a fraction in [0, 1]", lambda f: 0 <= f <= 1)
-                       for name, v in (("alpha", alpha), ("beta", beta)))
+        alpha, beta = _fractions("DataInjector", alpha, beta)
         seed = check_int("DataInjector", "seed", seed, None)
         self._own = not isinstance(comm, Communicator)
         if self._own:

@@ -391,8 +391,9 @@ class SelSync(Strategy):
             sync = forced or bool(want)
             overflow = not self._finite
         else:       # 2: this rank's gradient is not finite (it votes to sync too)
-            words = self._carry if isinstance(self._flag, np.ndarray) else ()   # (a host flag only)
-            if isinstance(self._flag, np.ndarray) and self._flag.size != 1 + len(words):
+            host = isinstance(self._flag, np.ndarray)
+            words = self._carry if host else ()     # (a host flag only)
+            if host and self._flag.size != 1 + len(words):
                 self._flag = np.zeros(1 + len(words), np.int32)
             self._flag[0] = 2 if not self._finite else 1 if want else 0
             if words:

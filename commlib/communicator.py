@@ -16,7 +16,7 @@ from .backends.base import Backend
 from .communicator_ops import CommunicatorOps
 from .config import Config
 from .control import Control
-from .errors import CommAbortedError, CommStallWarning, ValidationError
+from .errors import CommAbortedError, CommlibError, CommStallWarning, ValidationError
 from .ops import OPS, Op, fingerprint
 from .runner import Runner
 from .tracing import Tracer
@@ -214,8 +214,12 @@ class Communicator(CommunicatorOps):
         seq = self._number()
         try:
             op, err = build(*args), None
-        except Exception as exc:     # a ValidationError, or an input that cannot be read (deleted jax array)
-            op, err = None, exc if isinstance(exc, ValidationError) else ValidationError(f"{name}: {exc!r}")
+        except CommlibError as exc:
+            if not isinstance(exc, ValidationError):    # check mode's agreement in build (allgatherv's):
+                raise               # a mismatch (every rank raises it), a timeout or abort; no input's fault
+            op, err = None, exc
+        except Exception as exc:     # an input that cannot be read (a deleted jax array)
+            op, err = None, ValidationError(f"{name}: {exc!r}")
         if err is not None and err.agreed:      # check mode's agreement in build (allgatherv's, before
             raise err                           # its counts travel) raised it on every rank
         if self.config.check:

@@ -92,6 +92,29 @@ def test_check_mode_names_mismatched_shape_and_dtype():
 
 
 @pytest.mark.mpi(min_size=2)
+def test_check_mode_names_a_mismatch_with_allgatherv_on_every_rank():
+    """allgatherv agrees on its call before its counts travel: a mismatch there is the
+    MismatchError of any call, on every rank (it was wrapped into a ValidationError that blamed
+    rank 0, and the extra round it then made left the control channel a round off: the next
+    call raised the stale error on one rank and timed out on the other)."""
+    c = fresh(check=True, timeout=30)
+    last = c.size - 1
+    dt = np.float32 if c.rank == last else np.float64
+    with pytest.raises(commlib.MismatchError, match=rf"rank {last} called \(allgatherv, float32") as info:
+        c.allgatherv(np.ones(3, dt))
+    assert info.value.ranks == [last]
+    with pytest.raises(commlib.MismatchError, match=rf"rank {last} called \(allreduce") as info:
+        if c.rank == last:
+            c.allreduce(np.ones(3))
+        else:
+            c.allgatherv(np.ones(3))
+    assert info.value.ranks == [last]
+    for _ in range(2):      # the communicator goes on, its rounds aligned
+        np.testing.assert_array_equal(c.allreduce(np.ones(2)), np.full(2, c.size))
+    c.close()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_check_mode_reports_a_peers_bad_input_on_every_rank():
     """Named once, whichever the operation: allgatherv's agreement (made before its counts travel)
     said every rank rejected it, rank 1's reason nested in each."""

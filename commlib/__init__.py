@@ -184,9 +184,11 @@ def init(backend: str | None = None, comm: Any = None, **settings: Any) -> Commu
         raise CommlibError("commlib.init() in a process that multiprocessing started from an MPI rank "
                            "(a DataLoader worker, a Pool): only the rank's own process communicates; "
                            "call commlib.init() under `if __name__ == '__main__':`")
-    if _world is not None and backend is None and comm is None and not settings and not _world.closed:
-        return _world
     from mpi4py import MPI
+
+    if (_world is not None and backend is None and comm is None and not settings and not _world.closed
+            and not MPI.Is_finalized()):        # (finalized: refused below, as a new world is)
+        return _world
 
     from .communicator import Communicator
 

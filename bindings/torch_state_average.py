@@ -15,6 +15,23 @@ import torch
 
 from .torch_comm import dtype_name
 
+#: the largest fused all-reduce of optimizer state (a temporary of this size at most)
+_FUSED_BYTES = 64 << 20
+
+
+def _chunks(tensors: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
+    """``tensors`` in order, cut into runs of at most ``cap`` bytes (a larger tensor alone)."""
+    runs: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if runs[-1] and size + nbytes > cap:
+            runs.append([])
+            size = 0
+        runs[-1].append(t)
+        size += nbytes
+    return [r for r in runs if r]
+
 
 class AveragedState:
     """:meth:`_average_optimizer_state` over the wrapped optimizer's state (see module docs).
@@ -48,6 +65,7 @@ class AveragedState:
                                          f"shape or dtype across ranks: {union[(i, k)]} and {(shape, dt)}")
             layout = sorted((i, k, *v) for (i, k), v in union.items())
         scalars = []        # real 0-dim tensors (a step count per parameter): one all-reduce for all
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for i, k, shape, dt in layout:
             entry = st[self._params[i]]
             t = entry.get(k)
@@ -56,9 +74,18 @@ class AveragedState:
             if t.is_floating_point() and t.dim() == 0:
                 scalars.append(t)
             elif t.is_floating_point() or t.is_complex():
-                self.comm.allreduce(t, "avg", out=t, tag="optstate")
+                groups.setdefault((t.dtype, t.device), []).append(t)
             elif dt.startswith("int"):
                 self.comm.allreduce(t, "max", out=t, tag="optstate")
+        for tensors in groups.values():     # fused: one all-reduce per 64 MiB of a dtype, not per tensor
+            for chunk in _chunks(tensors, _FUSED_BYTES):
+                if len(chunk) == 1 and chunk[0].is_contiguous():
+                    self.comm.allreduce(chunk[0], "avg", out=chunk[0], tag="optstate")
+                    continue
+                flat = torch.cat([t.reshape(-1) for t in chunk])
+                self.comm.allreduce(flat, "avg", out=flat, tag="optstate")
+                for t, part in zip(chunk, flat.split([t.numel() for t in chunk])):
+                    t.copy_(part.view(t.shape))
         if scalars:
             values = torch.stack([t.to("cpu", torch.float64) for t in scalars])
             self.comm.allreduce(values, "avg", out=values, tag="optstate")

@@ -20,7 +20,9 @@ Two aggregation modes:
 * ``mode="params"`` (the paper's preferred mode): every step is a local
   update; on a sync step the parameter buffers are averaged *after* the
   update (unlike the prototype, which averaged before it and left replicas a
-  step apart), so replicas are identical after every sync step.  The
+  step apart), and with them the optimizers' states (``sync_optimizer_state``,
+  on by default in this mode; the prototype never averaged momentum), so
+  replicas are identical after every sync step.  The
   averaging runs in the background and a bucket is waited for in
   ``before_forward(b)`` (as DeAR's all-gathers), or in ``flush()`` / the next
   ``before_update()``.  With a sharded inner strategy (DeAR) the average
@@ -61,7 +63,7 @@ What a binding calls (the usual lifecycle; nothing extra is required):
    consensus, and in grads mode on a sync step averages the gradients), then
    the optimizer's update on the full ``params``, then ``after_update()`` (in
    params mode on a sync step: launches the parameter averaging);
-4. optimizer state in params mode (``sync_optimizer_state=True``): either register flat buffers
+4. optimizer state in params mode (``sync_optimizer_state``, on there by default): register flat buffers
    once with :meth:`register_state_buffers` (averaged together with the parameters), or, after
    ``after_update()``, check :attr:`synced` and average the optimizer's tensors (e.g. momentum)
    with ``comm.allreduce(t, "avg", out=t)`` in the binding;
@@ -111,7 +113,12 @@ class SelSync(Strategy):
     sync (default ``window``).  ``mode``: ``"params"`` or ``"grads"``.
     ``sync_optimizer_state``: average the buffers registered with
     :meth:`register_state_buffers` whenever parameters are averaged, and ask
-    the binding to average its optimizer's state (:meth:`syncs_optimizer_state`).
+    the binding to average its optimizer's state (:meth:`syncs_optimizer_state`);
+    default (``None``): on in params mode, where each rank's momentum follows its
+    own gradients on every step (the prototype never averaged it: replicas equal in
+    their parameters went on with different momentum), off in grads mode, whose
+    sync steps average the state only after local steps (``False`` in params mode: each
+    rank keeps its own, and a sync step sends the parameters alone).
     ``overlap``: let the parameter average of a sync step overlap the next
     forward (waited for in ``before_forward``).  ``average_on_flush``:
     ``flush()`` averages drifted replicas.  ``trace_len``: steps of the
@@ -145,7 +152,7 @@ class SelSync(Strategy):
     measures_gradients = True      # decides on the local gradient's 2-norm (observe_norm)
 
     def __init__(self, inner: Strategy | None = None, delta: float = 0.3, window: int = 25,
-                 mode: str = "params", sync_optimizer_state: bool = False, warmup: int | None = None,
+                 mode: str = "params", sync_optimizer_state: bool | None = None, warmup: int | None = None,
                  overlap: bool = True, average_on_flush: bool = True, trace_len: int = 100_000):
         super().__init__()
         if inner is None:
@@ -172,7 +179,10 @@ class SelSync(Strategy):
         self.mode = mode
         self.meter = SignificanceMeter(window)
         self.warmup = self.meter.window if warmup is None else warmup
-        self.sync_optimizer_state = check_bool(where, "sync_optimizer_state", sync_optimizer_state)
+        # params mode: every step is a local update, so the optimizers' states (momentum) differ
+        # on every sync step (the prototype never averaged them); grads mode: only after drift
+        self.sync_optimizer_state = (mode == "params" if sync_optimizer_state is None else
+                                     check_bool(where, "sync_optimizer_state", sync_optimizer_state))
         self.overlap = check_bool(where, "overlap", overlap)
         self.average_on_flush = check_bool(where, "average_on_flush", average_on_flush)
         self.trace_len = check_int(where, "trace_len", trace_len, 0)

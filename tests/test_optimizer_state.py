@@ -39,13 +39,16 @@ if HAVE_TORCH:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("sync_state", [True, False])
+@pytest.mark.parametrize("sync_state", [True, False, None])
 def test_selsync_sync_optimizer_state_averages_momentum(comm, sync_state):
     """SelSync in parameter mode asks the binding (``syncs_optimizer_state()``) to average the
-    optimizer's state on synced steps: every rank then holds the single-process momentum.
-    Without it, parameters still match (SGD is linear) but each rank keeps its own momentum."""
+    optimizer's state on synced steps, by default (``None``; it kept each rank's own, the
+    prototype's flaw): every rank then holds the single-process momentum.  With ``False``,
+    parameters still match (SGD is linear) but each rank keeps its own momentum."""
     strategy = SelSync(inner=AllReduce(cap_mb=0.0003), delta=0.0, mode="params",
                        sync_optimizer_state=sync_state)
+    assert strategy.sync_optimizer_state is (sync_state is not False)
+    assert SelSync(mode="grads").sync_optimizer_state is False    # grads mode: after drift only
     model, opt = distributed(comm, "sgd", strategy, STEPS)
     with opt.flush():
         ref, ref_opt = reference("sgd", comm.size, STEPS)
@@ -56,7 +59,7 @@ def test_selsync_sync_optimizer_state_averages_momentum(comm, sync_state):
             continue
         mine = opt.state[p]["momentum_buffer"].numpy()
         table = comm.allgather(mine)
-        if sync_state:
+        if sync_state is not False:
             np.testing.assert_allclose(mine, ref_opt.state[q]["momentum_buffer"].numpy(),
                                        rtol=2e-5, atol=2e-6, err_msg=name)
             assert all(np.array_equal(t, table[0]) for t in table), name

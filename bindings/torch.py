@@ -471,8 +471,6 @@ class DistributedOptimizer(TrainingLoop, Joining, GradientClipping, Consolidated
         self._running_stats.sync(self._stats_root())     # before DeAR's all-gathers: none in flight
         self._updates[0] = 1
         self._after_update()
-        if self.strategy.syncs_optimizer_state():
-            self._average_optimizer_state()     # SelSync: momentum agrees with the averaged parameters
         self._post_step_hooks(args, kwargs)
         self._end_step()
         now = time.perf_counter()

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import operator
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -95,6 +95,7 @@ class TrainingLoop:
     _planned_cap: int
     _loss_scale: LossScale
     _outside: OutsideParameters
+    _average_optimizer_state: Callable[[], None]       # AveragedState's (torch_state_average)
 
     def _init_loop(self) -> None:
         self._zero_to_none = True       # the last zero_grad's set_to_none (see replan)
@@ -194,6 +195,8 @@ class TrainingLoop:
         self.strategy.after_update()
         if self.strategy.writes_in_flight():
             self._in_flight.mark()
+        if self.strategy.syncs_optimizer_state():   # SelSync: momentum agrees with the averaged
+            self._average_optimizer_state()         # parameters (a skipped step's too: every rank calls)
 
     def _complete(self) -> None:
         """Wait for the communication in flight and start none (safe from a module hook)."""

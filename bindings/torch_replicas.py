@@ -97,7 +97,8 @@ class ReplicaLoads:
                                + " and ".join(kinds) + ", so this reduction paired gradients of different "
                                "steps; make the same backward() and step() calls on every rank (uneven "
                                "data: opt.join())")
-        if updated and skipped and not self.strategy.updates_parameters:
+        parted = updated and skipped and not self.strategy.replicas_parted()     # (SelSync: averaged later)
+        if parted and not self.strategy.updates_parameters:
             self._loads = [0, 0]
             raise RuntimeError("DistributedOptimizer: at the last step some ranks updated and others "
                                "skipped step() (zero_grad() after backward() without step()): the replicas "

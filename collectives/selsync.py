@@ -455,6 +455,13 @@ class SelSync(Strategy):
         self._finite, self._overflow = True, False
         self._carry, self._carried = (), None
 
+    def replicas_parted(self) -> bool:
+        """A rank skipped ``step()`` where others updated (its GradScaler alone saw an inf it wrote
+        into ``.grad`` after backward): the replicas and optimizers count as drifted, so that a
+        later synchronized step averages them (grads mode; in params mode every one does)."""
+        self._drift = self._state_drift = True
+        return True
+
     def carry(self, words: Sequence[int]) -> None:
         """The binding's words ride on this step's flag all-reduce (a host flag; none is made in
         warm-up, where the step synchronizes and the binding agrees on them itself)."""

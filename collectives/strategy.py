@@ -355,6 +355,13 @@ class Strategy:
         synchronized); never for a strategy whose replicas stay equal."""
         return False
 
+    def replicas_parted(self) -> bool:
+        """The step's agreement found that some ranks updated and others skipped ``step()`` since
+        the last one (the binding's words): True where this strategy brings the replicas together
+        again itself (SelSync: at a later synchronized step, as after local steps); False, the
+        default, where the binding raises on every rank (the replicas would stay apart)."""
+        return False
+
     def gradients_are_local(self) -> bool:
         """After :meth:`before_update`: whether the update about to run reads this rank's own
         gradient (SelSync's local steps and parameter mode, Sync-Switch's ASP/SSP) rather than

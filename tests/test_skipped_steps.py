@@ -143,6 +143,37 @@ def test_a_step_skipped_on_one_rank_alone_raises_on_every_rank(comm, strategy):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", ["grads", "params"])
+def test_a_step_skipped_on_one_rank_under_selsync_is_averaged_away(comm, mode):
+    """SelSync (delta 0: every step synchronizes), rank 0 skips a step alone while the others
+    update: in grads mode the replicas stayed apart for good, silently (its sync steps average
+    the gradients, and the parameters only after local steps). The skip counts as drift now: the
+    next step's agreement carries it and that step averages the parameters (and the momentum),
+    so every replica is equal again after it; params mode averaged them anyway."""
+    from commlib.collectives import SelSync
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3).double()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
+                               strategy=SelSync(delta=0.0, window=2, warmup=2, mode=mode), comm=comm)
+    for step in range(6):
+        x, y = batch_with_an_inf(comm, step, False, True)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if not (step == 3 and comm.rank == 0):
+            opt.step()
+        if step >= 4:       # step 4's agreement carried the skip: its update re-aligned them
+            with opt.flush():
+                flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+                momentum = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1)
+                                      for p in model.parameters()]).numpy()
+            for mine in (flat, momentum):
+                table = comm.allgather(mine.copy())
+                assert all(np.array_equal(t, table[0]) for t in table), (step, table)
+    opt.close()
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("strategy", ["allreduce", "dear"])
 @pytest.mark.parametrize("passes", [1, 2])
 @pytest.mark.parametrize("where", ["mid", "out"])

@@ -10,7 +10,10 @@ child process of one rank (``MPI.COMM_SELF``, 16 float32) under
 (``--toggle-collect`` on the C function that drives it:
 ``deque(starmap(call, repeat((), N)), maxlen=0)``), on the calling thread,
 with ``PYTHONHASHSEED=0``.  The loop's own cost (calling the C builtin ``int``)
-is subtracted.  Two runs of the same tree give the same figures, or within
+is subtracted, and so is what a run of 0 calls counts (imports that call the
+same C function: torch's, once, 140M instructions).  The ``allreduce torch``
+row runs commlib's call on CPU torch tensors against mpi4py's on numpy.
+Two runs of the same tree give the same figures, or within
 0.1 % (a few tens of instructions: addresses differ between processes); a
 change that removes work shows up as fewer instructions whatever the
 machine's mood.
@@ -43,6 +46,8 @@ OPS: dict[str, tuple[str, str]] = {
     "iallreduce+wait": ("raw.Iallreduce(x, y).Wait()", "c.iallreduce(x, out=y).wait()"),
     "broadcast": ("raw.Bcast(y, 0)", "c.broadcast(y, 0)"),
     "barrier": ("raw.Barrier()", "c.barrier()"),
+    # a CPU torch tensor against mpi4py on numpy: what the tensor's path adds (its numpy alias)
+    "allreduce torch": ("raw.Allreduce(x, y)", "c.allreduce(tx, out=ty)"),
 }
 #: the loop's own cost: a C builtin called with no arguments
 NOOP = "int()"
@@ -72,8 +77,13 @@ def child(call: str, calls: int) -> None:
     y = np.empty_like(x)
     raw = MPI.COMM_SELF.Dup()
     c = commlib.init(comm=MPI.COMM_SELF)
+    names = {"raw": raw, "c": c, "x": x, "y": y}
+    if "tx" in call:
+        import torch
+
+        names.update(tx=torch.ones(16), ty=torch.empty(16))
     # a contender's call, a lambda (the baseline, above, is the builtin itself: no lambda frame)
-    fn: Callable[[], Any] = eval(f"lambda: {call}", {"raw": raw, "c": c, "x": x, "y": y})  # noqa: S307
+    fn: Callable[[], Any] = eval(f"lambda: {call}", names)  # noqa: S307
     for _ in range(200):        # warm: caches, the allocator, commlib's first-call paths
         fn()
     collections.deque(itertools.starmap(fn, itertools.repeat((), calls)), maxlen=0)
@@ -82,7 +92,9 @@ def child(call: str, calls: int) -> None:
 
 
 def count(call: str, calls: int, valgrind: str) -> int:
-    """Instructions valgrind counted inside the measured loop of ``call`` (all ``calls`` calls).
+    """Instructions valgrind counted inside the measured loop of ``call`` (all ``calls`` calls),
+    and wherever else the child's thread ran the loop's C function (an import's
+    ``deque(iterable)``): :func:`measure` takes off the count of a run of 0 calls.
 
     Example:
         >>> count("c.allreduce(x, out=y)", 1000, "valgrind")   # doctest: +SKIP
@@ -110,14 +122,18 @@ def measure(ops: list[str], calls: int, valgrind: str) -> dict[str, Any]:
         >>> measure(["allreduce"], 500, "valgrind")["rows"][0]["op"]   # doctest: +SKIP
         'allreduce'
     """
-    jobs = [NOOP] + [src for op in ops for src in OPS[op]]
+    sources = list(dict.fromkeys([NOOP] + [src for op in ops for src in OPS[op]]))
+    # each source also with an empty loop: what the child collects outside the calls (an import's
+    # own deque(iterable), as torch's, toggles collection on; 140M instructions, once) is taken off
+    jobs = [(src, n) for src in sources for n in (calls, 0)]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        totals = dict(zip(jobs, pool.map(lambda src: count(src, calls, valgrind), jobs)))
-    loop = totals[NOOP] / calls
+        counted = dict(zip(jobs, pool.map(lambda job: count(job[0], job[1], valgrind), jobs)))
+    per_call = {src: (counted[src, calls] - counted[src, 0]) / calls for src in sources}
+    loop = per_call[NOOP]
     rows = []
     for op in ops:
         raw_src, ours_src = OPS[op]
-        raw, ours = totals[raw_src] / calls - loop, totals[ours_src] / calls - loop
+        raw, ours = per_call[raw_src] - loop, per_call[ours_src] - loop
         rows.append({"op": op, "mpi4py": raw, "commlib": ours, "overhead": ours - raw,
                      "ratio": ours / raw, "mpi4py_call": raw_src, "commlib_call": ours_src})
     return {"calls": calls, "loop_instructions": loop, "rows": rows}
@@ -149,12 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     """
     p = bc.base_parser("Instructions per call (valgrind): commlib against raw mpi4py, one rank.")
     p.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS))
-    p.add_argument("--calls", type=bc.positive_int, default=5000, help="calls in each measured loop (5000)")
+    p.add_argument("--calls", type=bc.non_negative_int, default=5000,
+                   help="calls in each measured loop (5000)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = bc.parse_quick(p, argv, ops=["allreduce"], calls=500)   # given options win over --quick
-    if args.child:
+    if args.child:      # 0 calls: the child's count outside its calls
         child(args.child, args.calls)
         return 0
+    if args.calls == 0:
+        p.error("--calls must be at least 1")
     valgrind = shutil.which("valgrind")
     if valgrind is None:
         print("instructions: valgrind is not on PATH (Debian: apt install valgrind); no figures",

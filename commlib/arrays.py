@@ -233,13 +233,12 @@ _JAX_ARRAYS: set[type] = set()
 def _plain_cpu_tensor(t: Any, tensor_type: type) -> Any:
     """numpy's alias of ``t`` when it is a plain (not a subclass), contiguous, stored-as-read CPU
     tensor of a dtype the host path takes (bfloat16 excluded, as in :func:`host_pair`); else None."""
-    if (type(t) is not tensor_type or not t.is_cpu or t.dtype not in _TORCH_HOST
-            or not t.is_contiguous() or t.is_neg() or t.is_conj()):
+    if type(t) is not tensor_type or not t.is_cpu or t.dtype not in _TORCH_HOST or not t.is_contiguous():
         return None
     try:
         return (t.detach() if t.requires_grad else t).numpy()
-    except RuntimeError:        # no storage to alias (a functorch tensor): the general path says why
-        return None
+    except RuntimeError:        # a lazy conj or neg bit (numpy() refuses them: asking first cost 0.5 us
+        return None             # a call), or no storage to alias (functorch): the general path
 
 
 def host_alias(x: Any, out: Any) -> tuple[np.ndarray, np.ndarray | None, Callable[[np.ndarray], Any]] | None:
@@ -267,13 +266,14 @@ def host_alias(x: Any, out: Any) -> tuple[np.ndarray, np.ndarray | None, Callabl
         if xn is not None:
             if out is None:
                 return xn, None, torch.from_numpy
+            bump = torch.autograd.graph.increment_version     # mark_written's, for a known tensor
             if out is x:            # in place: one alias, which the backend knows as in place at once
-                mark_written(x)
+                bump(x)
                 return xn, xn, torch.from_numpy
             on = _plain_cpu_tensor(out, tensor)
             if on is None or out.dtype is not x.dtype:
                 return None
-            mark_written(out)
+            bump(out)
             return xn, on, torch.from_numpy
     if out is None and type(x) in _JAX_ARRAYS and not x.is_deleted():   # deleted: the general path says so
         devices = x.devices()

@@ -29,6 +29,7 @@ benchmark says so and exits 0 with no figures, so ``make bench`` goes on.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
@@ -49,6 +50,8 @@ OPS: dict[str, tuple[str, str]] = {
     # a CPU torch tensor against mpi4py on numpy: what the tensor's path adds (its numpy alias)
     "allreduce torch": ("raw.Allreduce(x, y)", "c.allreduce(tx, out=ty)"),
 }
+#: the row that needs torch (left out, saying so, where it is not installed)
+TORCH_OP = "allreduce torch"
 #: the loop's own cost: a C builtin called with no arguments
 NOOP = "int()"
 _TOGGLE = "deque_extend"     # CPython's C function behind deque(iterable): the measured loop
@@ -182,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     from mpi4py import MPI
 
     ops, calls = args.ops, args.calls
+    if importlib.util.find_spec("torch") is None and TORCH_OP in ops:
+        print(f"instructions: torch is not installed; no {TORCH_OP!r} row", file=sys.stderr)
+        ops = [op for op in ops if op != TORCH_OP]
     doc = {"benchmark": "instructions", "environment": bc.environment(MPI.COMM_SELF),
            "valgrind": subprocess.run([valgrind, "--version"], capture_output=True, text=True,
                                       check=False).stdout.strip(),

@@ -165,6 +165,18 @@ def test_instructions_quick_keeps_given_ops_and_calls(monkeypatch):
     assert instructions.main(["--quick", "--calls", "100", "--ops", "barrier"]) == 0
     assert instructions.main(["--quick"]) == 0
     assert seen == [(["barrier"], 100), (["allreduce"], 500)]
+    real = instructions.importlib.util.find_spec
+    monkeypatch.setattr(instructions.importlib.util, "find_spec",
+                        lambda name: None if name == "torch" else real(name))
+    assert instructions.main(["--ops", "allreduce", instructions.TORCH_OP]) == 0    # no torch: no row
+    assert seen[-1] == (["allreduce"], 5000)
+
+
+def test_instructions_calls_must_be_positive(capsys):
+    """``--calls 0`` is the child's own count outside its calls, not a measurement."""
+    with pytest.raises(SystemExit) as exc:
+        instructions.main(["--calls", "0"])
+    assert exc.value.code == 2 and "--calls must be at least 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name, option", [

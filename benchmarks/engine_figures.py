@@ -17,7 +17,7 @@
   busy-wait is counted) and, where a rank has one core or less, the floor
   this sets: both together need ``t_matmul + cpu_allreduce`` of the rank's
   core, so the larger slowdown is at least
-  ``(t_matmul + cpu_allreduce) / max(t_matmul, t_allreduce) - 1``.
+  ``(t_matmul + cpu_allreduce) / max(t_matmul, t_allreduce) - 1`` (or 0).
 
 Both run inside ``python -m benchmarks.collectives`` (``--no-engine-figures`` skips them).
 
@@ -117,6 +117,18 @@ def _cpu_needed(comm: Any, x: Any) -> float:
     return (t1.ru_utime - t0.ru_utime) + (t1.ru_stime - t0.ru_stime)
 
 
+def floor_larger_slowdown(t_matmul: float, t_allreduce: float, cpu_allreduce: float) -> float:
+    """The least the larger of the two slowdowns can be where both share one core: together they
+    need ``t_matmul + cpu_allreduce`` of it, against the longer one alone; never below 0 (a loop
+    that came out much shorter than the all-reduce, on a noisy machine, gave -66 %).
+
+    Example:
+        >>> floor_larger_slowdown(1.0, 1.0, 0.25), floor_larger_slowdown(0.2, 1.0, 0.1)
+        (0.25, 0.0)
+    """
+    return max(0.0, (t_matmul + cpu_allreduce) / max(t_matmul, t_allreduce) - 1)
+
+
 def overlap(world: Any, nbytes: int = 16 << 20, rounds: int = 5) -> dict[str, float] | None:
     """Slowdowns of an ``iallreduce`` and a matmul loop run together, on ranks 0 and 1
     (collective over ``world``; rank 0's figures, else None; None on one rank)."""
@@ -163,7 +175,7 @@ def overlap(world: Any, nbytes: int = 16 << 20, rounds: int = 5) -> dict[str, fl
         host = socket.gethostname()
         cores = (os.cpu_count() or 1) / pair.allgather(host).count(host)   # of the two ranks
         out.update(allreduce_cpu_s=cpu, cores_per_rank=cores,
-                   floor_larger_slowdown=(t_mm + cpu) / max(t_mm, t_ar) - 1 if cores <= 1 else None)
+                   floor_larger_slowdown=floor_larger_slowdown(t_mm, t_ar, cpu) if cores <= 1 else None)
         c.close()
         pair.Free()
         if world.rank != 0:

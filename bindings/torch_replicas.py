@@ -97,8 +97,7 @@ class ReplicaLoads:
                                + " and ".join(kinds) + ", so this reduction paired gradients of different "
                                "steps; make the same backward() and step() calls on every rank (uneven "
                                "data: opt.join())")
-        parted = updated and skipped and not self.strategy.replicas_parted()     # (SelSync: averaged later)
-        if parted and not self.strategy.updates_parameters:
+        if updated and skipped and not self.strategy.replicas_parted():      # (SelSync: averaged later)
             self._loads = [0, 0]
             raise RuntimeError("DistributedOptimizer: at the last step some ranks updated and others "
                                "skipped step() (zero_grad() after backward() without step()): the replicas "

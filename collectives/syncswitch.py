@@ -162,6 +162,7 @@ class SyncSwitch(Strategy):
         self.phase = "bsp"
         self.lr_scale = 1.0
         self.momentum_scale = 1.0
+        self._bsp_throughout = False            # the last step ran in BSP and ended there (no switch)
         self.stores: list[ParamStore] = []      # made at the first switch out of BSP (_open_stores)
         self._live = False                       # set up and not closed: a load re-enters its phase
         self.switches: list[dict[str, Any]] = []
@@ -327,7 +328,8 @@ class SyncSwitch(Strategy):
         return self._progress_base + float(self.stores[0].clocks().sum()) / self.comm.size
 
     def _end_step(self) -> None:
-        if self.phase == "bsp":
+        was_bsp = self.phase == "bsp"
+        if was_bsp:
             self.stats["bsp_steps"] += 1
             self._progress_base += 1.0
         step = self.steps
@@ -340,7 +342,15 @@ class SyncSwitch(Strategy):
         self.momentum_scale = self.policy.momentum_scale(self.steps)
         if new != self.phase:
             self._switch(new)
+        self._bsp_throughout = was_bsp and self.phase == "bsp"
         self._compute_start = time.perf_counter()
+
+    def replicas_parted(self) -> bool:
+        """Some ranks skipped ``step()`` where others updated: in a step that ran in BSP and stayed
+        there, the replicas now differ for the rest of the phase (False: the binding raises, as under
+        AllReduce); in an asynchronous step they differ by design, and a switch back to BSP makes
+        them one (True)."""
+        return not self._bsp_throughout
 
     # ------------------------------------------------------------------ switching
     def _switch(self, new: str, restoring: bool = False) -> None:

@@ -119,12 +119,13 @@ def test_add_param_group_after_a_step_grad_scaler_skipped(comm, strategy):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("strategy", ["allreduce", "dear", "sparse-dense"])
+@pytest.mark.parametrize("strategy", ["allreduce", "dear", "sparse-dense", "syncswitch-bsp",
+                                      "syncswitch-dear"])
 def test_a_step_skipped_on_one_rank_alone_raises_on_every_rank(comm, strategy):
     """Rank 0 decides alone to skip a step (zero_grad() after backward(), no step()) while the others
     update: the replicas differed silently (DeAR: equal on every rank and wrong, rank 0's shard
-    not updated, then gathered everywhere). The next backward raises the same error on every
-    rank; a skip every rank makes alike goes on."""
+    not updated, then gathered everywhere; Sync-Switch's BSP phase: apart until a switch). The next
+    backward raises the same error on every rank; a skip every rank makes alike goes on."""
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 3).double()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,

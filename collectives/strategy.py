@@ -33,6 +33,10 @@ answers for a strategy that needs nothing from the optimizer):
   read now are current;
 - ``syncs_optimizer_state()``: after ``after_update()``, whether to average
   the optimizer's state over the ranks now (False; SelSync's synced steps);
+- ``replicas_parted()``: the step's agreement found that some ranks skipped
+  ``step()`` where others updated; whether the strategy brings the replicas
+  together again itself (False: the binding raises on every rank; SelSync
+  counts it as drift, Sync-Switch outside a step that stayed in BSP);
 - ``gradients_are_local()``: after ``before_update()``, whether the update
   reads this rank's own gradient (False; SelSync's local steps, Sync-Switch's
   ASP), so that the binding agrees with no other rank on what it leaves out

@@ -41,6 +41,8 @@ from typing import Any
 
 from benchmarks import _common as bc
 
+#: the row that needs torch (left out, saying so, where it is not installed)
+TORCH_OP = "allreduce torch"
 #: operation -> (raw mpi4py call, commlib call), as source run by the child
 OPS: dict[str, tuple[str, str]] = {
     "allreduce": ("raw.Allreduce(x, y)", "c.allreduce(x, out=y)"),
@@ -48,10 +50,8 @@ OPS: dict[str, tuple[str, str]] = {
     "broadcast": ("raw.Bcast(y, 0)", "c.broadcast(y, 0)"),
     "barrier": ("raw.Barrier()", "c.barrier()"),
     # a CPU torch tensor against mpi4py on numpy: what the tensor's path adds (its numpy alias)
-    "allreduce torch": ("raw.Allreduce(x, y)", "c.allreduce(tx, out=ty)"),
+    TORCH_OP: ("raw.Allreduce(x, y)", "c.allreduce(tx, out=ty)"),
 }
-#: the row that needs torch (left out, saying so, where it is not installed)
-TORCH_OP = "allreduce torch"
 #: the loop's own cost: a C builtin called with no arguments
 NOOP = "int()"
 _TOGGLE = "deque_extend"     # CPython's C function behind deque(iterable): the measured loop

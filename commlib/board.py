@@ -70,7 +70,6 @@ class PeerState:
         return f"rank {self.rank} {_STATE_NAMES.get(self.state, '?')} {self.op} #{self.seq}"
 
 
-
 def _running(pid: int) -> bool:
     """Whether process ``pid`` runs: it exists (signal 0: nothing is sent) and, where ``/proc`` tells,
     it is not a zombie (ended, not yet reaped by its launcher)."""
@@ -86,6 +85,7 @@ def _running(pid: int) -> bool:
     except (OSError, IndexError):
         return True
     return state not in (b"Z", b"X")
+
 
 class Board:
     """Node-local shared-memory slots of a communicator's ranks.
